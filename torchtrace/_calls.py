@@ -1,0 +1,59 @@
+"""The record stream: one resolved ``ModuleCall`` per traced module call.
+
+The hot path (``_hooks``) leaves raw entries in a buffer; ``_dispatch`` resolves each finished forward into
+``ModuleCall`` objects (ids assigned, timestamps on the epoch clock, statistics turned into attributes) and hands
+the batch to every sink: span builder, OTLP encoder, in-memory records, summary, metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+AttributeValue = Union[str, bool, int, float, Sequence[str], Sequence[bool], Sequence[int], Sequence[float]]
+
+STATUS_UNSET = 0
+STATUS_OK = 1
+STATUS_ERROR = 2
+
+
+@dataclass(slots=True, eq=False)
+class ModuleCall:
+    """One finished call of one module: what a span and a record are made of."""
+
+    path: str  # module path inside the instrumented model ("" is shown as the model's class name)
+    type_name: str  # e.g. "torch.nn.modules.linear.Linear" shortened to "Linear"
+    depth: int  # 0 for the outermost traced call of a forward
+    trace_id: int  # 128-bit
+    span_id: int  # 64-bit, never 0
+    parent_span_id: int  # 64-bit; 0 only for a root with no parent context
+    start_ns: int  # epoch nanoseconds (time.time_ns clock)
+    end_ns: int
+    attributes: dict[str, AttributeValue] = field(default_factory=dict)
+    error: BaseException | None = None  # the exception the call raised, if it did
+    thread_id: int = 0
+    parent_is_remote: bool = False  # the parent is the caller's OTel span, not one of ours
+    trace_flags: int = 1  # W3C flags of the trace (sampled bit set)
+    trace_state: Any = None  # opentelemetry.trace.TraceState of the parent context, if any
+    output_value: Any = None  # result of the user's function_on_output, if given
+    input_value: Any = None  # result of the user's function_on_input, if given
+    tensors: dict[str, Any] | None = None  # opt-in captured tensors (see capture_tensors)
+    module_attributes: dict[str, Any] | None = None  # values of the module_attributes option after the call
+
+    @property
+    def name(self) -> str:
+        """Span name: the module path (bounded by the model's size)."""
+        return self.path or self.type_name
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def status_code(self) -> int:
+        return STATUS_ERROR if self.error is not None else STATUS_UNSET
+
+
+# A sink receives each batch of finished calls, in start order per forward, off the hot path.
+Sink = Callable[[Sequence[ModuleCall]], None]

@@ -1,0 +1,231 @@
+"""Options of ``torchtrace.instrument``: keyword argument, else ``TORCHTRACE_*`` environment variable, else default.
+
+Every environment variable is a constant here, documented once. Invalid values raise at ``instrument()`` time,
+never inside a hook.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchtrace._stats import STAT_NAMES, StatFunction
+
+ENV_EXPORTER = "TORCHTRACE_EXPORTER"  # auto | otlp | sdk | file | none
+ENV_TRACE_FILE = "TORCHTRACE_TRACE_FILE"  # path of the OTLP JSON file written by the "file" exporter
+ENV_INCLUDE = "TORCHTRACE_INCLUDE"  # comma-separated globs over module paths
+ENV_EXCLUDE = "TORCHTRACE_EXCLUDE"  # comma-separated globs over module paths
+ENV_TYPES = "TORCHTRACE_TYPES"  # comma-separated dotted class names, e.g. torch.nn.Linear
+ENV_MAX_DEPTH = "TORCHTRACE_MAX_DEPTH"  # deepest module path traced; 0 is the model itself
+ENV_STATS = "TORCHTRACE_STATS"  # comma-separated statistic names, "all" or "none"
+ENV_INPUTS = "TORCHTRACE_INPUTS"  # true: also summarise module inputs
+ENV_SAMPLE_EVERY = "TORCHTRACE_SAMPLE_EVERY"  # trace every Nth outermost forward
+ENV_SAMPLE_RATIO = "TORCHTRACE_SAMPLE_RATIO"  # trace this fraction of outermost forwards
+ENV_MAX_RECORDS = "TORCHTRACE_MAX_RECORDS"  # in-memory records kept (oldest dropped first)
+ENV_MAX_TENSORS = "TORCHTRACE_MAX_TENSORS"  # tensors summarised per module output (and per input)
+ENV_EXPORT_INTERVAL = "TORCHTRACE_EXPORT_INTERVAL_MS"  # how often the background worker drains the buffer
+ENV_MAX_PENDING = "TORCHTRACE_MAX_PENDING_CALLS"  # calls buffered before whole forwards are dropped (counted)
+
+EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
+DEFAULT_TRACE_FILE = os.path.join("torchtrace-traces", "traces.jsonl")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The effective configuration of one ``instrument()`` call."""
+
+    exporter: str = "auto"
+    tracer_provider: Any = None
+    trace_file: str = DEFAULT_TRACE_FILE
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    types: tuple[type, ...] = ()
+    max_depth: int | None = None
+    stats: tuple[str, ...] = STAT_NAMES
+    extra_stats: Mapping[str, StatFunction] = field(default_factory=dict)
+    inputs: bool = False
+    max_tensors: int = 8
+    sample_every: int = 1
+    sample_ratio: float = 1.0
+    max_records: int = 10_000
+    function_on_output: Callable[[Any], Any] | None = None
+    function_on_input: Callable[[Any], Any] | None = None
+    module_attributes: tuple[str, ...] = ()
+    capture_tensors: bool = False
+    capture_max_bytes: int = 64 * 1024 * 1024
+    capture_compress: bool = False
+    export_interval_ms: int = 1000
+    max_pending_calls: int = 200_000
+    sinks: tuple[Callable, ...] = ()
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{name}={text!r}: expected true or false")
+
+
+def _parse_int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected an integer") from None
+
+
+def _parse_float(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a number") from None
+
+
+def _split(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _import_type(dotted: str) -> type:
+    module_name, _, attribute = dotted.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"{ENV_TYPES}: cannot import module type {dotted!r}") from None
+    if not isinstance(found, type):
+        raise ValueError(f"{ENV_TYPES}: {dotted!r} is not a class")
+    return found
+
+
+def _globs(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = _split(value) if "," in value else (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(item, str) for item in value):
+        raise TypeError(f"{name} must be a glob string or a sequence of glob strings, got {value!r}")
+    return tuple(value)
+
+
+def _types(value: Any) -> tuple[type, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, type):
+        value = (value,)
+    if not isinstance(value, (tuple, list)) or not all(isinstance(item, type) for item in value):
+        raise TypeError(f"types must be a module class or a tuple of module classes, got {value!r}")
+    for item in value:
+        if not issubclass(item, torch.nn.Module):
+            raise TypeError(f"types: {item.__name__} is not a torch.nn.Module subclass")
+    return tuple(value)
+
+
+def _stats(value: Any) -> tuple[str, ...]:
+    if value is True or value == "all":
+        return STAT_NAMES
+    if value is False or value is None or value == "none":
+        return ()
+    if isinstance(value, str):
+        value = _split(value)
+    if not isinstance(value, (tuple, list, set, frozenset)):
+        raise TypeError(f"stats must be True, False, 'all', 'none' or a sequence of names, got {value!r}")
+    unknown = [name for name in value if name not in STAT_NAMES]
+    if unknown:
+        raise ValueError(f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)} (add your own with extra_stats)")
+    return tuple(name for name in STAT_NAMES if name in value)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def resolve_options(**kwargs: Any) -> Options:
+    """Merges keyword arguments over environment variables over defaults, validating everything."""
+    unknown = set(kwargs) - {f.name for f in Options.__dataclass_fields__.values()}
+    if unknown:
+        raise TypeError(f"instrument() got unknown option(s): {', '.join(sorted(unknown))}")
+
+    def pick(name: str, env_name: str | None, parse: Callable[[str, str], Any] | None = None) -> Any:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+        text = _env(env_name) if env_name else None
+        if text is not None:
+            return parse(env_name, text) if parse else text
+        return Options.__dataclass_fields__[name].default
+
+    exporter = str(pick("exporter", ENV_EXPORTER)).lower()
+    _require(exporter in EXPORTERS, f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+    types_value = kwargs.get("types")
+    if types_value is None and _env(ENV_TYPES):
+        types_value = tuple(_import_type(name) for name in _split(_env(ENV_TYPES)))
+    max_depth = pick("max_depth", ENV_MAX_DEPTH, _parse_int)
+    _require(max_depth is None or (isinstance(max_depth, int) and max_depth >= 0), f"max_depth must be >= 0, got {max_depth!r}")
+    sample_every = pick("sample_every", ENV_SAMPLE_EVERY, _parse_int)
+    _require(isinstance(sample_every, int) and sample_every >= 1, f"sample_every must be an integer >= 1, got {sample_every!r}")
+    sample_ratio = pick("sample_ratio", ENV_SAMPLE_RATIO, _parse_float)
+    _require(
+        isinstance(sample_ratio, (int, float)) and 0.0 <= sample_ratio <= 1.0,
+        f"sample_ratio must be between 0 and 1, got {sample_ratio!r}",
+    )
+    extra_stats = dict(kwargs.get("extra_stats") or {})
+    for name, function in extra_stats.items():
+        _require(isinstance(name, str) and name.isidentifier(), f"extra_stats: {name!r} is not a valid statistic name")
+        if not callable(function):
+            raise TypeError(f"extra_stats[{name!r}] must be callable, got {function!r}")
+    for name in ("function_on_output", "function_on_input"):
+        if kwargs.get(name) is not None and not callable(kwargs[name]):
+            raise TypeError(f"{name} must be callable, got {kwargs[name]!r}")
+    module_attributes = kwargs.get("module_attributes") or ()
+    if isinstance(module_attributes, str):
+        module_attributes = (module_attributes,)
+    if not all(isinstance(name, str) for name in module_attributes):
+        raise TypeError(f"module_attributes must be attribute names, got {module_attributes!r}")
+    sinks = tuple(kwargs.get("sinks") or ())
+    for sink in sinks:
+        if not callable(sink):
+            raise TypeError(f"sinks must be callables taking a sequence of ModuleCall, got {sink!r}")
+
+    options = Options(
+        exporter=exporter,
+        tracer_provider=kwargs.get("tracer_provider"),
+        trace_file=str(pick("trace_file", ENV_TRACE_FILE)),
+        include=_globs("include", pick("include", ENV_INCLUDE)),
+        exclude=_globs("exclude", pick("exclude", ENV_EXCLUDE)),
+        types=_types(types_value),
+        max_depth=max_depth,
+        stats=_stats(pick("stats", ENV_STATS)),
+        extra_stats=extra_stats,
+        inputs=bool(pick("inputs", ENV_INPUTS, _parse_bool)),
+        max_tensors=pick("max_tensors", ENV_MAX_TENSORS, _parse_int),
+        sample_every=sample_every,
+        sample_ratio=float(sample_ratio),
+        max_records=pick("max_records", ENV_MAX_RECORDS, _parse_int),
+        function_on_output=kwargs.get("function_on_output"),
+        function_on_input=kwargs.get("function_on_input"),
+        module_attributes=tuple(module_attributes),
+        capture_tensors=bool(kwargs.get("capture_tensors", False)),
+        capture_max_bytes=int(kwargs.get("capture_max_bytes") or Options.capture_max_bytes),
+        capture_compress=bool(kwargs.get("capture_compress", False)),
+        export_interval_ms=pick("export_interval_ms", ENV_EXPORT_INTERVAL, _parse_int),
+        max_pending_calls=pick("max_pending_calls", ENV_MAX_PENDING, _parse_int),
+        sinks=sinks,
+    )
+    for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
+        value = getattr(options, name)
+        _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
+        raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
+    return options
+

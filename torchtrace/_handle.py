@@ -1,0 +1,210 @@
+"""``instrument(model)`` and the handle it returns: hooks in, records out, export wired up."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from opentelemetry import trace
+
+from torchtrace._buffer import RecordBuffer
+from torchtrace._calls import ModuleCall
+from torchtrace._config import Options, resolve_options
+from torchtrace._dispatch import Dispatcher
+from torchtrace._hooks import HookRecorder
+from torchtrace._records import RecordStore
+from torchtrace._selection import select_modules
+from torchtrace._span_builder import SdkSpanSink
+from torchtrace._stats import StatFunction
+from torchtrace._summary import SummarySink
+
+_logger = logging.getLogger(__name__)
+_instrumented: weakref.WeakKeyDictionary[torch.nn.Module, TraceHandle] = weakref.WeakKeyDictionary()
+_live_handles: weakref.WeakSet[TraceHandle] = weakref.WeakSet()
+
+
+class TraceHandle:
+    """Returned by :func:`instrument`. A context manager; ``remove()`` is idempotent and leaves no hook behind."""
+
+    def __init__(self, model: torch.nn.Module, options: Options) -> None:
+        self.options = options
+        selected = select_modules(model, options)
+        self.monitored_layers: list[str] = [info.path for _, info in selected]
+        modules = [info for _, info in selected]
+        self.buffer = RecordBuffer(options.max_pending_calls)
+        self._recorder = HookRecorder(modules, options, buffer=self.buffer)
+        self._records = RecordStore(options.max_records)
+        self._summary = SummarySink()
+        self.exporter, export_sinks, self._flushers = _export_sinks(options)
+        sinks = [*export_sinks, self._records, self._summary, *options.sinks]
+        self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
+        with_kwargs = options.inputs
+        self._hook_handles = []
+        for index, (module, _) in enumerate(selected):
+            pre = self._recorder.forward_pre_hook(index)
+            self._hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
+            post = self._recorder.forward_post_hook(index)
+            self._hook_handles.append(module.register_forward_hook(post, always_call=True))
+        self._model_ref = weakref.ref(model)
+        self._removed = False
+        _instrumented[model] = self
+        _live_handles.add(self)
+        self._dispatcher.start()
+
+    # -- verbs ------------------------------------------------------------------------------------------------------
+
+    def enable(self) -> None:
+        """Resume recording (from the next outermost forward)."""
+        self._recorder.enabled = True
+
+    def disable(self) -> None:
+        """Pause recording; hooks stay registered and cost one branch per call."""
+        self._recorder.enabled = False
+
+    @property
+    def enabled(self) -> bool:
+        return self._recorder.enabled
+
+    def flush(self, timeout_millis: int = 30_000) -> bool:
+        """Every call recorded so far reaches the sinks and exporters before this returns."""
+        self._dispatcher.drain()
+        ok = True
+        for flush in self._flushers:
+            try:
+                ok = flush(timeout_millis) is not False and ok
+            except Exception:
+                _logger.exception("torchtrace: flushing the exporter failed")
+                ok = False
+        return ok
+
+    def remove(self) -> None:
+        """Remove every hook, deliver what was recorded, stop the worker. Safe to call twice."""
+        if self._removed:
+            return
+        self._removed = True
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        self._dispatcher.stop()
+        self.flush()
+        for shutdown in self._shutdowns():
+            shutdown()
+        model = self._model_ref()
+        if model is not None and _instrumented.get(model) is self:
+            del _instrumented[model]
+        _live_handles.discard(self)
+
+    def __enter__(self) -> TraceHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+    # -- in-memory records (spikingjelly monitor style) ----------------------------------------------------------------
+
+    @property
+    def records(self) -> list[ModuleCall]:
+        """Every kept call, in call order (the latest ``max_records``)."""
+        self._dispatcher.drain()
+        return self._records.all()
+
+    def __getitem__(self, path: str) -> list[ModuleCall]:
+        """The kept calls of one module path, in call order."""
+        self._dispatcher.drain()
+        return self._records.for_path(path)
+
+    def clear_recorded_data(self) -> None:
+        self._dispatcher.drain()
+        self._records.clear()
+        self._summary.clear()
+        self._recorder.captured_bytes = 0
+
+    def summary(self, limit: int | None = None) -> str:
+        """Per-layer table: calls, total / mean / p95 time, share of the forward."""
+        self._dispatcher.drain()
+        return self._summary.table(limit)
+
+    def summary_rows(self):
+        self._dispatcher.drain()
+        return self._summary.rows()
+
+    @property
+    def dropped_calls(self) -> int:
+        """Calls lost because the buffer was full (export slower than the model); also logged."""
+        return self.buffer.dropped_calls
+
+    def _shutdowns(self) -> list[Callable[[], None]]:
+        return [sink.shutdown for sink in self._dispatcher.sinks if hasattr(sink, "shutdown")]
+
+
+def _export_sinks(options: Options) -> tuple[str, list, list]:
+    """Which exporter runs ("sdk", "otlp", "file" or "none"), its sinks and its flush functions."""
+    exporter = options.exporter
+    provider = options.tracer_provider
+    if exporter == "auto" and (provider is not None or hasattr(trace.get_tracer_provider(), "add_span_processor")):
+        exporter = "sdk"  # the user's (or opentelemetry-instrument's) SDK provider decides where spans go
+    if exporter == "sdk":
+        provider = provider or trace.get_tracer_provider()
+        flush = getattr(provider, "force_flush", None)
+        return exporter, [SdkSpanSink(provider)], [flush] if flush else []
+    if exporter == "none":
+        return exporter, [], []
+    from torchtrace import _exporters  # loads the OTLP exporters' gRPC/HTTP stacks only when they are used
+
+    if exporter == "auto":
+        exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
+    sink = _exporters.otlp_sink(options) if exporter == "otlp" else _exporters.file_sink(options)
+    return exporter, [sink], []
+
+
+def instrument(
+    model: torch.nn.Module,
+    *,
+    exporter: str | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+    trace_file: str | None = None,
+    include: str | Iterable[str] | None = None,
+    exclude: str | Iterable[str] | None = None,
+    types: type | tuple[type, ...] | None = None,
+    max_depth: int | None = None,
+    stats: bool | str | Iterable[str] | None = None,
+    extra_stats: Mapping[str, StatFunction] | None = None,
+    inputs: bool | None = None,
+    max_tensors: int | None = None,
+    sample_every: int | None = None,
+    sample_ratio: float | None = None,
+    max_records: int | None = None,
+    function_on_output: Callable[[Any], Any] | None = None,
+    function_on_input: Callable[[Any], Any] | None = None,
+    module_attributes: str | Iterable[str] | None = None,
+    capture_tensors: bool = False,
+    capture_max_bytes: int | None = None,
+    capture_compress: bool = False,
+    export_interval_ms: int | None = None,
+    max_pending_calls: int | None = None,
+    sinks: Iterable[Callable] | None = None,
+) -> TraceHandle:
+    """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
+
+    Every option is keyword-only; unset ones come from ``TORCHTRACE_*`` environment variables, else defaults
+    (see the README's configuration table). Invalid options raise here, never inside a hook.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"instrument() expects a torch.nn.Module, got {type(model).__name__}")
+    if model in _instrumented:
+        raise ValueError(f"{type(model).__name__} is already instrumented: remove() the first handle before a new one")
+    options = resolve_options(**{key: value for key, value in locals().items() if key != "model"})
+    return TraceHandle(model, options)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for handle in list(_live_handles):
+        try:
+            handle.flush(timeout_millis=5_000)
+        except Exception:
+            _logger.exception("torchtrace: flush at exit failed")

@@ -1,0 +1,223 @@
+"""The hot path: forward pre/post hooks that append timestamps and statistics to a per-thread list.
+
+Nothing here creates OTel objects, takes a lock per call, or updates a metric. Per call: two clock reads, a list
+append, a stack push/pop, and (when statistics are on) a few torch reductions. Once per outermost forward: the
+sampling decision, the caller's span context, and one append to the record buffer.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from opentelemetry import trace
+
+from torchtrace._buffer import RecordBuffer
+from torchtrace._config import Options
+from torchtrace._sampling import ForwardSampler
+from torchtrace._stats import StatComputer, find_tensors
+
+# Slots of one raw call entry (a list: the cheapest thing to create in a hook).
+MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS = range(12)
+_ENTRY_SIZE = 12
+
+
+@dataclass(slots=True, frozen=True)
+class ModuleInfo:
+    """What is known of a module before any call: computed once at instrument()."""
+
+    path: str
+    type_name: str
+    depth: int
+
+
+@dataclass(slots=True)
+class RawForward:
+    """One outermost forward as the hot path left it."""
+
+    entries: list  # call entries in start order; PARENT is an index into this list or -1
+    parent: Any  # the caller's OTel SpanContext (may be invalid)
+    thread_id: int
+    clock_offset_ns: int  # epoch ns = perf_counter ns + offset
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []  # open entries, innermost last
+        self.entries: list = []
+        self.skip_depth = 0  # > 0 inside a forward that is not traced
+        self.parent: Any = None
+        self.clock_offset_ns = 0
+
+
+class HookRecorder:
+    """Owns the hook functions of one instrumentation and the per-thread state they share."""
+
+    def __init__(self, modules: list[ModuleInfo], options: Options, buffer: RecordBuffer) -> None:
+        self.modules = modules
+        self.options = options
+        self.buffer = buffer
+        self.enabled = True
+        self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
+        self.stats = StatComputer(options.stats, options.extra_stats)
+        self.summarise = bool(options.stats or options.extra_stats)
+        self.captured_bytes = 0
+        self.skipped_captures = 0
+        self._state = _ThreadState()
+
+    # -- hook factories -------------------------------------------------------------------------------------------
+
+    def forward_pre_hook(self, index: int):
+        state = self._state
+        perf_counter_ns = time.perf_counter_ns
+        wants_inputs = self.options.inputs or self.options.function_on_input is not None
+
+        def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+            if state.skip_depth:
+                state.skip_depth += 1
+                return
+            stack = state.stack
+            if not stack and not self._begin_forward(state):
+                return
+            entries = state.entries
+            entry = [None] * _ENTRY_SIZE
+            entry[MODULE] = index
+            entry[PARENT] = stack[-1][POSITION] if stack else -1
+            entry[POSITION] = len(entries)
+            if wants_inputs:
+                self._summarise_inputs(entry, args, kwargs)
+            entries.append(entry)
+            stack.append(entry)
+            entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
+
+        return pre_hook
+
+    def forward_post_hook(self, index: int):
+        state = self._state
+        perf_counter_ns = time.perf_counter_ns
+
+        def post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            end = perf_counter_ns()  # first: the span times the module, not our bookkeeping
+            if state.skip_depth:
+                state.skip_depth -= 1
+                return
+            stack = state.stack
+            if not stack:  # enabled in the middle of a forward: nothing open to close
+                return
+            entry = stack.pop()
+            while entry[MODULE] != index and stack:
+                # An exception that torch does not pass to always_call hooks (BaseException) skipped these closes.
+                entry[END] = end
+                entry[ERROR] = "interrupted"
+                entry = stack.pop()
+            entry[END] = end
+            if output is None:
+                # always_call hooks run from torch's `except Exception:` block: the exception is still current.
+                entry[ERROR] = sys.exc_info()[1]
+            try:
+                self._summarise_output(entry, module, output)
+            except Exception as error:  # never let tracing break the user's forward
+                entry[OUTPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
+            if not stack:
+                self._end_forward(state)
+
+        return post_hook
+
+    # -- per forward ---------------------------------------------------------------------------------------------
+
+    def _begin_forward(self, state: _ThreadState) -> bool:
+        if not self.enabled:
+            state.skip_depth = 1
+            return False
+        parent = trace.get_current_span().get_span_context()
+        if parent.is_valid and not parent.trace_flags.sampled:
+            state.skip_depth = 1  # the caller's trace is not sampled: neither are we (ParentBased)
+            return False
+        if not self.sampler.should_trace():
+            state.skip_depth = 1
+            return False
+        state.parent = parent
+        state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
+        return True
+
+    def _end_forward(self, state: _ThreadState) -> None:
+        entries = state.entries
+        state.entries = []
+        self.stats.clear_cache()
+        self.buffer.put(RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns), len(entries))
+
+    # -- what a call records --------------------------------------------------------------------------------------
+
+    def _summarise_inputs(self, entry: list, args: tuple, kwargs: dict | None) -> None:
+        options = self.options
+        try:
+            if options.inputs and self.summarise:
+                value: Any = args if not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+                entry[INPUTS] = self._summarise_value(value)
+            if options.function_on_input is not None:
+                entry[INPUT_VALUE] = options.function_on_input(args[0] if len(args) == 1 else args)
+        except Exception as error:
+            entry[INPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
+
+    def _summarise_output(self, entry: list, module: torch.nn.Module, output: Any) -> None:
+        options = self.options
+        if self.summarise and output is not None:
+            entry[OUTPUTS] = self._summarise_value(output)
+        if options.function_on_output is not None and output is not None:
+            entry[OUTPUT_VALUE] = options.function_on_output(output)
+        if options.module_attributes:
+            entry[ATTRIBUTES] = {name: _attribute_value(module, name) for name in options.module_attributes}
+        if options.capture_tensors and output is not None:
+            entry[TENSORS] = self._capture(output)
+
+    def _summarise_value(self, value: Any) -> dict[str, dict]:
+        tensors, truncated = find_tensors(value, self.options.max_tensors)
+        summaries = {name: self.stats(tensor) for name, tensor in tensors}
+        if truncated:
+            summaries["_truncated"] = {}
+        return summaries
+
+    def _capture(self, output: Any) -> dict[str, Any]:
+        captured: dict[str, Any] = {}
+        for name, tensor in find_tensors(output, self.options.max_tensors)[0]:
+            size = tensor.numel() * tensor.element_size()
+            if self.captured_bytes + size > self.options.capture_max_bytes:
+                self.skipped_captures += 1
+                continue
+            self.captured_bytes += size
+            copy = tensor.detach().to("cpu", copy=True)
+            captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
+        return captured
+
+
+def _attribute_value(module: torch.nn.Module, name: str) -> Any:
+    value = getattr(module, name, None)
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.item() if value.numel() == 1 else value.to("cpu", copy=True)
+    return value
+
+
+@dataclass(slots=True, frozen=True)
+class CompressedTensor:
+    """A captured tensor, zlib-compressed; ``tensor()`` gives it back bit for bit."""
+
+    data: bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> CompressedTensor:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        return cls(zlib.compress(raw), tensor.dtype, tuple(tensor.shape))
+
+    def tensor(self) -> torch.Tensor:
+        raw = bytearray(zlib.decompress(self.data))
+        if not raw:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype).reshape(self.shape)

@@ -1,0 +1,47 @@
+"""Sink: the in-memory records API (spikingjelly monitor style), bounded: it keeps statistics, not tensors."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+
+from torchtrace._calls import ModuleCall
+
+
+class RecordStore:
+    """The latest ``max_records`` calls, in call order, also indexed by module path (oldest dropped first)."""
+
+    def __init__(self, max_records: int) -> None:
+        self.max_records = max_records
+        self.dropped = 0
+        self._records: collections.deque[ModuleCall] = collections.deque()
+        self._by_path: dict[str, collections.deque[ModuleCall]] = {}
+
+    def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        records, by_path = self._records, self._by_path
+        for call in calls:
+            records.append(call)
+            by_path.setdefault(call.path, collections.deque()).append(call)
+        while len(records) > self.max_records:
+            oldest = records.popleft()
+            by_path[oldest.path].popleft()  # the oldest of its path too: both are in call order
+            self.dropped += 1
+
+    def all(self) -> list[ModuleCall]:
+        return list(self._records)
+
+    def for_path(self, path: str) -> list[ModuleCall]:
+        return list(self._by_path.get(path, ()))
+
+    def paths(self) -> list[str]:
+        return [path for path, calls in self._by_path.items() if calls]
+
+    def clear(self) -> None:
+        self._records.clear()
+        self._by_path.clear()
+
+    def __iter__(self) -> Iterator[ModuleCall]:
+        return iter(list(self._records))
+
+    def __len__(self) -> int:
+        return len(self._records)

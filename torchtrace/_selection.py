@@ -1,0 +1,34 @@
+"""Which modules get hooks: globs over module paths, module types, and a maximum depth."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+
+from torchtrace._config import Options
+from torchtrace._hooks import ModuleInfo
+
+
+def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch.nn.Module, ModuleInfo]]:
+    """The modules to trace, in registration order. A module shared by two parents is listed once, under the
+    first path that reaches it; its spans are still parented by whichever module called it."""
+    selected = []
+    for path, module in model.named_modules():
+        depth = path.count(".") + 1 if path else 0
+        if options.max_depth is not None and depth > options.max_depth:
+            continue
+        if options.types and not isinstance(module, options.types):
+            continue
+        if not any(fnmatchcase(path, pattern) for pattern in options.include):
+            continue
+        if any(fnmatchcase(path, pattern) for pattern in options.exclude):
+            continue
+        selected.append((module, ModuleInfo(path=path, type_name=type(module).__name__, depth=depth)))
+    if not selected:
+        raise ValueError(
+            f"no module of {type(model).__name__} matches include={list(options.include)}, "
+            f"exclude={list(options.exclude)}, types={[t.__name__ for t in options.types]}, "
+            f"max_depth={options.max_depth}; module paths look like {[p for p, _ in model.named_modules()][:5]}"
+        )
+    return selected

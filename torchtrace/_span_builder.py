@@ -1,0 +1,55 @@
+"""Sink: ordinary OTel SDK spans through a TracerProvider, so its processors and exporters see normal spans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from torchtrace._calls import ModuleCall
+from torchtrace.version import __version__
+
+
+class SdkSpanSink:
+    """Builds one span per call after the fact (explicit times and parents), parents first.
+
+    The provider assigns the span ids; they are written back into each ``ModuleCall`` so later sinks (records,
+    metrics exemplars) refer to the spans that were really exported.
+    """
+
+    def __init__(self, tracer_provider: trace.TracerProvider | None = None) -> None:
+        self.tracer = trace.get_tracer("torchtrace", __version__, tracer_provider)
+
+    def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        spans: dict[int, trace.Span] = {}
+        for call in calls:
+            parent_span = spans.get(call.parent_span_id)
+            if parent_span is not None:
+                context = trace.set_span_in_context(parent_span)
+            elif call.parent_span_id:
+                remote = SpanContext(
+                    call.trace_id,
+                    call.parent_span_id,
+                    is_remote=True,
+                    trace_flags=TraceFlags(call.trace_flags),
+                    trace_state=call.trace_state,
+                )
+                context = trace.set_span_in_context(NonRecordingSpan(remote))
+            else:
+                context = Context()  # a new trace: never the worker thread's current context
+            span = self.tracer.start_span(call.name, context=context, start_time=call.start_ns, attributes=call.attributes)
+            spans[call.span_id] = span
+            if call.error is not None:
+                span.record_exception(call.error, timestamp=call.end_ns, escaped=True)
+                span.set_status(Status(StatusCode.ERROR, f"{type(call.error).__name__}: {call.error}"))
+            span.end(end_time=call.end_ns)
+            exported = span.get_span_context()
+            if exported.is_valid:
+                call.trace_id, call.span_id = exported.trace_id, exported.span_id
+        # children looked their parents up by our ids before the write-back; fix their parent ids afterwards
+        for call in calls:
+            parent_span = spans.get(call.parent_span_id)
+            if parent_span is not None:
+                call.parent_span_id = parent_span.get_span_context().span_id

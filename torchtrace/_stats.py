@@ -1,0 +1,207 @@
+"""Tensor statistics, computed inside the post-hook: few torch ops, one host read on CPU, none on GPU.
+
+Each tensor found in a module's output (or input) is summarised into a flat dict of OTel-ready values. On CPU the
+values are read at once (a read, not a sync). On an accelerator they stay on the device in one small tensor and
+are read once per forward, off the hot path (see ``resolve``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+_logger = logging.getLogger(__name__)
+
+STAT_NAMES = (
+    "shape",
+    "dtype",
+    "device",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "abs_max",
+    "norm",
+    "nan_count",
+    "inf_count",
+    "zero_fraction",
+)
+_METADATA = frozenset({"shape", "dtype", "device"})
+_NUMERIC = tuple(name for name in STAT_NAMES if name not in _METADATA)
+
+# A user statistic: tensor -> number (a 1-element tensor is read with .item()).
+StatFunction = Callable[[torch.Tensor], "float | int | bool | torch.Tensor"]
+
+MAX_NESTING = 4  # containers deeper than this are not searched for tensors
+
+
+class StatComputer:
+    """Computes the chosen statistics of a tensor; keeps one result per tensor object while it is unchanged."""
+
+    __slots__ = ("wanted", "numeric", "extra", "_cache")
+
+    def __init__(self, wanted: Iterable[str], extra: Mapping[str, StatFunction]) -> None:
+        self.wanted = frozenset(wanted)
+        self.numeric = any(name in self.wanted for name in _NUMERIC)
+        self.extra = dict(extra)
+        # id(tensor) -> (weakref, version, stats): a container module usually returns its last child's output
+        # unchanged, so the same tensor would otherwise be summarised at every level of nesting.
+        self._cache: dict[int, tuple[Any, int, dict]] = {}
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+
+    def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        key = id(tensor)
+        cached = self._cache.get(key)
+        version = tensor._version
+        if cached is not None and cached[0]() is tensor and cached[1] == version:
+            return cached[2]
+        stats = self._compute(tensor)
+        try:
+            self._cache[key] = (weakref.ref(tensor), version, stats)
+        except TypeError:  # tensor subclasses without weakref support are simply not cached
+            pass
+        return stats
+
+    def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
+        wanted = self.wanted
+        stats: dict[str, Any] = {}
+        if "shape" in wanted:
+            stats["shape"] = tuple(tensor.shape)
+        if "dtype" in wanted:
+            stats["dtype"] = str(tensor.dtype).removeprefix("torch.")
+        if "device" in wanted:
+            stats["device"] = str(tensor.device)
+        if (self.numeric or self.extra) and _has_readable_values(tensor):
+            try:
+                if self.numeric:
+                    _numeric_stats(tensor.detach(), wanted, stats)
+                for name, function in self.extra.items():
+                    stats[name] = _user_stat(function, tensor)
+            except Exception as error:  # a statistic must never break the user's forward
+                _logger.debug("torchtrace: statistics failed for a %s tensor: %s", tensor.dtype, error)
+                stats["stats_error"] = f"{type(error).__name__}: {error}"
+        return stats
+
+
+def _has_readable_values(tensor: torch.Tensor) -> bool:
+    # meta tensors have no data; sparse and other layouts are described by shape/dtype only.
+    return tensor.numel() > 0 and not tensor.is_meta and tensor.layout == torch.strided
+
+
+def _as_real_float(x: torch.Tensor) -> torch.Tensor:
+    if x.is_quantized:
+        x = x.dequantize()
+    if x.is_complex():
+        return x.abs()  # statistics of the magnitude; documented
+    if x.dtype in (torch.float32, torch.float64):
+        return x
+    if x.is_floating_point() or x.dtype == torch.bool:
+        return x.float()  # half, bfloat16, fp8: accumulate in float32
+    return x.double()  # integers: float64 holds them exactly up to 2**53
+
+
+def _numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
+    x = _as_real_float(tensor)
+    n = x.numel()
+    std, mean = torch.std_mean(x, correction=1 if n > 1 else 0)
+    low, high = torch.aminmax(x)
+    nonzero = torch.count_nonzero(x)
+    on_device = x.device.type not in ("cpu", "meta")
+    if on_device:
+        # No host read inside the hook: one small device tensor, read once per forward by resolve().
+        nan_count = torch.isnan(x).sum()
+        inf_count = torch.isinf(x).sum()
+        packed = torch.stack([mean, std, low, high]).double()
+        counts = torch.stack([nonzero, nan_count, inf_count])
+        stats["_pending"] = (packed, counts, n, wanted)
+        return
+    mean_v, std_v, low_v, high_v = torch.stack([mean, std, low, high]).double().tolist()
+    nonzero_v = int(nonzero)
+    if math.isfinite(mean_v) and math.isfinite(low_v) and math.isfinite(high_v):
+        nan_v = inf_v = 0
+    else:  # only now pay for the two extra passes
+        nan_v = int(torch.isnan(x).sum())
+        inf_v = int(torch.isinf(x).sum())
+    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, nonzero_v, nan_v, inf_v)
+
+
+def _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count) -> None:
+    values = {
+        "mean": mean,
+        "std": std,
+        "min": low,
+        "max": high,
+        "abs_max": max(abs(low), abs(high)) if not (math.isnan(low) or math.isnan(high)) else math.nan,
+        # sum(x^2) = sum((x - mean)^2) + n * mean^2: the L2 norm without another pass over the tensor.
+        "norm": math.sqrt(max(0.0, (n - 1) * std * std + n * mean * mean)) if n > 1 else abs(mean),
+        "nan_count": nan_count,
+        "inf_count": inf_count,
+        "zero_fraction": (n - nonzero) / n,
+    }
+    for name in _NUMERIC:
+        if name in wanted:
+            stats[name] = values[name]
+
+
+def resolve(stats: dict[str, Any]) -> dict[str, Any]:
+    """Reads statistics left on an accelerator (one host read per tensor, off the hot path)."""
+    pending = stats.pop("_pending", None)
+    if pending is not None:
+        packed, counts, n, wanted = pending
+        mean, std, low, high = packed.tolist()
+        nonzero, nan_count, inf_count = counts.tolist()
+        _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count)
+    return stats
+
+
+def _user_stat(function: StatFunction, tensor: torch.Tensor) -> Any:
+    value = function(tensor)
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else tuple(value.flatten().tolist())
+    return value
+
+
+def find_tensors(value: Any, limit: int) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """Tensors inside a module output or input, with their names; and whether the limit cut the search short.
+
+    Names: "" for a bare tensor; positions for tuples/lists ("0", "1.2"); keys for dicts and ModelOutput-like
+    mappings ("logits"); field names for dataclasses and named tuples ("hidden_states").
+    """
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(value, torch.Tensor):
+        found.append(("", value))
+        return found, False
+    truncated = _walk(value, "", found, limit, 0)
+    return found, truncated
+
+
+def _walk(value: Any, name: str, found: list, limit: int, depth: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        if len(found) >= limit:
+            return True
+        found.append((name, value))
+        return False
+    if depth >= MAX_NESTING or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return False
+    if isinstance(value, Mapping):
+        items: Iterable = ((str(key), item) for key, item in value.items())
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        items = zip(value._fields, value)
+    elif isinstance(value, (tuple, list)):
+        items = ((str(index), item) for index, item in enumerate(value))
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = ((field.name, getattr(value, field.name)) for field in dataclasses.fields(value))
+    else:
+        return False
+    truncated = False
+    for key, item in items:
+        truncated = _walk(item, f"{name}.{key}" if name else key, found, limit, depth + 1) or truncated
+    return truncated
