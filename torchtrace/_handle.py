@@ -21,6 +21,7 @@ from torchtrace._selection import select_modules
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._stats import StatFunction
 from torchtrace._summary import SummarySink
+from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
 _instrumented: weakref.WeakKeyDictionary[torch.nn.Module, TraceHandle] = weakref.WeakKeyDictionary()
@@ -157,7 +158,11 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
 
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
-    sink = _exporters.otlp_sink(options) if exporter == "otlp" else _exporters.file_sink(options)
+    if exporter == "otlp":
+        sender = _exporters.create_otlp_sender()
+    else:
+        sender = _exporters.JsonFileSender(options.trace_file)
+    sink = _exporters.OtlpSink(sender, _exporters.default_resource(), "torchtrace", __version__)
     return exporter, [sink], []
 
 

@@ -47,7 +47,8 @@ class RawForward:
 
 
 class _ThreadState(threading.local):
-    def __init__(self) -> None:
+    def __init__(self, options: Options) -> None:
+        self.stats = StatComputer(options.stats, options.extra_stats)  # per thread: it batches per forward
         self.stack: list = []  # open entries, innermost last
         self.entries: list = []
         self.skip_depth = 0  # > 0 inside a forward that is not traced
@@ -64,17 +65,17 @@ class HookRecorder:
         self.buffer = buffer
         self.enabled = True
         self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
-        self.stats = StatComputer(options.stats, options.extra_stats)
         self.summarise = bool(options.stats or options.extra_stats)
         self.captured_bytes = 0
         self.skipped_captures = 0
-        self._state = _ThreadState()
+        self._state = _ThreadState(options)
 
     # -- hook factories -------------------------------------------------------------------------------------------
 
     def forward_pre_hook(self, index: int):
         state = self._state
         perf_counter_ns = time.perf_counter_ns
+        exc_info = sys.exc_info
         wants_inputs = self.options.inputs or self.options.function_on_input is not None
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
@@ -91,6 +92,8 @@ class HookRecorder:
             entry[POSITION] = len(entries)
             if wants_inputs:
                 self._summarise_inputs(entry, args, kwargs)
+            # The exception the caller is handling, if any: a None output seen with it still current is no error.
+            entry[ERROR] = exc_info()[1]
             entries.append(entry)
             stack.append(entry)
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
@@ -118,7 +121,11 @@ class HookRecorder:
             entry[END] = end
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
-                entry[ERROR] = sys.exc_info()[1]
+                # One the caller was already handling before the call (pre hook) is not this call's error.
+                error = sys.exc_info()[1]
+                entry[ERROR] = error if error is not entry[ERROR] else None
+            else:
+                entry[ERROR] = None
             try:
                 self._summarise_output(entry, module, output)
             except Exception as error:  # never let tracing break the user's forward
@@ -148,7 +155,7 @@ class HookRecorder:
     def _end_forward(self, state: _ThreadState) -> None:
         entries = state.entries
         state.entries = []
-        self.stats.clear_cache()
+        state.stats.finish_forward()
         self.buffer.put(RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns), len(entries))
 
     # -- what a call records --------------------------------------------------------------------------------------
@@ -177,7 +184,8 @@ class HookRecorder:
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
-        summaries = {name: self.stats(tensor) for name, tensor in tensors}
+        summarise = self._state.stats
+        summaries = {name: summarise(tensor) for name, tensor in tensors}
         if truncated:
             summaries["_truncated"] = {}
         return summaries

@@ -13,10 +13,10 @@ fixed-width in protobuf (bytes of known length, fixed64, double). So:
 Spans that do not fit (a recorded exception, attribute values marshal cannot key, e.g. numpy scalars) go through
 ``_encode_span_row``, the same builder used to make templates, so both paths produce identical bytes.
 
-The output is what opentelemetry-exporter-otlp's ``encode_spans`` would produce for the same spans (same field
-values; flags as the SDK 1.45 encoder sets them: 0x100, | 0x200 for a remote parent, no trace-flag bits), except
-that spans are grouped by nothing and kept in input order, and the exception event has no ``exception.escaped``
-attribute (deprecated in the semantic conventions).
+The output decodes to exactly what opentelemetry-exporter-otlp's ``encode_spans`` produces for the same spans
+(tests/test_otlp_encoding.py compares them), spans in input order, with two deliberate choices: flags are what the
+SDK 1.45 encoder writes (0x100, | 0x200 for a remote parent; no W3C trace-flag bits), and the exception event has
+no ``exception.escaped`` attribute (deprecated in the semantic conventions; the SDK still adds it).
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ class _Template:
         self.n_doubles = len(doubles)
 
 
-def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: bool) -> _Template:
-    """Encode ``call`` as a template. With ``float_slots``, exact floats become zeroed 8-byte slots."""
+def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: frozenset[int]) -> _Template:
+    """Encode ``call`` as a template; attribute values at positions ``float_slots`` become zeroed 8-byte slots."""
     parts: list[bytes] = []
     size = 0
     slots: dict[str, int] = {}
@@ -174,8 +174,8 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: bo
     put(_ld(b"\x2a", name.encode("utf-8")) + _SPAN_KIND_INTERNAL + b"\x39")
     slots["start"] = size
     put(bytes(8) + b"\x41" + bytes(8))
-    for key, value in call.attributes.items():
-        if float_slots and type(value) is float:
+    for position, (key, value) in enumerate(call.attributes.items()):
+        if position in float_slots:
             kb = _ld(b"\x0a", key.encode("utf-8"))
             put(_ld(b"\x4a", kb + b"\x12\x09\x21" + bytes(8))[:-8])
             doubles.append(size)
@@ -205,7 +205,7 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: bo
 
 def _encode_span_row(call: ModuleCall, trace_state: str | None) -> bytes:
     """Slow path: one span, all values written here (errors, odd attribute types)."""
-    t = _build(call, call.path or call.type_name, trace_state, float_slots=False)
+    t = _build(call, call.path or call.type_name, trace_state, frozenset())
     row = bytearray(t.row)
     row[t.tid : t.tid + 16] = call.trace_id.to_bytes(16, "big")
     row[t.sid : t.sid + 8] = call.span_id.to_bytes(8, "big")
@@ -217,15 +217,18 @@ def _encode_span_row(call: ModuleCall, trace_state: str | None) -> bytes:
 
 
 class _Shape:
-    """What is fixed per (name, parent kind, trace state, keys, value types): which values are float slots."""
+    """What is fixed per (name, parent kind, trace state, keys): which attribute values are float slots.
 
-    __slots__ = ("floats", "others", "variants")
+    Decided by the first call seen; a later call with a non-float where a float was is caught by the batch-wide
+    type check in ``_encode_spans``, and a float where a non-float was is part of the variant key (constant).
+    """
 
-    def __init__(self, types: tuple[type, ...]) -> None:
-        f = [i for i, t in enumerate(types) if t is float]
-        o = [i for i, t in enumerate(types) if t is not float]
-        self.floats = _getter(f)
-        self.others = _getter(o)
+    __slots__ = ("float_positions", "floats", "others", "variants")
+
+    def __init__(self, values: tuple) -> None:
+        self.float_positions = frozenset(i for i, v in enumerate(values) if type(v) is float)
+        self.floats = _getter(sorted(self.float_positions))
+        self.others = _getter([i for i in range(len(values)) if i not in self.float_positions])
         self.variants: dict[bytes, _Template] = {}  # marshal(non-float values) -> template
 
 
@@ -240,13 +243,15 @@ def _getter(indices: list[int]) -> Any:
 
 
 _shapes: dict[tuple, _Shape] = {}
+_FLOAT_TYPES = frozenset((float,))
 
 
 def clear_template_cache() -> None:
     _shapes.clear()
 
 
-_get_ids = attrgetter("trace_id", "span_id", "parent_span_id", "start_ns", "end_ns")
+_get_trace_id = attrgetter("trace_id")
+_get_ids = attrgetter("span_id", "parent_span_id", "start_ns", "end_ns")
 
 
 def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
@@ -270,14 +275,13 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
         else:
             attrs = c.attributes
             vals = tuple(attrs.values())
-            types = tuple(map(type, vals))
             name = c.path or c.type_name
-            key = (name, c.parent_span_id != 0, c.parent_is_remote, ts, tuple(attrs), types)
+            key = (name, c.parent_span_id != 0, c.parent_is_remote, ts, tuple(attrs))
             shape = shapes.get(key)
             if shape is None:
                 if len(shapes) >= _MAX_TEMPLATES:
                     shapes.clear()
-                shape = shapes[key] = _Shape(types)
+                shape = shapes[key] = _Shape(vals)
             try:
                 # marshal keeps True/1/1.0 and list/tuple apart, so equal keys mean identical encodings;
                 # it raises on types it does not know (numpy scalars...), which take the slow path.
@@ -289,7 +293,7 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
                 if t is None:
                     if len(shape.variants) >= _MAX_VARIANTS:
                         shape.variants.clear()
-                    t = shape.variants[vkey] = _build(c, name, ts, float_slots=True)
+                    t = shape.variants[vkey] = _build(c, name, ts, shape.float_positions)
                 row = t.row
                 fast.append(c)
                 starts.append(pos)
@@ -298,6 +302,9 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
         rows.append(row)
         pos += len(row)
 
+    if fast and not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
+        # a non-float where the template has a double slot (rare): encode this batch span by span
+        return b"".join(_encode_span_row(c, _trace_state_str(c.trace_state) if c.trace_state else None) for c in calls)
     out = bytearray(b"".join(rows))
     if fast:
         _fill(np.frombuffer(out, dtype=np.uint8), fast, starts, temps, floats)
@@ -308,8 +315,7 @@ def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: li
     """Write ids, timestamps and doubles of all template-encoded spans into ``buf`` at once."""
     n = len(calls)
     base = np.asarray(starts, dtype=np.intp)
-    ids = list(map(_get_ids, calls))
-    trace_ids = [i[0] for i in ids]
+    trace_ids = list(map(_get_trace_id, calls))
 
     # trace id: usually one per batch (one forward), then a single broadcast write
     tid_off = base + np.fromiter(map(attrgetter("tid"), temps), dtype=np.intp, count=n)
@@ -320,7 +326,7 @@ def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: li
     buf[tid_off[:, None] + _AR16] = tid_bytes
 
     # span id, parent id (big-endian bytes), start and end (fixed64, little-endian)
-    nums = np.array([i[1:] for i in ids], dtype=np.uint64).reshape(n, 4)
+    nums = np.fromiter(chain.from_iterable(map(_get_ids, calls)), dtype=np.uint64, count=4 * n).reshape(n, 4)
     sid_off = base + np.fromiter(map(attrgetter("sid"), temps), dtype=np.intp, count=n)
     buf[sid_off[:, None] + _AR8] = nums[:, 0].astype(">u8").view(np.uint8).reshape(n, 8)
     pid_rel = np.fromiter(map(attrgetter("pid"), temps), dtype=np.intp, count=n)

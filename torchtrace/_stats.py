@@ -41,10 +41,19 @@ StatFunction = Callable[[torch.Tensor], "float | int | bool | torch.Tensor"]
 MAX_NESTING = 4  # containers deeper than this are not searched for tensors
 
 
-class StatComputer:
-    """Computes the chosen statistics of a tensor; keeps one result per tensor object while it is unchanged."""
+SMALL_TENSOR = 4096  # at most this many elements: copied in the hook, summarised in one batch per forward
 
-    __slots__ = ("wanted", "numeric", "extra", "_cache")
+
+class StatComputer:
+    """Computes the chosen statistics of a tensor; keeps one result per tensor object while it is unchanged.
+
+    Torch dispatch costs microseconds per op, so on CPU small tensors are not reduced one by one: the hook copies
+    them (one op; a later in-place op cannot change the copy) and ``finish_forward`` reduces all copies of a
+    forward with a handful of segmented ops. Larger tensors, where the data and not the dispatch dominates, are
+    reduced at once.
+    """
+
+    __slots__ = ("wanted", "numeric", "extra", "_cache", "_pending", "_dtype_names")
 
     def __init__(self, wanted: Iterable[str], extra: Mapping[str, StatFunction]) -> None:
         self.wanted = frozenset(wanted)
@@ -53,11 +62,24 @@ class StatComputer:
         # id(tensor) -> (weakref, version, stats): a container module usually returns its last child's output
         # unchanged, so the same tensor would otherwise be summarised at every level of nesting.
         self._cache: dict[int, tuple[Any, int, dict]] = {}
+        self._pending: list[tuple[torch.Tensor, dict]] = []  # (copy, stats to fill) until finish_forward
+        self._dtype_names: dict[torch.dtype, str] = {}
 
-    def clear_cache(self) -> None:
+    def finish_forward(self) -> None:
+        """Fills the statistics of every small tensor copied during this forward, then forgets the copies."""
+        pending, self._pending = self._pending, []
         self._cache.clear()
+        if pending:
+            try:
+                _batched_stats(pending, self.wanted)
+            except Exception as error:  # a statistic must never break the user's forward
+                for _, stats in pending:
+                    stats["stats_error"] = f"{type(error).__name__}: {error}"
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
+        if tensor.is_inference():
+            # No version counter: an in-place op would go unnoticed, so the same object is never trusted twice.
+            return self._compute(tensor)
         key = id(tensor)
         cached = self._cache.get(key)
         version = tensor._version
@@ -76,19 +98,70 @@ class StatComputer:
         if "shape" in wanted:
             stats["shape"] = tuple(tensor.shape)
         if "dtype" in wanted:
-            stats["dtype"] = str(tensor.dtype).removeprefix("torch.")
+            name = self._dtype_names.get(tensor.dtype)
+            if name is None:
+                name = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+            stats["dtype"] = name
         if "device" in wanted:
-            stats["device"] = str(tensor.device)
-        if (self.numeric or self.extra) and _has_readable_values(tensor):
-            try:
-                if self.numeric:
-                    _numeric_stats(tensor.detach(), wanted, stats)
-                for name, function in self.extra.items():
-                    stats[name] = _user_stat(function, tensor)
-            except Exception as error:  # a statistic must never break the user's forward
-                _logger.debug("torchtrace: statistics failed for a %s tensor: %s", tensor.dtype, error)
-                stats["stats_error"] = f"{type(error).__name__}: {error}"
+            stats["device"] = "cpu" if tensor.is_cpu else str(tensor.device)
+        if not (self.numeric or self.extra) or not _has_readable_values(tensor):
+            return stats
+        try:
+            for name, function in self.extra.items():
+                stats[name] = _user_stat(function, tensor)
+            if self.numeric:
+                x = tensor.detach() if tensor.requires_grad else tensor
+                if x.is_cpu and x.numel() <= SMALL_TENSOR and not x.is_quantized:
+                    self._pending.append((_as_real_float(x).clone() if x.dtype != torch.float64 else x.clone(), stats))
+                else:
+                    _numeric_stats(x, wanted, stats)
+        except Exception as error:  # a statistic must never break the user's forward
+            _logger.debug("torchtrace: statistics failed for a %s tensor: %s", tensor.dtype, error)
+            stats["stats_error"] = f"{type(error).__name__}: {error}"
         return stats
+
+
+_FLOAT_STATS = ("mean", "std", "min", "max", "abs_max", "norm", "zero_fraction")
+
+
+def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) -> None:
+    """Reduces all small tensors of a forward a few ops per distinct shape; Python only zips the results."""
+    groups: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
+    for item in pending:
+        copy = item[0]
+        groups.setdefault((copy.shape, copy.dtype), []).append(item)
+    keys = [key for key in _FLOAT_STATS if key in wanted]
+    with_counts = "nan_count" in wanted or "inf_count" in wanted
+    for (shape, _), items in groups.items():
+        n = math.prod(shape)
+        values = torch.stack([copy for copy, _ in items]).reshape(len(items), n).double()
+        sums = values.sum(1)
+        squares = (values * values).sum(1)
+        lows, highs = torch.aminmax(values, dim=1)
+        mean = sums / n
+        columns = {
+            "mean": mean,
+            # var = (sum(x^2) - n mean^2) / (n - 1): exact enough in float64 for float32 data; 0 for one element
+            "std": ((squares - sums * mean) / max(n - 1, 1)).clamp(min=0).sqrt(),
+            "min": lows,
+            "max": highs,
+            "abs_max": torch.maximum(lows.abs(), highs.abs()),
+            "norm": squares.sqrt(),
+            "zero_fraction": 1 - torch.count_nonzero(values, dim=1) / n,
+        }
+        rows = torch.stack([columns[key] for key in keys], dim=1).tolist() if keys else [[]] * len(items)
+        finite = bool(torch.isfinite(squares).all() & torch.isfinite(lows).all() & torch.isfinite(highs).all())
+        if with_counts and not finite:
+            counts = torch.stack([torch.isnan(values).sum(1), torch.isinf(values).sum(1)], dim=1).tolist()
+        else:
+            counts = [[0, 0]] * len(items)
+        for (_, stats), row, (nan_count, inf_count) in zip(items, rows, counts):
+            stats.update(zip(keys, row))
+            if with_counts:
+                if "nan_count" in wanted:
+                    stats["nan_count"] = nan_count
+                if "inf_count" in wanted:
+                    stats["inf_count"] = inf_count
 
 
 def _has_readable_values(tensor: torch.Tensor) -> bool:
@@ -114,8 +187,7 @@ def _numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any
     std, mean = torch.std_mean(x, correction=1 if n > 1 else 0)
     low, high = torch.aminmax(x)
     nonzero = torch.count_nonzero(x)
-    on_device = x.device.type not in ("cpu", "meta")
-    if on_device:
+    if not x.is_cpu:
         # No host read inside the hook: one small device tensor, read once per forward by resolve().
         nan_count = torch.isnan(x).sum()
         inf_count = torch.isinf(x).sum()

@@ -1,0 +1,484 @@
+"""Overhead of tracing every module call, side by side: no tracing, empty hooks, naive OTel, profiler, torchtrace.
+
+Every variant runs on its own copy of the model with its own hooks (installed once, removed at the end), and the
+timed repetitions are interleaved round-robin (the starting variant rotates every round) so that machine noise hits
+all variants alike. One timed repetition = N forwards, then the variant's flush: export work is inside the window.
+
+Reported per variant (medians over repetitions, per forward):
+  us_per_call = (variant_time - none_time) / module_calls_per_forward: the ADDED cost per module call, in us
+  x_floor     = that added cost / the added cost of empty pre+post hooks (the floor of any hook-based tracer)
+  x_none      = variant_time / none_time
+
+Models: "cheap" = 64 x (Linear(32, 32) + ReLU) at batch 1 (default grad mode: 129 module calls per forward, the
+tracer dominates); "encoder" = 6 x TransformerEncoderLayer(256, nhead=8, batch_first=True) in eval mode at batch 8,
+seq 64 under torch.inference_mode(). Any forward hook on a TransformerEncoderLayer (or its submodules) disables
+torch's fused encoder fast path, so every encoder variant runs with torch.backends.mha fast path OFF (same math for
+all); the extra `none_fastpath` variant (encoder only) shows what the fast path alone is worth.
+
+Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder] [--otlp-protocol P]
+The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}}}, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torchtrace  # noqa: E402
+
+# Large enough that no variant's spans are dropped between two flushes (the default 2048 would drop most of them,
+# which makes a span look cheaper than it is).
+BSP_QUEUE = 1 << 17
+
+# model -> (forwards per timed repetition, repetitions) for a normal and a --quick run
+PLAN = {"cheap": ((20, 40), (10, 5)), "encoder": ((2, 12), (1, 2))}
+
+
+class DiscardExporter(SpanExporter):
+    """Receives every span batch and throws it away."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+def sdk_provider() -> tuple[TracerProvider, DiscardExporter]:
+    exporter = DiscardExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=BSP_QUEUE, max_export_batch_size=512))
+    return provider, exporter
+
+
+# -- models ----------------------------------------------------------------------------------------------------------
+
+
+def cheap_model() -> tuple[nn.Module, torch.Tensor, Callable[[], Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(64) for layer in (nn.Linear(32, 32), nn.ReLU())])
+    return model, torch.randn(1, 32), contextlib.nullcontext
+
+
+def encoder_model() -> tuple[nn.Module, torch.Tensor, Callable[[], Any]]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, nhead=8, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=6, enable_nested_tensor=False).eval()
+    return model, torch.randn(8, 64, 256), torch.inference_mode
+
+
+MODELS = {"cheap": cheap_model, "encoder": encoder_model}
+
+
+def count_calls(model: nn.Module, x: torch.Tensor, grad_context: Callable[[], Any]) -> int:
+    """Module calls in one forward: pre-hook invocations, counted once on a throwaway copy."""
+    model = copy.deepcopy(model)
+    count = [0]
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        count[0] += 1
+
+    handles = [module.register_forward_pre_hook(pre) for module in model.modules()]
+    with grad_context():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    return count[0]
+
+
+# -- variants --------------------------------------------------------------------------------------------------------
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    flush: Callable[[], Any] = _nothing  # inside the timed window, after the N forwards
+    close: Callable[[], Any] = _nothing  # after all repetitions
+    window: Callable[[], Any] = contextlib.nullcontext  # entered/exited around each timed repetition
+    times_ns: list[int] = field(default_factory=list)  # per forward, one per repetition
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None
+
+
+def make_none(model: nn.Module) -> Variant:
+    return Variant("none", model)
+
+
+def make_empty_hooks(model: nn.Module) -> Variant:
+    def pre(module: nn.Module, args: tuple) -> None:
+        pass
+
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        pass
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return Variant("empty_hooks", model, close=lambda: [handle.remove() for handle in handles])
+
+
+def _make_naive_otel(model: nn.Module, stats: bool) -> Variant:
+    provider, _ = sdk_provider()
+    tracer = provider.get_tracer("benchmarks.overhead")
+    stack: list[tuple[Any, object]] = []
+    set_span_in_context, attach, detach = trace.set_span_in_context, otel_context.attach, otel_context.detach
+
+    def make_pre(name: str):
+        def pre(module: nn.Module, args: tuple) -> None:
+            span = tracer.start_span(name)  # parent: the current span, i.e. the enclosing module's
+            stack.append((span, attach(set_span_in_context(span))))
+
+        return pre
+
+    def post(module: nn.Module, args: tuple, output: Any) -> None:
+        span, token = stack.pop()
+        if stats:
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                tensor = tensor.detach().float()
+                span.set_attributes(
+                    {
+                        "output.mean": tensor.mean().item(),
+                        "output.std": tensor.std().item() if tensor.numel() > 1 else 0.0,
+                        "output.min": tensor.min().item(),
+                        "output.max": tensor.max().item(),
+                        "output.norm": tensor.norm().item(),
+                    }
+                )
+        detach(token)
+        span.end()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(make_pre(name or type(module).__name__)))
+        handles.append(module.register_forward_hook(post))
+
+    def close() -> None:
+        for handle in handles:
+            handle.remove()
+        provider.shutdown()
+
+    return Variant("naive_otel_stats" if stats else "naive_otel", model, flush=provider.force_flush, close=close)
+
+
+def make_naive_otel(model: nn.Module) -> Variant:
+    return _make_naive_otel(model, stats=False)
+
+
+def make_naive_otel_stats(model: nn.Module) -> Variant:
+    return _make_naive_otel(model, stats=True)
+
+
+def make_torch_profiler(model: nn.Module) -> Variant:
+    def window():
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    return Variant("torch_profiler", model, window=window)
+
+
+def _make_torchtrace(model: nn.Module, stats: bool) -> Variant:
+    provider, _ = sdk_provider()
+    handle = torchtrace.instrument(model, stats=stats, tracer_provider=provider)
+
+    def close() -> None:
+        handle.remove()
+        provider.shutdown()
+
+    return Variant("torchtrace_stats" if stats else "torchtrace_spans", model, flush=handle.flush, close=close)
+
+
+def make_torchtrace_spans(model: nn.Module) -> Variant:
+    return _make_torchtrace(model, stats=False)
+
+
+def make_torchtrace_stats(model: nn.Module) -> Variant:
+    return _make_torchtrace(model, stats=True)
+
+
+def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
+    handle = torchtrace.instrument(model, stats=stats, exporter="otlp")
+    # TraceHandle.flush() drains into the sinks; if the OTLP sink sends in the background, flush it too.
+    extra = [
+        getattr(sink, name)
+        for sink in handle._dispatcher.sinks
+        for name in ("force_flush", "flush")
+        if type(sink).__module__.startswith("torchtrace._exporters") and callable(getattr(sink, name, None))
+    ][:1]
+
+    def flush() -> None:
+        handle.flush()
+        for function in extra:
+            function()
+
+    return Variant(
+        "torchtrace_stats_otlp" if stats else "torchtrace_spans_otlp", model, flush=flush, close=handle.remove
+    )
+
+
+def make_torchtrace_spans_otlp(model: nn.Module) -> Variant:
+    return _make_torchtrace_otlp(model, stats=False)
+
+
+def make_torchtrace_stats_otlp(model: nn.Module) -> Variant:
+    return _make_torchtrace_otlp(model, stats=True)
+
+
+def make_none_fastpath(model: nn.Module) -> Variant:
+    @contextlib.contextmanager
+    def window():
+        torch.backends.mha.set_fastpath_enabled(True)
+        try:
+            yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(False)
+
+    return Variant("none_fastpath", model, window=window)
+
+
+BASE_VARIANTS: list[Callable[[nn.Module], Variant]] = [
+    make_none,
+    make_empty_hooks,
+    make_naive_otel,
+    make_naive_otel_stats,
+    make_torch_profiler,
+    make_torchtrace_spans,
+    make_torchtrace_stats,
+]
+OTLP_VARIANTS = [make_torchtrace_spans_otlp, make_torchtrace_stats_otlp]
+
+
+# -- the local OTLP discard receiver (a separate process: it must not take the benchmark's GIL) ---------------------
+
+
+def serve_discard(protocol: str) -> None:
+    """Accepts OTLP trace exports on 127.0.0.1, answers success, keeps nothing. Prints the port, then serves."""
+    if protocol == "grpc":
+        from concurrent import futures
+
+        import grpc
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        handler = grpc.method_handlers_generic_handler(
+            "opentelemetry.proto.collector.trace.v1.TraceService",
+            {"Export": grpc.unary_unary_rpc_method_handler(lambda request, context: b"")},  # raw bytes both ways
+        )
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        print(port, flush=True)
+        server.wait_for_termination()
+        return
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, like a collector
+
+        def do_POST(self) -> None:
+            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                while True:
+                    size = int(self.rfile.readline().strip() or b"0", 16)
+                    self.rfile.read(size + 2)
+                    if size == 0:
+                        break
+            else:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")  # an empty ExportTraceServiceResponse
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+@contextlib.contextmanager
+def discard_receiver(protocol: str):
+    """Starts the receiver process; yields its endpoint URL."""
+    process = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve-discard", protocol], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(process.stdout.readline())
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def otlp_available() -> str | None:
+    """None if torchtrace's OTLP exporter exists, else why not."""
+    try:
+        from torchtrace import _exporters
+
+        _exporters.otlp_sink  # noqa: B018
+    except (ImportError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+# -- measuring -------------------------------------------------------------------------------------------------------
+
+
+def timed_repetition(variant: Variant, x: torch.Tensor, forwards: int) -> int:
+    """Nanoseconds per forward for N forwards plus the variant's flush."""
+    model, flush = variant.model, variant.flush
+    start = time.perf_counter_ns()
+    with variant.window():
+        for _ in range(forwards):
+            model(x)
+        flush()
+    return (time.perf_counter_ns() - start) // forwards
+
+
+def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]], args: argparse.Namespace) -> dict:
+    base, x, grad_context = MODELS[name]()
+    (forwards, repeats), (quick_forwards, quick_repeats) = PLAN[name]
+    if args.quick:
+        forwards, repeats = quick_forwards, quick_repeats
+    if args.repeats:
+        repeats = args.repeats
+    if args.forwards:
+        forwards = args.forwards
+    encoder = name == "encoder"
+    fastpath_before = torch.backends.mha.get_fastpath_enabled()
+    if encoder:
+        torch.backends.mha.set_fastpath_enabled(False)  # hooks disable it anyway: same math for every variant
+        factories = [*factories, make_none_fastpath]
+    calls = count_calls(base, x, grad_context)
+    variants = [factory(copy.deepcopy(base)) for factory in factories]
+    try:
+        with grad_context():
+            for variant in variants:  # warm-up round, not timed (first calls, lazy imports, thread starts)
+                timed_repetition(variant, x, 1)
+            for round_index in range(repeats):
+                shift = round_index % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    gc.collect()
+                    variant.times_ns.append(timed_repetition(variant, x, forwards))
+    finally:
+        for variant in variants:
+            variant.close()
+        torch.backends.mha.set_fastpath_enabled(fastpath_before)
+    return report(name, variants, calls, forwards, repeats)
+
+
+def report(name: str, variants: list[Variant], calls: int, forwards: int, repeats: int) -> dict:
+    medians = {v.name: statistics.median(v.times_ns) for v in variants}
+    none = medians["none"]
+    floor_added = medians["empty_hooks"] - none
+    results: dict[str, dict[str, float | None]] = {}
+    print(f"\n== {name}: {calls} module calls per forward, {forwards} forwards x {repeats} repetitions per variant")
+    header = f"{'variant':<22} {'ms/forward':>11} {'IQR':>6} {'us_per_call':>12} {'x_floor':>8} {'x_none':>7}"
+    print(header)
+    print("-" * len(header))
+    for variant in variants:
+        times = sorted(variant.times_ns)
+        median = medians[variant.name]
+        if len(times) >= 4:
+            quartiles = statistics.quantiles(times, n=4)
+            spread = f"{(quartiles[2] - quartiles[0]) / median:>6.1%}"
+        else:
+            spread = f"{'-':>6}"
+        added_per_call = (median - none) / calls / 1e3
+        x_floor = (median - none) / floor_added if floor_added > 0 else None
+        x_none = median / none
+        results[variant.name] = {
+            "us_per_call": round(added_per_call, 3),
+            "x_floor": None if x_floor is None else round(x_floor, 3),
+            "x_none": round(x_none, 3),
+        }
+        floor_text = f"{x_floor:>8.2f}" if x_floor is not None else f"{'n/a':>8}"
+        print(f"{variant.name:<22} {median / 1e6:>11.3f} {spread} {added_per_call:>12.2f} {floor_text} {x_none:>7.3f}")
+    if floor_added <= 0:
+        print("note: empty hooks measured no slower than no hooks (noise): x_floor is null")
+    return {"variants": results, "calls_per_forward": calls, "forwards_per_repetition": forwards, "repeats": repeats}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test; < 60 s)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
+    parser.add_argument("--models", default="cheap,encoder", help="comma-separated: cheap, encoder")
+    parser.add_argument("--otlp-protocol", default="http/protobuf", choices=("http/protobuf", "grpc"))
+    parser.add_argument("--serve-discard", choices=("http/protobuf", "grpc"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_discard:
+        serve_discard(args.serve_discard)
+        return 0
+    models = [name.strip() for name in args.models.split(",") if name.strip()]
+    unknown = [name for name in models if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
+
+    print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()} (default, not changed)")
+    print(f"torchtrace {torchtrace.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    factories = list(BASE_VARIANTS)
+    missing = otlp_available()
+    with contextlib.ExitStack() as stack:
+        if missing is None:
+            endpoint = stack.enter_context(discard_receiver(args.otlp_protocol))
+            os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
+            os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = args.otlp_protocol
+            print(f"OTLP variants export to a local discard receiver at {endpoint} ({args.otlp_protocol})")
+            factories += OTLP_VARIANTS
+        else:
+            print(f"note: torchtrace_*_otlp variants skipped: torchtrace._exporters.otlp_sink unavailable ({missing})")
+        results = {name: measure_model(name, factories, args) for name in models}
+    for model_results in results.values():
+        for values in model_results["variants"].values():
+            for key, value in values.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    values[key] = None
+    print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Shared fixtures: every test starts from a clean environment and must leave no instrumentation behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from torchtrace._handle import _live_handles
+
+
+def _dispatch_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name == "torchtrace-dispatch" and thread.is_alive()}
+
+
+@pytest.fixture(autouse=True)
+def _clean_torchtrace_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No TORCHTRACE_* variable of the developer's shell leaks into a test; tests set the ones they need."""
+    for name in list(os.environ):
+        if name.startswith("TORCHTRACE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_instrumentation():
+    """Fails a test that leaves a live TraceHandle (hooks still registered) or a running dispatch worker."""
+    threads_before = _dispatch_threads()
+    yield
+    leftovers = list(_live_handles)
+    for handle in leftovers:
+        handle.remove()
+    leaked_threads = _dispatch_threads() - threads_before
+    if leftovers:
+        pytest.fail(f"test left {len(leftovers)} torchtrace handle(s) live: call remove() or use `with instrument(...)`")
+    if leaked_threads:
+        pytest.fail(f"test left {len(leaked_threads)} torchtrace dispatch worker(s) running (a handle never removed)")
+
+
+# --- OTLP receiver fixtures (tests/otlp_receiver.py) go below this line -------------------------------------------

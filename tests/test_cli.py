@@ -1,0 +1,106 @@
+"""``torchtrace demo`` / ``python -m torchtrace demo``: runs end to end in a subprocess, and its argument parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtrace.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCHES = 3
+CALLS_PER_FORWARD = 40  # model, embedding, encoder, 4 x (layer + 8 submodules), head
+
+
+def _file_exporter_exists() -> bool:
+    try:
+        from torchtrace import _exporters
+
+        return callable(getattr(_exporters, "file_sink", None))
+    except ImportError:
+        return False
+
+
+HAS_FILE_EXPORTER = _file_exporter_exists()
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    tmp = tmp_path_factory.mktemp("demo")
+    trace_file = tmp / "t.jsonl"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if not HAS_FILE_EXPORTER:  # the default exporter is not written yet: still check the rest of the demo
+        env["TORCHTRACE_EXPORTER"] = "none"
+    result = subprocess.run(
+        [sys.executable, "-m", "torchtrace", "demo", "--batches", str(BATCHES), "--trace-file", str(trace_file)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return result, trace_file
+
+
+def test_demo_exits_zero_and_prints_the_summary(demo: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, _ = demo
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("layer"))
+    assert all(column in header for column in ("calls", "total ms", "mean ms", "p95 ms", "share"))
+    start = lines.index(header) + 2  # the header, then a line of dashes
+    rows = lines[start : lines.index("", start)]
+    assert any(row.startswith("encoder.layers.0") for row in rows), result.stdout
+    assert any(row.startswith("DemoTransformer") and f" {BATCHES} " in row for row in rows), result.stdout
+    assert len(rows) == 20  # summary(limit=20); the model has 40 traced modules
+    assert "traces:" in result.stdout
+
+
+@pytest.mark.skipif(not HAS_FILE_EXPORTER, reason="torchtrace._exporters.file_sink does not exist yet")
+def test_demo_writes_otlp_json_lines_to_the_trace_file(demo: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, trace_file = demo
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert trace_file.is_file()
+    spans = []
+    for line in trace_file.read_text().splitlines():
+        request = json.loads(line)
+        assert request["resourceSpans"]
+        for resource_spans in request["resourceSpans"]:
+            for scope_spans in resource_spans["scopeSpans"]:
+                spans.extend(scope_spans["spans"])
+    assert len(spans) == BATCHES * CALLS_PER_FORWARD
+    assert {span["name"] for span in spans} >= {"DemoTransformer", "encoder.layers.0.self_attn", "head"}
+    assert str(trace_file) in result.stdout
+    assert f"{BATCHES * CALLS_PER_FORWARD} spans" in result.stdout
+
+
+def test_no_subcommand_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+def test_demo_options_are_parsed() -> None:
+    args = build_parser().parse_args(
+        ["demo", "--batches", "7", "--otlp-endpoint", "http://localhost:4318", "--protocol", "grpc", "--no-stats"]
+    )
+    assert (args.command, args.batches, args.otlp_endpoint, args.protocol, args.no_stats) == (
+        "demo",
+        7,
+        "http://localhost:4318",
+        "grpc",
+        True,
+    )
+    assert build_parser().parse_args(["demo"]).batches == 50
+
+
+@pytest.mark.parametrize("argv", [["demo", "--batches", "0"], ["demo", "--protocol", "http/json"], ["nope"]])
+def test_invalid_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2

@@ -1,0 +1,251 @@
+"""Sending torchtrace's encoded spans: real OTLP over gRPC and HTTP to a local receiver, and OTLP/JSON files.
+
+Everything is configured the standard OpenTelemetry way, through OTEL_EXPORTER_OTLP_* / OTEL_RESOURCE_ATTRIBUTES /
+OTEL_SERVICE_NAME environment variables, because the senders are opentelemetry-exporter-otlp's own exporters.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import socket
+import threading
+
+import otlp_receiver
+import pytest
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from otlp_receiver import attributes_dict
+
+from torchtrace._calls import ModuleCall
+from torchtrace._exporters import (
+    EncodedSpans,
+    GrpcSender,
+    HttpSender,
+    JsonFileSender,
+    OtlpSink,
+    create_otlp_sender,
+    default_resource,
+    otlp_endpoint_configured,
+    resolve_protocol,
+)
+from torchtrace._otlp_encoding import encode_export_request
+
+TRACE_ID = 0xA1A2A3A4A5A6A7A8B1B2B3B4B5B6B7B8
+T0 = 1_700_000_000_000_000_000
+OTEL_VARS = (
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_HEADERS",
+    "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+    "OTEL_EXPORTER_OTLP_TIMEOUT",
+    "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+    "OTEL_RESOURCE_ATTRIBUTES",
+    "OTEL_SERVICE_NAME",
+)
+
+
+# the receiver fixtures (conftest may import them too)
+otlp_grpc_receiver = otlp_receiver.otlp_grpc_receiver
+otlp_http_receiver = otlp_receiver.otlp_http_receiver
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in OTEL_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def forward_calls() -> list[ModuleCall]:
+    """Three calls of one forward: the model, a Linear inside it, and a ReLU with a NaN stat."""
+    return [
+        ModuleCall("", "Net", 0, TRACE_ID, 0x1, 0, T0, T0 + 1000, {"dtype": "torch.float32"}),
+        ModuleCall("fc", "Linear", 1, TRACE_ID, 0x2, 0x1, T0 + 10, T0 + 500, {"shape": [4, 8], "mean": 0.5}),
+        ModuleCall("act", "ReLU", 1, TRACE_ID, 0x3, 0x1, T0 + 510, T0 + 900, {"shape": [4, 8], "mean": math.nan}),
+    ]
+
+
+def check_received(spans: list, resource: dict) -> None:
+    by_name = {s.name: s for s in spans}
+    assert sorted(by_name) == ["Net", "act", "fc"]
+    assert {s.trace_id for s in spans} == {TRACE_ID.to_bytes(16, "big")}
+    assert by_name["fc"].span_id == (2).to_bytes(8, "big")
+    assert by_name["fc"].parent_span_id == by_name["Net"].span_id
+    assert attributes_dict(by_name["fc"].attributes) == {"shape": [4, 8], "mean": 0.5}
+    assert math.isnan(attributes_dict(by_name["act"].attributes)["mean"])
+    assert resource["service.name"] == "trainer"
+    assert resource["deployment.environment"] == "test"
+    assert resource["telemetry.sdk.name"] == "opentelemetry"
+
+
+def configure(monkeypatch: pytest.MonkeyPatch, protocol: str, compression: str) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", compression)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=secret")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,service.name=ignored")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "trainer")  # wins over service.name in OTEL_RESOURCE_ATTRIBUTES
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_grpc_export_to_a_real_receiver(monkeypatch, otlp_grpc_receiver, compression):
+    configure(monkeypatch, "grpc", compression)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
+    sender = create_otlp_sender()
+    assert isinstance(sender, GrpcSender)
+    sink = OtlpSink(sender, default_resource(), "torchtrace", "0.1", max_spans_per_request=2)
+    sink(forward_calls())
+    sink.shutdown()
+
+    assert (sink.exported, sink.failed) == (3, 0)
+    spans = otlp_grpc_receiver.wait_for_spans(3, timeout=5)
+    assert len(otlp_grpc_receiver.requests) == 2  # 2 + 1 spans: requests are bounded
+    check_received(spans, otlp_grpc_receiver.resource_attributes())
+    assert all(h["x-api-key"] == "secret" for h in otlp_grpc_receiver.headers)
+    scope = otlp_grpc_receiver.requests[0].resource_spans[0].scope_spans[0].scope
+    assert (scope.name, scope.version) == ("torchtrace", "0.1")
+
+
+@pytest.mark.parametrize("compression", ["none", "gzip"])
+def test_http_export_to_a_real_receiver(monkeypatch, otlp_http_receiver, compression):
+    configure(monkeypatch, "http/protobuf", compression)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", otlp_http_receiver.endpoint)  # base URL: /v1/traces appended
+    sender = create_otlp_sender()
+    assert isinstance(sender, HttpSender)
+    sink = OtlpSink(sender, default_resource())
+    sink(forward_calls())
+    sink.shutdown()
+
+    assert (sink.exported, sink.failed) == (3, 0)
+    check_received(otlp_http_receiver.wait_for_spans(3, timeout=5), otlp_http_receiver.resource_attributes())
+    assert otlp_http_receiver.content_encodings == ["gzip" if compression == "gzip" else ""]
+    assert otlp_http_receiver.headers[0]["x-api-key"] == "secret"
+
+
+def test_http_is_the_default_protocol_and_traces_endpoint_is_used_as_is(monkeypatch, otlp_http_receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_http_receiver.traces_endpoint)
+    sender = create_otlp_sender()
+    assert isinstance(sender, HttpSender)
+    payload = encode_export_request(forward_calls(), default_resource(), "torchtrace", "")
+    assert sender.send(EncodedSpans(payload, 3))
+    assert len(otlp_http_receiver.wait_for_spans(3, timeout=5)) == 3
+    assert otlp_http_receiver.resource_attributes()["service.name"] == "torchtrace"  # nothing configured one
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_an_unreachable_collector_is_counted_and_warned_about_once(monkeypatch, caplog, protocol):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")  # retries stop at the deadline
+    sink = OtlpSink(create_otlp_sender(), default_resource())
+    with caplog.at_level(logging.WARNING, logger="torchtrace._exporters"):
+        sink(forward_calls())
+        sink(forward_calls())
+    sink.shutdown()
+    assert (sink.exported, sink.failed) == (0, 6)
+    ours = [r for r in caplog.records if r.name == "torchtrace._exporters"]
+    assert len(ours) == 1 and "OTLP export failed" in ours[0].getMessage()
+
+
+def test_a_sender_that_raises_does_not_break_the_caller():
+    class Broken:
+        def send(self, spans: EncodedSpans) -> bool:
+            raise RuntimeError("boom")
+
+        def shutdown(self) -> None:
+            pass
+
+    sink = OtlpSink(Broken(), default_resource())
+    sink(forward_calls())
+    assert (sink.exported, sink.failed) == (0, 3)
+
+
+def test_protocol_comes_from_the_traces_variable_first(monkeypatch):
+    assert resolve_protocol() == "http/protobuf"  # the OTel spec's default
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert resolve_protocol() == "grpc"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert resolve_protocol() == "http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL='http/json'.*grpc, http/protobuf"):
+        resolve_protocol()
+
+
+def test_endpoint_configured(monkeypatch):
+    assert not otlp_endpoint_configured()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4318/v1/traces")
+    assert otlp_endpoint_configured()
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert otlp_endpoint_configured()
+
+
+def test_default_resource_names_the_service(monkeypatch):
+    assert default_resource().attributes["service.name"] == "torchtrace"
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs,team=ml")
+    assert default_resource().attributes["service.name"] == "from-attrs"
+    assert default_resource().attributes["team"] == "ml"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "from-service-name")
+    assert default_resource().attributes["service.name"] == "from-service-name"
+
+
+def test_json_file_lines_are_otlp_json(tmp_path):
+    path = tmp_path / "sub" / "dir" / "traces.jsonl"  # parent directories are created
+    sink = OtlpSink(JsonFileSender(path), default_resource(), "torchtrace", "0.1")
+    calls = forward_calls()
+    sink(calls)
+    sink(calls[:1])
+    sink.shutdown()
+
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])
+    span = first["resourceSpans"][0]["scopeSpans"][0]["spans"][1]
+    assert span["traceId"] == f"{TRACE_ID:032x}" and span["spanId"] == "0000000000000002"
+    assert span["parentSpanId"] == "0000000000000001"
+    assert span["kind"] == 1  # enums as ints
+    assert span["startTimeUnixNano"] == str(T0 + 10)  # 64-bit ints are strings in the protobuf JSON mapping
+
+    # The line maps back to the exact request: hex ids -> base64 (protobuf JSON), then json_format.
+    def hex_to_base64(node):
+        if isinstance(node, dict):
+            return {
+                k: base64.b64encode(bytes.fromhex(v)).decode()
+                if k in ("traceId", "spanId", "parentSpanId")
+                else hex_to_base64(v)
+                for k, v in node.items()
+            }
+        return [hex_to_base64(x) for x in node] if isinstance(node, list) else node
+
+    parsed = json_format.ParseDict(hex_to_base64(first), ExportTraceServiceRequest())
+    original = ExportTraceServiceRequest.FromString(
+        encode_export_request(calls, default_resource(), "torchtrace", "0.1")
+    )
+    assert parsed.SerializeToString(deterministic=True) == original.SerializeToString(deterministic=True)
+
+
+def test_json_file_sender_is_thread_safe(tmp_path):
+    sender = JsonFileSender(tmp_path / "t.jsonl")
+    payload = EncodedSpans(encode_export_request(forward_calls(), default_resource(), "torchtrace", ""), 3)
+    threads = [threading.Thread(target=lambda: [sender.send(payload) for _ in range(20)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sender.shutdown()
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert len(lines) == 80 and all(
+        len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) == 3 for line in lines
+    )
+    assert not sender.send(payload)  # after shutdown

@@ -1,0 +1,332 @@
+"""The in-memory records API, in the style of spikingjelly's monitors: ``handle["layer"]`` lists the calls of one
+module, ``handle.records`` all calls in call order, with what the user's functions made of each output and input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchtrace
+from torchtrace import CompressedTensor, ModuleCall
+
+
+class TestForHook(nn.Module):
+    """The seeds' model: two Linear layers and two activations with unit weights."""
+
+    __test__ = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(2, 2)
+        self.linear_2 = nn.Linear(2, 1)
+        self.relu = nn.ReLU()
+        self.relu6 = nn.ReLU6()
+        for parameter in self.parameters():
+            nn.init.ones_(parameter)
+
+    def forward(self, x):
+        return self.relu6(self.relu(self.linear_2(self.linear_1(x))))
+
+
+HOOK_PATHS = ["", "linear_1", "linear_2", "relu", "relu6"]
+
+
+class Spike(nn.Module):
+    """A spiking neuron: integrates into ``v``, fires where ``v`` crosses ``v_threshold``, then resets."""
+
+    def __init__(self, v_threshold: float = 1.0) -> None:
+        super().__init__()
+        self.v_threshold = v_threshold
+        self.v = torch.zeros(())
+        self.tau = torch.tensor(2.0)  # a one-element tensor attribute
+
+    def forward(self, x):
+        self.v = self.v + x
+        spikes = (self.v >= self.v_threshold).float()
+        self.v = self.v * (1 - spikes)
+        return spikes
+
+
+def record(**options) -> tuple[TestForHook, torchtrace.TraceHandle]:
+    model = TestForHook()
+    return model, torchtrace.instrument(model, exporter="none", **options)
+
+
+def x_of(value: float) -> torch.Tensor:
+    return torch.full((2, 2), value)
+
+
+def linear_1_mean(value: float) -> float:
+    return 2 * value + 1  # Linear(2, 2) with unit weights and bias
+
+
+# -- records per module and in call order --------------------------------------------------------------------------
+
+
+def test_records_per_module_path():
+    model, handle = record()
+    with handle:
+        model(x_of(0.1))
+        model(x_of(1.0))
+        calls = handle["linear_1"]
+        assert [type(call) for call in calls] == [ModuleCall, ModuleCall]
+        assert [call.attributes["torchtrace.output.mean"] for call in calls] == [pytest.approx(1.2), pytest.approx(3.0)]
+        assert [call.attributes["torchtrace.output.mean"] for call in handle["linear_2"]] == [
+            pytest.approx(3.4),
+            pytest.approx(7.0),
+        ]
+        assert handle["not_a_layer"] == []
+
+
+def test_records_are_in_call_order_with_depth_and_parents():
+    model, handle = record()
+    with handle:
+        model(x_of(0.1))
+        model(x_of(0.1))
+        records = handle.records
+    assert [call.path for call in records] == HOOK_PATHS * 2
+    assert [call.depth for call in records[:5]] == [0, 1, 1, 1, 1]
+    root = records[0]
+    assert all(call.parent_span_id == root.span_id and call.trace_id == root.trace_id for call in records[1:5])
+    assert records[5].trace_id != root.trace_id
+    assert all(call.start_ns <= call.end_ns for call in records)
+    assert root.name == "TestForHook" and records[1].name == "linear_1"
+
+
+def test_monitored_layers_lists_the_traced_module_paths():
+    model, handle = record()
+    with handle:
+        assert handle.monitored_layers == HOOK_PATHS
+
+
+# -- which modules --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"types": nn.ReLU}, ["relu"]),  # ReLU6 is a Hardtanh, not a ReLU
+        ({"types": (nn.ReLU, nn.ReLU6)}, ["relu", "relu6"]),
+        ({"types": nn.Linear}, ["linear_1", "linear_2"]),
+        ({"include": "linear_*"}, ["linear_1", "linear_2"]),
+        ({"include": ["relu", "linear_2"]}, ["linear_2", "relu"]),
+        ({"exclude": "relu*"}, ["", "linear_1", "linear_2"]),
+        ({"include": "*_?", "exclude": "linear_2"}, ["linear_1"]),
+        ({"max_depth": 0}, [""]),
+        ({"max_depth": 1}, HOOK_PATHS),
+    ],
+)
+def test_module_selection(options, expected):
+    model, handle = record(**options)
+    with handle:
+        assert handle.monitored_layers == expected
+        model(x_of(0.1))
+        assert [call.path for call in handle.records] == expected
+        # without the model's own span, each selected call is an outermost call
+        if "" not in expected:
+            assert all(call.depth == 0 and call.parent_span_id == 0 for call in handle.records)
+
+
+def test_max_depth_on_nested_modules():
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU())), nn.Linear(2, 2))
+    with torchtrace.instrument(model, exporter="none", max_depth=2) as handle:
+        assert handle.monitored_layers == ["", "0", "0.0", "0.1", "1"]
+        model(torch.ones(1, 2))
+        assert [(call.path, call.depth) for call in handle.records] == [
+            ("", 0), ("0", 1), ("0.0", 2), ("0.1", 2), ("1", 1)
+        ]
+
+
+# -- user functions -------------------------------------------------------------------------------------------------
+
+
+def test_function_on_output_stores_the_firing_rate():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(8, 6), Spike(), nn.Linear(6, 4), Spike())
+    x = torch.rand(3, 2, 4) * 2
+    with torchtrace.instrument(
+        model, exporter="none", types=Spike, function_on_output=lambda y: y.flatten(1).mean(1)
+    ) as handle:
+        with torch.no_grad():
+            hidden = model[1](model[0](x))
+        model[2].v = torch.zeros(())  # the reference call above did not touch the neurons: start them at rest
+        spikes_1 = (hidden >= 1.0).float()
+        with torch.no_grad():
+            model(x)
+        assert handle.monitored_layers == ["2", "4"]
+        (first,) = handle["2"]
+        assert torch.equal(first.output_value, spikes_1.flatten(1).mean(1))
+        assert handle["4"][0].output_value.shape == (3,)
+        assert all(0 <= rate <= 1 for rate in handle["4"][0].output_value.tolist())
+
+
+def test_function_on_input_stores_its_result():
+    model, handle = record(include="linear_*", function_on_input=lambda x: x.sum())
+    with handle:
+        model(x_of(0.5))
+        assert handle["linear_1"][0].input_value.item() == pytest.approx(2.0)
+        assert handle["linear_2"][0].input_value.item() == pytest.approx(4 * linear_1_mean(0.5) / 2)
+        assert handle["linear_1"][0].output_value is None
+
+
+def test_a_failing_user_function_does_not_break_the_forward():
+    def broken(y):
+        raise RuntimeError("user function bug")
+
+    model, handle = record(function_on_output=broken)
+    with handle:
+        out = model(x_of(0.1))
+        assert out.item() == pytest.approx(3.4)
+        assert [call.path for call in handle.records] == HOOK_PATHS
+        assert "RuntimeError: user function bug" in handle["linear_1"][0].attributes["torchtrace.output.stats_error"]
+
+
+# -- enable / disable / clear --------------------------------------------------------------------------------------
+
+
+def test_disable_records_nothing_and_enable_records_again():
+    model, handle = record()
+    with handle:
+        assert handle.enabled
+        handle.disable()
+        assert not handle.enabled
+        out = model(x_of(0.1))
+        assert out.item() == pytest.approx(3.4)  # still computes
+        assert handle.records == []
+        handle.enable()
+        model(x_of(1.0))
+        assert [call.path for call in handle.records] == HOOK_PATHS
+        assert handle["linear_1"][0].attributes["torchtrace.output.mean"] == pytest.approx(3.0)
+
+
+def test_clear_recorded_data_forgets_everything_recorded_so_far():
+    model, handle = record()
+    with handle:
+        model(x_of(0.1))
+        handle.clear_recorded_data()
+        assert handle.records == []
+        assert handle["linear_1"] == []
+        model(x_of(1.0))
+        assert [call.attributes["torchtrace.output.mean"] for call in handle["linear_1"]] == [pytest.approx(3.0)]
+
+
+def test_max_records_keeps_the_latest_calls():
+    model, handle = record(max_records=7)
+    with handle:
+        for value in (0.0, 1.0, 2.0):
+            model(x_of(value))
+        records = handle.records
+        assert len(records) == 7
+        # the last 7 of 15 calls: the last three of the second forward, all five of the third
+        assert [call.path for call in records] == HOOK_PATHS[3:] + HOOK_PATHS
+        assert [call.attributes["torchtrace.output.mean"] for call in handle["linear_1"]] == [
+            pytest.approx(linear_1_mean(2.0))
+        ]
+        assert len(handle["relu"]) == 2
+
+
+# -- module attributes, inputs, captured tensors ---------------------------------------------------------------------
+
+
+def test_module_attributes_are_recorded_after_each_call():
+    model = nn.Sequential(nn.Linear(4, 4), Spike(v_threshold=0.5))
+    nn.init.ones_(model[0].weight)
+    nn.init.zeros_(model[0].bias)
+    x = torch.tensor([[0.1, 0.0, 0.0, 0.0]])  # 0.1 into every neuron: fires on the 5th step
+    with torchtrace.instrument(model, exporter="none", types=Spike, module_attributes=("v_threshold", "v", "tau")) as h:
+        for _ in range(2):
+            with torch.no_grad():
+                model(x)
+        first, second = h["1"]
+        assert first.module_attributes["v_threshold"] == 0.5
+        assert torch.allclose(first.module_attributes["v"], torch.full((1, 4), 0.1))
+        assert torch.allclose(second.module_attributes["v"], torch.full((1, 4), 0.2))
+        assert first.module_attributes["tau"] == 2.0  # a one-element tensor is read as a number
+        # span attributes take the scalar ones only
+        assert first.attributes["torchtrace.module_attribute.v_threshold"] == 0.5
+        assert first.attributes["torchtrace.module_attribute.tau"] == 2.0
+        assert "torchtrace.module_attribute.v" not in first.attributes
+
+
+def test_module_attributes_reach_the_span():
+    from torchtrace.testing import capture_spans
+
+    model = Spike(v_threshold=0.75)
+    with capture_spans(model, module_attributes="v_threshold") as captured:
+        model(torch.ones(3))
+        assert captured.span("Spike").attributes["torchtrace.module_attribute.v_threshold"] == 0.75
+
+
+def test_input_statistics_are_recorded_when_inputs_is_on():
+    model, handle = record(inputs=True)
+    with handle:
+        model(x_of(0.1))
+        linear_2 = handle["linear_2"][0].attributes
+        assert linear_2["torchtrace.input.0.mean"] == pytest.approx(1.2)
+        assert linear_2["torchtrace.input.0.shape"] == (2, 2)
+        assert handle[""][0].attributes["torchtrace.input.0.max"] == pytest.approx(0.1)
+
+
+def test_tensors_are_not_captured_by_default():
+    model, handle = record()
+    with handle:
+        model(x_of(0.1))
+        assert all(call.tensors is None for call in handle.records)
+
+
+def test_captured_tensors_are_copies_of_each_output():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        linear_out = model[0](x)
+    with torchtrace.instrument(model, exporter="none", capture_tensors=True) as handle, torch.no_grad():
+        out = model(x)
+        assert torch.equal(handle["0"][0].tensors[""], linear_out)  # before the in-place ReLU
+        assert torch.equal(handle["1"][0].tensors[""], out)
+
+
+def test_captured_tensors_stay_within_capture_max_bytes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))  # every output: 4 float32 = 16 bytes
+    x = torch.randn(1, 4)
+    with torchtrace.instrument(model, exporter="none", capture_tensors=True, capture_max_bytes=40) as handle:
+        model(x)
+        # outputs are captured as modules return: "0" (16 bytes) and "1" (32) fit, "2" and the model (48) do not
+        assert {call.path: sorted(call.tensors) for call in handle.records} == {"": [], "0": [""], "1": [""], "2": []}
+        model(x)
+        assert all(call.tensors == {} for call in handle.records[4:])  # the budget is spent
+        handle.clear_recorded_data()  # ... until the recorded data is cleared
+        model(x)
+        assert sorted(call.path for call in handle.records if call.tensors) == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 5),
+        torch.randn(4, 6).t(),  # not contiguous
+        torch.tensor([1.0, float("nan"), float("-inf"), -0.0]),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.randn(2, 3).half(),
+        torch.arange(-5, 5, dtype=torch.int64),
+        torch.tensor([True, False, True]),
+        torch.tensor(3.5),
+        torch.empty(0, 2),
+        torch.randn(3, dtype=torch.complex64),
+    ],
+    ids=["f32", "non-contiguous", "non-finite", "bf16", "f16", "int64", "bool", "0-dim", "empty", "complex"],
+)
+def test_compressed_captures_round_trip_bit_exact(tensor):
+    class Emit(nn.Module):
+        def forward(self):
+            return tensor
+
+    module = Emit()
+    with torchtrace.instrument(module, exporter="none", capture_tensors=True, capture_compress=True) as handle:
+        module()
+        compressed = handle.records[0].tensors[""]
+    assert isinstance(compressed, CompressedTensor)
+    restored = compressed.tensor()
+    assert restored.dtype == tensor.dtype
+    assert restored.shape == tensor.shape
+    assert restored.contiguous().view(torch.uint8).tolist() == tensor.contiguous().view(torch.uint8).tolist()

@@ -1,0 +1,458 @@
+"""Tensor statistics on spans: each value equals torch's own computation on the same tensor, named after where the
+tensor sits in the output (or input); tracing never changes what the model computes, and remove() leaves no hook."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import torchtrace
+from torchtrace._handle import _live_handles
+from torchtrace.testing import capture_spans
+
+NUMERIC = ("mean", "std", "min", "max", "abs_max", "norm", "nan_count", "inf_count", "zero_fraction")
+
+
+class Emit(nn.Module):
+    """Returns whatever it is told to, so a test controls the exact output a span summarises."""
+
+    def __init__(self, value: Any = None) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, *args, **kwargs):
+        return self.value
+
+
+def output_attributes(value: Any, **options: Any) -> dict[str, Any]:
+    """The torchtrace.output.* attributes of the span of a module that returns ``value``, prefix stripped."""
+    module = Emit(value)
+    with capture_spans(module, **options) as captured:
+        module()
+        attributes = dict(captured.span("Emit").attributes)
+    prefix = "torchtrace.output."
+    return {key.removeprefix(prefix): value for key, value in attributes.items() if key.startswith(prefix)}
+
+
+def torch_stats(tensor: torch.Tensor) -> dict[str, Any]:
+    """What torch itself says, in float64: magnitudes for complex tensors, values as floats for int/bool."""
+    x = tensor.detach()
+    x = x.abs().double() if x.is_complex() else x.double()
+    n = x.numel()
+    return {
+        "shape": tuple(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "device": str(tensor.device),
+        "mean": x.mean().item(),
+        "std": torch.std(x, correction=1 if n > 1 else 0).item(),  # 0 for one finite element
+        "min": x.min().item(),
+        "max": x.max().item(),
+        "abs_max": x.abs().max().item(),
+        "norm": torch.linalg.vector_norm(x).item(),
+        "nan_count": int(torch.isnan(x).sum()),
+        "inf_count": int(torch.isinf(x).sum()),
+        "zero_fraction": (x == 0).double().mean().item(),
+    }
+
+
+def assert_stats_match(got: dict[str, Any], tensor: torch.Tensor, prefix: str = "", rel: float = 1e-5) -> None:
+    expected = torch_stats(tensor)
+    for name, value in expected.items():
+        key = f"{prefix}{name}"
+        assert key in got, f"{key} missing from {sorted(got)}"
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, rel=rel, abs=1e-6, nan_ok=True), f"{key}: {got[key]} != {value}"
+        else:
+            assert got[key] == value, f"{key}: {got[key]!r} != {value!r}"
+
+
+# -- every statistic equals torch's computation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rel"),
+    [(torch.float32, 1e-5), (torch.float64, 1e-9), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)],
+)
+def test_float_statistics_equal_torch(dtype, rel):
+    torch.manual_seed(0)
+    tensor = (torch.randn(4, 5, 6) * 3 + 1).to(dtype)
+    tensor[0, 0, :3] = 0
+    assert_stats_match(output_attributes(tensor), tensor, rel=rel)
+
+
+def test_a_large_tensor_takes_the_same_values_as_torch():
+    torch.manual_seed(1)
+    tensor = torch.randn(300, 300) * 0.01 + 5
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+
+
+@pytest.mark.parametrize("repeat", [1, 5000], ids=["small", "large"])
+def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat):
+    tensor = torch.tensor([1e8, 1e8 + 1e-3, 1e8 - 1e-3, 1e8], dtype=torch.float64).repeat(repeat)
+    got = output_attributes(tensor)
+    assert got["std"] == pytest.approx(torch.std(tensor).item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.uint8])
+def test_integer_statistics_are_those_of_the_values_as_floats(dtype):
+    tensor = torch.tensor([[0, 3, 7], [100, 0, 1]], dtype=dtype)
+    got = output_attributes(tensor)
+    assert_stats_match(got, tensor)
+    assert got["mean"] == pytest.approx(111 / 6)
+    assert got["zero_fraction"] == pytest.approx(2 / 6)
+
+
+def test_bool_statistics_count_true_as_one():
+    tensor = torch.tensor([True, False, True, True])
+    got = output_attributes(tensor)
+    assert_stats_match(got, tensor)
+    assert (got["mean"], got["max"], got["zero_fraction"]) == (0.75, 1.0, 0.25)
+
+
+def test_complex_statistics_are_those_of_the_magnitude():
+    tensor = torch.tensor([3 + 4j, 1j, 0j, -6 + 8j], dtype=torch.complex64)
+    got = output_attributes(tensor)
+    assert_stats_match(got, tensor)
+    assert (got["mean"], got["max"], got["min"]) == (pytest.approx(4.0), pytest.approx(10.0), 0.0)
+    assert got["dtype"] == "complex64"
+
+
+def test_an_empty_tensor_has_only_shape_dtype_and_device():
+    got = output_attributes(torch.empty(0, 3))
+    assert got == {"shape": (0, 3), "dtype": "float32", "device": "cpu"}
+
+
+def test_a_zero_dim_tensor_has_std_zero_and_an_empty_shape():
+    got = output_attributes(torch.tensor(-2.5))
+    assert got["shape"] == ()
+    assert (got["mean"], got["std"], got["min"], got["max"], got["abs_max"], got["norm"]) == (
+        -2.5, 0.0, -2.5, -2.5, 2.5, 2.5,
+    )
+
+
+def test_a_one_element_tensor_has_std_zero():
+    got = output_attributes(torch.tensor([7.0]))
+    assert got["std"] == 0.0
+    assert got["norm"] == 7.0
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, float("nan"), 3.0],
+        [1.0, float("inf"), -2.0],
+        [float("-inf"), 0.0, 2.0],
+        [float("inf"), float("-inf"), 1.0],
+        [float("nan"), float("inf"), 0.0],
+    ],
+    ids=["nan", "inf", "neg-inf", "both-infs", "nan-and-inf"],
+)
+@pytest.mark.parametrize("padding", [0, 10_000], ids=["small", "large"])
+def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding):
+    tensor = torch.cat([torch.tensor(values), torch.ones(padding)])
+    got = output_attributes(tensor)
+    assert_stats_match(got, tensor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.floats(width=32, min_value=-(2.0**50), max_value=2.0**50)
+        | st.sampled_from([0.0, float("nan"), float("inf"), float("-inf")]),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_property_float32_statistics_equal_torch(values):
+    tensor = torch.tensor(values, dtype=torch.float32)
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+
+
+def test_statistics_of_a_tensor_that_requires_grad():
+    layer = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with capture_spans(layer) as captured:
+        y = layer(x)
+        got = captured.span("Linear").attributes
+    prefixed = {key.removeprefix("torchtrace.output."): value for key, value in got.items()}
+    assert_stats_match(prefixed, y)
+
+
+# -- names of tensors inside outputs ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    label: str
+
+
+class Pair(NamedTuple):
+    hidden: torch.Tensor
+    attention: torch.Tensor
+
+
+class ModelOutput(collections.OrderedDict):
+    """Like transformers.ModelOutput: an OrderedDict whose keys are also attributes."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+
+A = torch.tensor([1.0, 2.0, 3.0])
+B = torch.tensor([[-4.0, 4.0]])
+C = torch.tensor([10.0])
+
+
+def means(got: dict[str, Any]) -> dict[str, float]:
+    return {key.removesuffix(".mean"): value for key, value in got.items() if key.endswith(".mean") or key == "mean"}
+
+
+def test_tuple_outputs_are_named_by_position():
+    assert means(output_attributes((A, B))) == {"0": 2.0, "1": 0.0}
+
+
+def test_nested_lists_and_tuples_are_named_by_dotted_positions():
+    assert means(output_attributes([A, (B, C)])) == {"0": 2.0, "1.0": 0.0, "1.1": 10.0}
+
+
+def test_dict_outputs_are_named_by_key():
+    got = output_attributes({"logits": A, "hidden": B})
+    assert means(got) == {"logits": 2.0, "hidden": 0.0}
+    assert got["logits.shape"] == (3,)
+
+
+def test_dataclass_outputs_are_named_by_field_and_skip_none_and_non_tensors():
+    got = output_attributes(Prediction(logits=A, loss=None, label="cat"))
+    assert means(got) == {"logits": 2.0}
+    assert not any(key.startswith(("loss", "label")) for key in got)
+
+
+def test_namedtuple_outputs_are_named_by_field():
+    assert means(output_attributes(Pair(hidden=A, attention=B))) == {"hidden": 2.0, "attention": 0.0}
+
+
+def test_model_output_like_mappings_are_named_by_key_including_nested_tuples():
+    output = ModelOutput(logits=A, hidden_states=(B, C))
+    got = output_attributes(output)
+    assert means(got) == {"logits": 2.0, "hidden_states.0": 0.0, "hidden_states.1": 10.0}
+    assert got["logits.max"] == 3.0
+
+
+def test_a_none_output_has_no_statistics_and_is_not_an_error():
+    module = Emit(None)
+    with capture_spans(module) as captured:
+        module()
+        span = captured.span("Emit")
+    assert not [key for key in span.attributes if key.startswith("torchtrace.output")]
+    assert span.status.is_ok
+
+
+def test_a_bare_tensor_output_has_no_name_segment():
+    got = output_attributes(A, stats=("mean",))
+    assert got == {"mean": 2.0}
+
+
+# -- inputs -------------------------------------------------------------------------------------------------------
+
+
+def test_inputs_are_summarised_by_position_when_inputs_is_on():
+    module = Emit(C)
+    with capture_spans(module, inputs=True) as captured:
+        module(A, B)
+        attributes = captured.span("Emit").attributes
+    assert attributes["torchtrace.input.0.mean"] == 2.0
+    assert attributes["torchtrace.input.1.min"] == -4.0
+    assert attributes["torchtrace.input.1.shape"] == (1, 2)
+    assert attributes["torchtrace.output.mean"] == 10.0
+
+
+def test_keyword_inputs_are_summarised_by_name():
+    module = Emit(C)
+    with capture_spans(module, inputs=True) as captured:
+        module(A, mask=B)
+        attributes = captured.span("Emit").attributes
+    assert attributes["torchtrace.input.0.mean"] == 2.0
+    assert attributes["torchtrace.input.mask.max"] == 4.0
+
+
+def test_inputs_are_not_summarised_by_default():
+    module = Emit(C)
+    with capture_spans(module) as captured:
+        module(A)
+        attributes = captured.span("Emit").attributes
+    assert not [key for key in attributes if key.startswith("torchtrace.input")]
+
+
+def test_input_statistics_equal_torch():
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    with capture_spans(layer, inputs=True) as captured:
+        layer(x)
+        got = {
+            key.removeprefix("torchtrace.input.0."): value
+            for key, value in captured.span("Linear").attributes.items()
+            if key.startswith("torchtrace.input.0.")
+        }
+    assert_stats_match(got, x)
+
+
+# -- choosing statistics ------------------------------------------------------------------------------------------
+
+
+def test_a_stats_subset_gives_only_those_statistics():
+    assert output_attributes(A, stats=("mean", "max")) == {"mean": 2.0, "max": 3.0}
+
+
+def test_stats_false_gives_no_statistics():
+    assert output_attributes(A, stats=False) == {}
+
+
+def test_a_user_statistic_appears_next_to_the_builtin_ones():
+    tensor = torch.arange(100, dtype=torch.float32)
+    got = output_attributes(tensor, stats=("mean",), extra_stats={"p99": lambda t: torch.quantile(t.float(), 0.99)})
+    assert got == {"mean": pytest.approx(49.5), "p99": pytest.approx(torch.quantile(tensor, 0.99).item())}
+
+
+def test_max_tensors_truncates_and_says_so():
+    got = output_attributes((A, B, C), stats=("mean",), max_tensors=2)
+    assert got == {"0.mean": 2.0, "1.mean": 0.0, "truncated": True}
+
+
+def test_within_max_tensors_there_is_no_truncated_flag():
+    got = output_attributes((A, B), stats=("mean",), max_tensors=2)
+    assert "truncated" not in got
+
+
+# -- statistics are taken when the module returns ---------------------------------------------------------------
+
+
+def test_an_in_place_op_after_a_module_does_not_change_its_recorded_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True))
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        before_relu = model[0](x)
+    assert before_relu.min() < 0  # the ReLU will overwrite these in place
+    with capture_spans(model) as captured, torch.no_grad():
+        out = model(x)
+        linear = captured.span("0").attributes
+        relu = captured.span("1").attributes
+    assert linear["torchtrace.output.min"] == pytest.approx(before_relu.min().item())
+    assert linear["torchtrace.output.mean"] == pytest.approx(before_relu.mean().item(), rel=1e-5)
+    assert relu["torchtrace.output.min"] == 0.0
+    assert relu["torchtrace.output.mean"] == pytest.approx(out.mean().item(), rel=1e-5)
+
+
+# -- tracing never changes the model's results ----------------------------------------------------------------------
+
+
+def transformer() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.1, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4), nn.Softmax(-1))
+
+
+@pytest.mark.parametrize("make_model", [transformer, mlp], ids=["transformer", "mlp"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"stats": False}, {"inputs": True}, {"inputs": True, "capture_tensors": True, "module_attributes": "training"}],
+    ids=["default", "no-stats", "inputs", "everything"],
+)
+def test_outputs_are_bit_identical_with_and_without_tracing(make_model, options):
+    model = make_model()
+    torch.manual_seed(1)
+    x = torch.randn(3, 5, 16) if make_model is transformer else torch.randn(7, 10)
+    with torch.no_grad():
+        expected = model(x)
+    with capture_spans(model, **options) as captured:
+        with torch.no_grad():
+            traced = model(x)
+        assert captured.spans_named(type(model).__name__)  # traced (not every submodule is called as a module)
+    assert torch.equal(traced, expected)
+
+
+def test_gradients_are_identical_with_and_without_tracing():
+    model = mlp()
+    x = torch.randn(7, 10)
+    model(x).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with capture_spans(model, inputs=True):
+        model(x).sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
+# -- removal ------------------------------------------------------------------------------------------------------
+
+
+def hooks_left(model: nn.Module) -> list[str]:
+    return [
+        name
+        for name, module in model.named_modules()
+        if module._forward_hooks or module._forward_pre_hooks or module._forward_hooks_with_kwargs
+        or module._forward_hooks_always_called or module._forward_pre_hooks_with_kwargs
+    ]
+
+
+def test_remove_leaves_no_hook_on_any_module_and_is_idempotent():
+    model = transformer()
+    handle = torchtrace.instrument(model, exporter="none", inputs=True)
+    assert hooks_left(model)  # instrumented: every module has hooks
+    model(torch.randn(1, 4, 16))
+    handle.remove()
+    assert hooks_left(model) == []
+    assert handle not in set(_live_handles)
+    handle.remove()  # a second remove is a no-op
+    assert hooks_left(model) == []
+    recorded = len(handle.records)
+    model(torch.randn(1, 4, 16))
+    assert len(handle.records) == recorded  # nothing is traced after remove()
+
+
+def test_the_context_manager_removes_the_hooks():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        model(torch.randn(2, 10))
+        assert len(handle.records) == len(list(model.modules()))
+    assert hooks_left(model) == []
+    assert handle not in set(_live_handles)
+
+
+def test_the_context_manager_removes_the_hooks_when_the_body_raises():
+    model = mlp()
+    with pytest.raises(RuntimeError, match="user error"), torchtrace.instrument(model, exporter="none"):
+        raise RuntimeError("user error")
+    assert hooks_left(model) == []
+
+
+def test_user_hooks_survive_remove():
+    model = mlp()
+    seen: list[str] = []
+    user_hook = model[0].register_forward_hook(lambda module, args, output: seen.append("user"))
+    with torchtrace.instrument(model, exporter="none"):
+        model(torch.randn(2, 10))
+    model(torch.randn(2, 10))
+    assert seen == ["user", "user"]
+    assert len(model[0]._forward_hooks) == 1
+    user_hook.remove()
+
+
+def test_norm_of_tensor_with_inf_is_inf():
+    # explicit regression for the norm of non-finite data: torch says inf, not 0
+    got = output_attributes(torch.tensor([1.0, float("inf")]))
+    assert got["norm"] == math.inf

@@ -1,0 +1,144 @@
+"""``torchtrace demo``: trace a small transformer's inference with the default options and say where spans went."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TextIO
+
+import torch
+from opentelemetry import trace
+from torch import nn
+
+import torchtrace
+from torchtrace._calls import ModuleCall
+
+SEED = 0
+VOCAB = 1000
+D_MODEL = 128
+HEADS = 4
+LAYERS = 4
+CLASSES = 10
+BATCH = 8
+SEQUENCE = 32
+
+
+class DemoTransformer(nn.Module):
+    """Token embedding, a stack of encoder layers, mean pooling, a linear classification head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, D_MODEL)
+        layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(D_MODEL, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embedding(tokens)).mean(dim=1))
+
+
+class _CallCounter:
+    """A sink counting the calls handed to the exporters (the dispatcher gives every sink the same batches)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        with self._lock:
+            self.calls += len(calls)
+
+
+def _progress(items: Iterable[int], total: int, stream: TextIO) -> Iterator[int]:
+    """tqdm when it is installed (it is not a dependency), else a one-line progress counter on ``stream``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, total=total, desc="inference", unit="batch", file=stream)
+        return
+    for done, item in enumerate(items, start=1):
+        yield item
+        stream.write(f"\rinference: {done}/{total} batches")
+        stream.flush()
+    stream.write("\n")
+    stream.flush()
+
+
+def _exporter_counts(handle: torchtrace.TraceHandle) -> tuple[int, int] | None:
+    """(exported, failed) span counts of the OTLP/file exporter sink, when it keeps them."""
+    for sink in handle._dispatcher.sinks:
+        if hasattr(sink, "exported") and hasattr(sink, "failed"):
+            return int(sink.exported), int(sink.failed)
+    return None
+
+
+def _where(handle: torchtrace.TraceHandle, spans: int) -> str:
+    counts = _exporter_counts(handle)
+    failed = f" ({counts[1]} failed to export)" if counts and counts[1] else ""
+    if counts:
+        spans = counts[0]
+    if handle.exporter == "file":
+        path = os.path.abspath(handle.options.trace_file)
+        return f"traces: {spans} spans appended as OTLP JSON lines to {path}{failed}"
+    if handle.exporter == "otlp":
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        protocol = (
+            os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        return f"traces: {spans} spans sent over OTLP ({protocol}) to {endpoint}{failed}"
+    if handle.exporter == "sdk":
+        return f"traces: {spans} spans handed to the OpenTelemetry SDK TracerProvider (its exporters decide where)"
+    return f"traces: not exported (exporter={handle.exporter!r}); {spans} calls recorded"
+
+
+def run_demo(
+    *,
+    batches: int = 50,
+    otlp_endpoint: str | None = None,
+    protocol: str | None = None,
+    trace_file: str | None = None,
+    stats: bool = True,
+    out: TextIO | None = None,
+    progress: TextIO | None = None,
+) -> int:
+    """Runs the demo; returns the exit status (1 if spans failed to export)."""
+    out = out or sys.stdout
+    progress = progress or sys.stderr
+    if otlp_endpoint:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
+    if protocol:
+        os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = protocol
+
+    torch.manual_seed(SEED)
+    model = DemoTransformer().eval()
+    generator = torch.Generator().manual_seed(SEED)
+    inputs = [torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator) for _ in range(min(batches, 8))]
+
+    counter = _CallCounter()
+    handle = torchtrace.instrument(
+        model,
+        exporter="otlp" if otlp_endpoint else None,
+        trace_file=trace_file,
+        stats=None if stats else False,
+        sinks=[counter],
+    )
+    tracer = trace.get_tracer("torchtrace.demo", torchtrace.__version__)  # no-op unless an SDK provider is set
+    try:
+        with torch.inference_mode():
+            for batch in _progress(range(batches), batches, progress):
+                with tracer.start_as_current_span("demo.inference", attributes={"demo.batch": batch}):
+                    model(inputs[batch % len(inputs)])
+        handle.flush()
+        print(handle.summary(limit=20), file=out)
+        print(file=out)
+        print(_where(handle, counter.calls), file=out)
+        counts = _exporter_counts(handle)
+    finally:
+        handle.remove()
+    return 1 if counts and counts[1] else 0
