@@ -32,7 +32,9 @@ def _no_leftover_instrumentation():
         handle.remove()
     leaked_threads = _dispatch_threads() - threads_before
     if leftovers:
-        pytest.fail(f"test left {len(leftovers)} torchtrace handle(s) live: call remove() or use `with instrument(...)`")
+        pytest.fail(
+            f"test left {len(leftovers)} torchtrace handle(s) live: call remove() or use `with instrument(...)`"
+        )
     if leaked_threads:
         pytest.fail(f"test left {len(leaked_threads)} torchtrace dispatch worker(s) running (a handle never removed)")
 

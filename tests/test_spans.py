@@ -196,7 +196,7 @@ def test_span_times_are_the_real_call_times():
     for child in children:
         assert root.start_time <= child.start_time <= child.end_time <= root.end_time
     # siblings run one after the other, in call order
-    for earlier, later in zip(children, children[1:]):
+    for earlier, later in zip(children, children[1:], strict=False):
         assert earlier.end_time <= later.start_time
     # a module that sleeps 20 ms lasts at least 20 ms (and not absurdly longer)
     assert 20_000_000 <= children[0].end_time - children[0].start_time < 2_000_000_000
@@ -283,12 +283,13 @@ def test_concurrent_threads_each_nest_under_their_own_request_span():
             index = int(request.name.removeprefix("request-"))
             assert span.attributes["torchtrace.output.mean"] == pytest.approx(2 * index + 1)
     for request in (span for span in spans if span.name.startswith("request-")):
-        children = [span for span in spans if span.parent is not None and span.parent.span_id == request.context.span_id]
-        assert [child.name for child in children] == ["TestForHook"]
-        grandchildren = sorted(
-            (span.name for span in spans if span.parent is not None and span.parent.span_id == children[0].context.span_id)
-        )
-        assert grandchildren == ["linear_1", "linear_2", "relu", "relu6"]
+        (child,) = children_of(request, spans)
+        assert child.name == "TestForHook"
+        assert sorted(span.name for span in children_of(child, spans)) == ["linear_1", "linear_2", "relu", "relu6"]
+
+
+def children_of(parent, spans) -> list:
+    return [span for span in spans if span.parent is not None and span.parent.span_id == parent.context.span_id]
 
 
 # -- exceptions ---------------------------------------------------------------------------------------------------
@@ -343,9 +344,7 @@ def test_an_exception_marks_the_raising_span_and_its_ancestors_and_reaches_the_c
         captured.clear()
         boom.armed = False
         model(torch.randn(1, 2))
-        assert captured.tree() == {
-            "Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}, "after": {}}
-        }
+        assert captured.tree() == {"Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}, "after": {}}}
         assert all(span.status.status_code is StatusCode.UNSET for span in captured.spans())
 
 
@@ -379,12 +378,16 @@ def test_a_keyboard_interrupt_mid_forward_does_not_stop_later_forwards_from_bein
     with capture_spans(model) as captured:
         with pytest.raises(KeyboardInterrupt):
             model(torch.randn(1, 2))
-        captured.clear()
         boom.armed = False
         model(torch.randn(1, 2))
+        # torch runs no hook for a KeyboardInterrupt: the open forward is closed as interrupted when the model is
+        # next called, and delivered before the new forward, which is traced in full.
         assert captured.tree() == {
-            "Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}, "after": {}}
+            "Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}},
+            "Faulty#2": {"before": {}, "block": {"block.0": {}, "block.1": {}}, "after": {}},
         }
+        interrupted = [span for span in captured.spans() if span.status.status_code is StatusCode.ERROR]
+        assert sorted(span.name for span in interrupted) == ["Faulty", "block", "block.1"]
 
 
 class ReturnsNone(nn.Module):

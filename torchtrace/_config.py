@@ -146,6 +146,12 @@ def _stats(value: Any) -> tuple[str, ...]:
     return tuple(name for name in STAT_NAMES if name in value)
 
 
+def _bool_option(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -207,7 +213,7 @@ def resolve_options(**kwargs: Any) -> Options:
         max_depth=max_depth,
         stats=_stats(pick("stats", ENV_STATS)),
         extra_stats=extra_stats,
-        inputs=bool(pick("inputs", ENV_INPUTS, _parse_bool)),
+        inputs=_bool_option("inputs", pick("inputs", ENV_INPUTS, _parse_bool)),
         max_tensors=pick("max_tensors", ENV_MAX_TENSORS, _parse_int),
         sample_every=sample_every,
         sample_ratio=float(sample_ratio),
@@ -215,9 +221,9 @@ def resolve_options(**kwargs: Any) -> Options:
         function_on_output=kwargs.get("function_on_output"),
         function_on_input=kwargs.get("function_on_input"),
         module_attributes=tuple(module_attributes),
-        capture_tensors=bool(kwargs.get("capture_tensors", False)),
-        capture_max_bytes=int(kwargs.get("capture_max_bytes") or Options.capture_max_bytes),
-        capture_compress=bool(kwargs.get("capture_compress", False)),
+        capture_tensors=_bool_option("capture_tensors", kwargs.get("capture_tensors", False)),
+        capture_max_bytes=pick("capture_max_bytes", None),
+        capture_compress=_bool_option("capture_compress", kwargs.get("capture_compress", False)),
         export_interval_ms=pick("export_interval_ms", ENV_EXPORT_INTERVAL, _parse_int),
         max_pending_calls=pick("max_pending_calls", ENV_MAX_PENDING, _parse_int),
         sinks=sinks,

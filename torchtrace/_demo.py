@@ -85,12 +85,16 @@ def _where(handle: torchtrace.TraceHandle, spans: int) -> str:
         path = os.path.abspath(handle.options.trace_file)
         return f"traces: {spans} spans appended as OTLP JSON lines to {path}{failed}"
     if handle.exporter == "otlp":
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         protocol = (
             os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
             or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
             or "http/protobuf"
         )
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        if not endpoint:
+            endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+            if protocol == "http/protobuf":  # the generic variable is a base URL: the exporter appends the path
+                endpoint = endpoint.rstrip("/") + "/v1/traces"
         return f"traces: {spans} spans sent over OTLP ({protocol}) to {endpoint}{failed}"
     if handle.exporter == "sdk":
         return f"traces: {spans} spans handed to the OpenTelemetry SDK TracerProvider (its exporters decide where)"

@@ -52,6 +52,8 @@ class _ThreadState(threading.local):
         self.stack: list = []  # open entries, innermost last
         self.entries: list = []
         self.skip_depth = 0  # > 0 inside a forward that is not traced
+        self.skip_root = -1  # the outermost module of that forward
+        self.root_frame: Any = None  # frame of the outermost call: tells recursion from an interrupted forward
         self.parent: Any = None
         self.clock_offset_ns = 0
 
@@ -80,10 +82,14 @@ class HookRecorder:
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
             if state.skip_depth:
-                state.skip_depth += 1
-                return
+                if index != state.skip_root or _on_call_stack(state.root_frame):
+                    state.skip_depth += 1
+                    return
+                state.skip_depth = 0  # the skipped forward never finished: see _close_interrupted
             stack = state.stack
-            if not stack and not self._begin_forward(state):
+            if stack and stack[0][MODULE] == index and not _on_call_stack(state.root_frame):
+                self._close_interrupted(state)
+            if not stack and not self._begin_forward(state, index):
                 return
             entries = state.entries
             entry = [None] * _ENTRY_SIZE
@@ -137,24 +143,40 @@ class HookRecorder:
 
     # -- per forward ---------------------------------------------------------------------------------------------
 
-    def _begin_forward(self, state: _ThreadState) -> bool:
-        if not self.enabled:
+    def _begin_forward(self, state: _ThreadState, index: int) -> bool:
+        state.root_frame = sys._getframe(2)  # torch's frame running this outermost call
+        parent = None
+        if self.enabled:
+            parent = trace.get_current_span().get_span_context()
+            if parent.is_valid and not parent.trace_flags.sampled:
+                parent = None  # the caller's trace is not sampled: neither are we (ParentBased)
+            elif not self.sampler.should_trace():
+                parent = None
+        if parent is None:
             state.skip_depth = 1
-            return False
-        parent = trace.get_current_span().get_span_context()
-        if parent.is_valid and not parent.trace_flags.sampled:
-            state.skip_depth = 1  # the caller's trace is not sampled: neither are we (ParentBased)
-            return False
-        if not self.sampler.should_trace():
-            state.skip_depth = 1
+            state.skip_root = index
             return False
         state.parent = parent
         state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
         return True
 
+    def _close_interrupted(self, state: _ThreadState) -> None:
+        """The outermost module of the open forward is called again, and that call is no longer running.
+
+        Torch runs always_call hooks only for ``Exception``; a KeyboardInterrupt (a notebook's stop button) leaves
+        the forward open forever: close it as interrupted and deliver it.
+        """
+        end = time.perf_counter_ns()
+        for entry in state.stack:
+            entry[END] = end
+            entry[ERROR] = "interrupted"
+        state.stack.clear()
+        self._end_forward(state)
+
     def _end_forward(self, state: _ThreadState) -> None:
         entries = state.entries
         state.entries = []
+        state.root_frame = None
         state.stats.finish_forward()
         self.buffer.put(RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns), len(entries))
 
@@ -209,6 +231,16 @@ def _attribute_value(module: torch.nn.Module, name: str) -> Any:
         value = value.detach()
         return value.item() if value.numel() == 1 else value.to("cpu", copy=True)
     return value
+
+
+def _on_call_stack(frame: Any) -> bool:
+    """Walks the stack: only when the outermost module is entered again while its forward looks open (rare)."""
+    current = sys._getframe(2)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 @dataclass(slots=True, frozen=True)

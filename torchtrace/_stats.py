@@ -139,10 +139,10 @@ def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) 
         squares = (values * values).sum(1)
         lows, highs = torch.aminmax(values, dim=1)
         mean = sums / n
+        centered = values - mean[:, None]
         columns = {
             "mean": mean,
-            # var = (sum(x^2) - n mean^2) / (n - 1): exact enough in float64 for float32 data; 0 for one element
-            "std": ((squares - sums * mean) / max(n - 1, 1)).clamp(min=0).sqrt(),
+            "std": ((centered * centered).sum(1) / max(n - 1, 1)).sqrt(),  # torch.std; 0 for one element
             "min": lows,
             "max": highs,
             "abs_max": torch.maximum(lows.abs(), highs.abs()),
@@ -199,9 +199,10 @@ def _numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any
     nonzero_v = int(nonzero)
     if math.isfinite(mean_v) and math.isfinite(low_v) and math.isfinite(high_v):
         nan_v = inf_v = 0
-    else:  # only now pay for the two extra passes
+    else:  # only now pay for the extra passes
         nan_v = int(torch.isnan(x).sum())
         inf_v = int(torch.isinf(x).sum())
+        mean_v = float(x.mean())  # std_mean's mean is NaN where torch.mean gives +-inf
     _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, nonzero_v, nan_v, inf_v)
 
 
@@ -212,8 +213,7 @@ def _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count)
         "min": low,
         "max": high,
         "abs_max": max(abs(low), abs(high)) if not (math.isnan(low) or math.isnan(high)) else math.nan,
-        # sum(x^2) = sum((x - mean)^2) + n * mean^2: the L2 norm without another pass over the tensor.
-        "norm": math.sqrt(max(0.0, (n - 1) * std * std + n * mean * mean)) if n > 1 else abs(mean),
+        "norm": _norm(n, mean, std, nan_count, inf_count),
         "nan_count": nan_count,
         "inf_count": inf_count,
         "zero_fraction": (n - nonzero) / n,
@@ -221,6 +221,15 @@ def _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count)
     for name in _NUMERIC:
         if name in wanted:
             stats[name] = values[name]
+
+
+def _norm(n: int, mean: float, std: float, nan_count: int, inf_count: int) -> float:
+    if nan_count:
+        return math.nan
+    if inf_count:
+        return math.inf
+    # sum(x^2) = sum((x - mean)^2) + n * mean^2: the L2 norm without another pass over the tensor.
+    return math.sqrt((n - 1) * std * std + n * mean * mean) if n > 1 else abs(mean)
 
 
 def resolve(stats: dict[str, Any]) -> dict[str, Any]:
