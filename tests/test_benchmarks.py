@@ -23,15 +23,6 @@ BASE_VARIANTS = {
 OTLP_VARIANTS = {"torchtrace_spans_otlp", "torchtrace_stats_otlp"}
 
 
-def _otlp_exporter_exists() -> bool:
-    try:
-        from torchtrace import _exporters
-
-        return callable(getattr(_exporters, "otlp_sink", None))
-    except ImportError:
-        return False
-
-
 def test_overhead_quick_prints_a_json_report_last() -> None:
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
     result = subprocess.run(
@@ -47,7 +38,7 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     report = json.loads(lines[-1])
     assert set(report) == {"cheap"}
     variants = report["cheap"]["variants"]
-    expected = BASE_VARIANTS | (OTLP_VARIANTS if _otlp_exporter_exists() else set())
+    expected = BASE_VARIANTS | OTLP_VARIANTS
     assert set(variants) == expected, result.stdout
     for name, values in variants.items():
         assert set(values) == {"us_per_call", "x_floor", "x_none"}, name

@@ -17,26 +17,12 @@ BATCHES = 3
 CALLS_PER_FORWARD = 40  # model, embedding, encoder, 4 x (layer + 8 submodules), head
 
 
-def _file_exporter_exists() -> bool:
-    try:
-        from torchtrace import _exporters
-
-        return callable(getattr(_exporters, "file_sink", None))
-    except ImportError:
-        return False
-
-
-HAS_FILE_EXPORTER = _file_exporter_exists()
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     tmp = tmp_path_factory.mktemp("demo")
     trace_file = tmp / "t.jsonl"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    if not HAS_FILE_EXPORTER:  # the default exporter is not written yet: still check the rest of the demo
-        env["TORCHTRACE_EXPORTER"] = "none"
     result = subprocess.run(
         [sys.executable, "-m", "torchtrace", "demo", "--batches", str(BATCHES), "--trace-file", str(trace_file)],
         cwd=tmp,
@@ -62,7 +48,6 @@ def test_demo_exits_zero_and_prints_the_summary(demo: tuple[subprocess.Completed
     assert "traces:" in result.stdout
 
 
-@pytest.mark.skipif(not HAS_FILE_EXPORTER, reason="torchtrace._exporters.file_sink does not exist yet")
 def test_demo_writes_otlp_json_lines_to_the_trace_file(demo: tuple[subprocess.CompletedProcess, Path]) -> None:
     result, trace_file = demo
     assert result.returncode == 0, result.stderr[-4000:]

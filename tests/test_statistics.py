@@ -456,4 +456,3 @@ def test_user_hooks_survive_remove():
     assert seen == ["user", "user"]
     assert len(model[0]._forward_hooks) == 1
     user_hook.remove()
-

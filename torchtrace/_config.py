@@ -142,7 +142,9 @@ def _stats(value: Any) -> tuple[str, ...]:
         raise TypeError(f"stats must be True, False, 'all', 'none' or a sequence of names, got {value!r}")
     unknown = [name for name in value if name not in STAT_NAMES]
     if unknown:
-        raise ValueError(f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)} (add your own with extra_stats)")
+        raise ValueError(
+            f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)} (add your own with extra_stats)"
+        )
     return tuple(name for name in STAT_NAMES if name in value)
 
 
@@ -177,9 +179,15 @@ def resolve_options(**kwargs: Any) -> Options:
     if types_value is None and _env(ENV_TYPES):
         types_value = tuple(_import_type(name) for name in _split(_env(ENV_TYPES)))
     max_depth = pick("max_depth", ENV_MAX_DEPTH, _parse_int)
-    _require(max_depth is None or (isinstance(max_depth, int) and max_depth >= 0), f"max_depth must be >= 0, got {max_depth!r}")
+    _require(
+        max_depth is None or (isinstance(max_depth, int) and max_depth >= 0),
+        f"max_depth must be >= 0, got {max_depth!r}",
+    )
     sample_every = pick("sample_every", ENV_SAMPLE_EVERY, _parse_int)
-    _require(isinstance(sample_every, int) and sample_every >= 1, f"sample_every must be an integer >= 1, got {sample_every!r}")
+    _require(
+        isinstance(sample_every, int) and sample_every >= 1,
+        f"sample_every must be an integer >= 1, got {sample_every!r}",
+    )
     sample_ratio = pick("sample_ratio", ENV_SAMPLE_RATIO, _parse_float)
     _require(
         isinstance(sample_ratio, (int, float)) and 0.0 <= sample_ratio <= 1.0,
@@ -234,4 +242,3 @@ def resolve_options(**kwargs: Any) -> Options:
     if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
         raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
     return options
-

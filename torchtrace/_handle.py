@@ -54,6 +54,8 @@ class TraceHandle:
         self._removed = False
         _instrumented[model] = self
         _live_handles.add(self)
+        # a model dropped without remove() must not leave the worker thread running
+        weakref.finalize(model, _remove_if_alive, weakref.ref(self))
         self._dispatcher.start()
 
     # -- verbs ------------------------------------------------------------------------------------------------------
@@ -142,6 +144,12 @@ class TraceHandle:
         return [sink.shutdown for sink in self._dispatcher.sinks if hasattr(sink, "shutdown")]
 
 
+def _remove_if_alive(handle_ref: weakref.ref) -> None:
+    handle = handle_ref()
+    if handle is not None:
+        handle.remove()
+
+
 def _export_sinks(options: Options) -> tuple[str, list, list]:
     """Which exporter runs ("sdk", "otlp", "file" or "none"), its sinks and its flush functions."""
     exporter = options.exporter
@@ -158,10 +166,7 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
 
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
-    if exporter == "otlp":
-        sender = _exporters.create_otlp_sender()
-    else:
-        sender = _exporters.JsonFileSender(options.trace_file)
+    sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.JsonFileSender(options.trace_file)
     sink = _exporters.OtlpSink(sender, _exporters.default_resource(), "torchtrace", __version__)
     return exporter, [sink], []
 

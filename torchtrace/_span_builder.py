@@ -39,7 +39,9 @@ class SdkSpanSink:
                 context = trace.set_span_in_context(NonRecordingSpan(remote))
             else:
                 context = Context()  # a new trace: never the worker thread's current context
-            span = self.tracer.start_span(call.name, context=context, start_time=call.start_ns, attributes=call.attributes)
+            span = self.tracer.start_span(
+                call.name, context=context, start_time=call.start_ns, attributes=call.attributes
+            )
             spans[call.span_id] = span
             if call.error is not None:
                 span.record_exception(call.error, timestamp=call.end_ns, escaped=True)

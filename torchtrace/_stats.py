@@ -7,6 +7,7 @@ are read once per forward, off the hot path (see ``resolve``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -86,10 +87,8 @@ class StatComputer:
         if cached is not None and cached[0]() is tensor and cached[1] == version:
             return cached[2]
         stats = self._compute(tensor)
-        try:
+        with contextlib.suppress(TypeError):  # tensor subclasses without weakref support are not cached
             self._cache[key] = (weakref.ref(tensor), version, stats)
-        except TypeError:  # tensor subclasses without weakref support are simply not cached
-            pass
         return stats
 
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:

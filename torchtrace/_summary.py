@@ -71,7 +71,9 @@ class SummarySink:
         if not rows:
             return "torchtrace: no calls recorded"
         width = max(12, *(len(row.path) for row in rows))
-        header = f"{'layer':<{width}}  {'type':<24} {'calls':>7} {'total ms':>10} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
+        header = (
+            f"{'layer':<{width}}  {'type':<24} {'calls':>7} {'total ms':>10} {'mean ms':>9} {'p95 ms':>9} {'share':>7}"
+        )
         lines = [header, "-" * len(header)]
         for row in rows:
             lines.append(
