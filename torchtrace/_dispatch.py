@@ -31,8 +31,7 @@ class CallInterrupted(BaseException):
     """Stands in for an exception torch did not show the hooks (e.g. KeyboardInterrupt)."""
 
 
-def _new_span_id() -> int:
-    return random.getrandbits(64) or 1
+_prefixed_keys: dict[tuple, tuple[str, ...]] = {}  # (prefix, tensor name, stat keys) -> attribute keys
 
 
 def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] | None) -> None:
@@ -42,13 +41,20 @@ def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] |
         if name == "_truncated":
             attributes[f"{prefix}.truncated"] = True
             continue
-        base = f"{prefix}.{name}" if name else prefix
-        for key, value in resolve(stats).items():
-            attributes[f"{base}.{key}"] = value
+        if "_pending" in stats:
+            resolve(stats)
+        cache_key = (prefix, name, *stats)
+        keys = _prefixed_keys.get(cache_key)
+        if keys is None:
+            if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
+                _prefixed_keys.clear()
+            base = f"{prefix}.{name}" if name else prefix
+            keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in stats)
+        attributes.update(zip(keys, stats.values()))
 
 
 def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[ModuleCall]:
-    """One raw forward -> its calls, parents before children, ids assigned."""
+    """One raw forward -> its calls, parents before children, ids assigned. Runs once per traced call: lean."""
     parent = forward.parent if forward.parent is not None else INVALID_SPAN_CONTEXT
     if parent.is_valid:
         trace_id, root_parent_id = parent.trace_id, parent.span_id
@@ -56,38 +62,50 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
     else:
         trace_id, root_parent_id, flags, trace_state = random.getrandbits(128) or 1, 0, 1, None
     offset = forward.clock_offset_ns
+    thread_id = forward.thread_id
+    getrandbits = random.getrandbits
     calls: list[ModuleCall] = []
-    for entry in forward.entries:
-        info = modules[entry[raw.MODULE]]
-        parent_call = calls[entry[raw.PARENT]] if entry[raw.PARENT] >= 0 else None
+    append = calls.append
+    for module, start, end, parent_position, _, outputs, inputs, error, output_value, input_value, attrs, tensors in (
+        forward.entries
+    ):
+        info = modules[module]
         attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
-        _stat_attributes(attributes, OUTPUT_PREFIX, entry[raw.OUTPUTS])
-        _stat_attributes(attributes, INPUT_PREFIX, entry[raw.INPUTS])
-        for name, value in (entry[raw.ATTRIBUTES] or {}).items():
-            if isinstance(value, (str, bool, int, float)):
-                attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
-        error = entry[raw.ERROR]
-        end = entry[raw.END]
-        calls.append(
-            ModuleCall(
-                path=info.path,
-                type_name=info.type_name,
-                depth=parent_call.depth + 1 if parent_call else 0,
-                trace_id=trace_id,
-                span_id=_new_span_id(),
-                parent_span_id=parent_call.span_id if parent_call else root_parent_id,
-                start_ns=entry[raw.START] + offset,
-                end_ns=(end if end is not None else entry[raw.START]) + offset,
-                attributes=attributes,
-                error=CallInterrupted("call interrupted") if error == "interrupted" else error,
-                thread_id=forward.thread_id,
-                parent_is_remote=parent_call is None and root_parent_id != 0,
-                trace_flags=flags,
-                trace_state=trace_state,
-                output_value=entry[raw.OUTPUT_VALUE],
-                input_value=entry[raw.INPUT_VALUE],
-                tensors=entry[raw.TENSORS],
-                module_attributes=entry[raw.ATTRIBUTES],
+        if outputs:
+            _stat_attributes(attributes, OUTPUT_PREFIX, outputs)
+        if inputs:
+            _stat_attributes(attributes, INPUT_PREFIX, inputs)
+        if attrs:
+            for name, value in attrs.items():
+                if isinstance(value, (str, bool, int, float)):
+                    attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
+        if error is not None and error == "interrupted":
+            error = CallInterrupted("call interrupted")
+        if parent_position >= 0:
+            parent_call = calls[parent_position]
+            depth, parent_id, remote = parent_call.depth + 1, parent_call.span_id, False
+        else:
+            depth, parent_id, remote = 0, root_parent_id, root_parent_id != 0
+        append(
+            ModuleCall(  # positional: keywords cost a microsecond per call here
+                info.path,
+                info.type_name,
+                depth,
+                trace_id,
+                getrandbits(64) or 1,
+                parent_id,
+                start + offset,
+                (end if end is not None else start) + offset,
+                attributes,
+                error,
+                thread_id,
+                remote,
+                flags,
+                trace_state,
+                output_value,
+                input_value,
+                tensors,
+                attrs,
             )
         )
     return calls

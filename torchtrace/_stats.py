@@ -7,7 +7,6 @@ are read once per forward, off the hot path (see ``resolve``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -54,12 +53,15 @@ class StatComputer:
     reduced at once.
     """
 
-    __slots__ = ("wanted", "numeric", "extra", "_cache", "_pending", "_dtype_names")
+    __slots__ = ("wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names")
 
     def __init__(self, wanted: Iterable[str], extra: Mapping[str, StatFunction]) -> None:
         self.wanted = frozenset(wanted)
         self.numeric = any(name in self.wanted for name in _NUMERIC)
         self.extra = dict(extra)
+        self._shape = "shape" in self.wanted
+        self._dtype = "dtype" in self.wanted
+        self._device = "device" in self.wanted
         # id(tensor) -> (weakref, version, stats): a container module usually returns its last child's output
         # unchanged, so the same tensor would otherwise be summarised at every level of nesting.
         self._cache: dict[int, tuple[Any, int, dict]] = {}
@@ -84,38 +86,50 @@ class StatComputer:
         key = id(tensor)
         cached = self._cache.get(key)
         version = tensor._version
-        if cached is not None and cached[0]() is tensor and cached[1] == version:
+        if cached is not None and cached[1] == version and cached[0]() is tensor:
             return cached[2]
         stats = self._compute(tensor)
-        with contextlib.suppress(TypeError):  # tensor subclasses without weakref support are not cached
+        try:  # noqa: SIM105 -- contextlib.suppress costs a microsecond here, on the hot path
             self._cache[key] = (weakref.ref(tensor), version, stats)
+        except TypeError:  # tensor subclasses without weakref support are not cached
+            pass
         return stats
 
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
-        wanted = self.wanted
         stats: dict[str, Any] = {}
-        if "shape" in wanted:
+        if self._shape:
             stats["shape"] = tuple(tensor.shape)
-        if "dtype" in wanted:
-            name = self._dtype_names.get(tensor.dtype)
+        dtype = tensor.dtype
+        if self._dtype:
+            name = self._dtype_names.get(dtype)
             if name is None:
-                name = self._dtype_names[tensor.dtype] = str(tensor.dtype).removeprefix("torch.")
+                name = self._dtype_names[dtype] = str(dtype).removeprefix("torch.")
             stats["dtype"] = name
-        if "device" in wanted:
-            stats["device"] = "cpu" if tensor.is_cpu else str(tensor.device)
-        if not (self.numeric or self.extra) or not _has_readable_values(tensor):
+        is_cpu = tensor.is_cpu
+        if self._device:
+            stats["device"] = "cpu" if is_cpu else str(tensor.device)
+        if not (self.numeric or self.extra):
+            return stats
+        n = tensor.numel()
+        # meta tensors have no data; sparse and other layouts are described by shape/dtype/device only.
+        if not n or tensor.layout is not torch.strided or (not is_cpu and tensor.is_meta):
             return stats
         try:
             for name, function in self.extra.items():
                 stats[name] = _user_stat(function, tensor)
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
-                if x.is_cpu and x.numel() <= SMALL_TENSOR and not x.is_quantized:
-                    self._pending.append((_as_real_float(x).clone() if x.dtype != torch.float64 else x.clone(), stats))
+                if is_cpu and n <= SMALL_TENSOR:
+                    if dtype is torch.float32 or dtype is torch.float64:
+                        copy = x.clone()  # a copy: a later in-place op must not change what we summarise
+                    else:
+                        real = _as_real_float(x)
+                        copy = real.clone() if real is x else real
+                    self._pending.append((copy, stats))
                 else:
-                    _numeric_stats(x, wanted, stats)
+                    _numeric_stats(x, self.wanted, stats)
         except Exception as error:  # a statistic must never break the user's forward
-            _logger.debug("torchtrace: statistics failed for a %s tensor: %s", tensor.dtype, error)
+            _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
             stats["stats_error"] = f"{type(error).__name__}: {error}"
         return stats
 
@@ -123,49 +137,50 @@ class StatComputer:
 _FLOAT_STATS = ("mean", "std", "min", "max", "abs_max", "norm", "zero_fraction")
 
 
+_COLUMN = {name: index for index, name in enumerate(_FLOAT_STATS)}
+
+
+def _one_count(names: list[str], counts: list[int]) -> list[tuple[str, int]]:
+    return [(names[0], counts[0] if names[0] == "nan_count" else counts[1])]
+
+
 def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) -> None:
-    """Reduces all small tensors of a forward a few ops per distinct shape; Python only zips the results."""
+    """Reduces all small tensors of a forward with a few ops per distinct shape; Python only zips the results."""
     groups: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
     for item in pending:
         copy = item[0]
         groups.setdefault((copy.shape, copy.dtype), []).append(item)
     keys = [key for key in _FLOAT_STATS if key in wanted]
-    with_counts = "nan_count" in wanted or "inf_count" in wanted
+    pick = [_COLUMN[key] for key in keys]
+    with_counts = [key for key in ("nan_count", "inf_count") if key in wanted]
     for (shape, _), items in groups.items():
         n = math.prod(shape)
-        values = torch.stack([copy for copy, _ in items]).reshape(len(items), n).double()
-        sums = values.sum(1)
-        squares = (values * values).sum(1)
-        lows, highs = torch.aminmax(values, dim=1)
-        mean = sums / n
+        values = torch.stack([copy for copy, _ in items]).reshape(len(items), n)
+        mean = values.mean(1)
         centered = values - mean[:, None]
-        columns = {
-            "mean": mean,
-            "std": ((centered * centered).sum(1) / max(n - 1, 1)).sqrt(),  # torch.std; 0 for one element
-            "min": lows,
-            "max": highs,
-            "abs_max": torch.maximum(lows.abs(), highs.abs()),
-            "norm": squares.sqrt(),
-            "zero_fraction": 1 - torch.count_nonzero(values, dim=1) / n,
-        }
-        rows = torch.stack([columns[key] for key in keys], dim=1).tolist() if keys else [[]] * len(items)
-        finite = bool(torch.isfinite(squares).all() & torch.isfinite(lows).all() & torch.isfinite(highs).all())
-        if with_counts and not finite:
+        lows, highs = torch.aminmax(values, dim=1)
+        norms = torch.linalg.vector_norm(values, dim=1)
+        table = torch.stack(
+            [
+                mean,
+                torch.linalg.vector_norm(centered, dim=1) / math.sqrt(max(n - 1, 1)),  # torch.std; 0 for one element
+                lows,
+                highs,
+                torch.maximum(lows.abs(), highs.abs()),
+                norms,
+                1 - torch.count_nonzero(values, dim=1) / n,
+            ],
+            dim=1,
+        )
+        rows = table[:, pick].double().tolist()
+        if with_counts and not bool(torch.isfinite(norms).all()):  # a NaN or Inf anywhere makes its norm so
             counts = torch.stack([torch.isnan(values).sum(1), torch.isinf(values).sum(1)], dim=1).tolist()
         else:
             counts = [[0, 0]] * len(items)
-        for (_, stats), row, (nan_count, inf_count) in zip(items, rows, counts):
+        for (_, stats), row, count_row in zip(items, rows, counts):
             stats.update(zip(keys, row))
             if with_counts:
-                if "nan_count" in wanted:
-                    stats["nan_count"] = nan_count
-                if "inf_count" in wanted:
-                    stats["inf_count"] = inf_count
-
-
-def _has_readable_values(tensor: torch.Tensor) -> bool:
-    # meta tensors have no data; sparse and other layouts are described by shape/dtype only.
-    return tensor.numel() > 0 and not tensor.is_meta and tensor.layout == torch.strided
+                stats.update(zip(with_counts, count_row) if len(with_counts) == 2 else _one_count(with_counts, count_row))
 
 
 def _as_real_float(x: torch.Tensor) -> torch.Tensor:
@@ -181,38 +196,43 @@ def _as_real_float(x: torch.Tensor) -> torch.Tensor:
 
 
 def _numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """One tensor, reduced where it lives. torch.std_mean is several times slower than these passes on CPU."""
     x = _as_real_float(tensor)
     n = x.numel()
-    std, mean = torch.std_mean(x, correction=1 if n > 1 else 0)
+    mean = x.mean()
     low, high = torch.aminmax(x)
+    norm = torch.linalg.vector_norm(x)
     nonzero = torch.count_nonzero(x)
     if not x.is_cpu:
         # No host read inside the hook: one small device tensor, read once per forward by resolve().
-        nan_count = torch.isnan(x).sum()
-        inf_count = torch.isinf(x).sum()
-        packed = torch.stack([mean, std, low, high]).double()
-        counts = torch.stack([nonzero, nan_count, inf_count])
-        stats["_pending"] = (packed, counts, n, wanted)
+        std = torch.linalg.vector_norm(x - mean) / math.sqrt(max(n - 1, 1))
+        counts = torch.stack([nonzero, torch.isnan(x).sum(), torch.isinf(x).sum()])
+        stats["_pending"] = (torch.stack([mean, std, low, high, norm]).double(), counts, n, wanted)
         return
-    mean_v, std_v, low_v, high_v = torch.stack([mean, std, low, high]).double().tolist()
-    nonzero_v = int(nonzero)
-    if math.isfinite(mean_v) and math.isfinite(low_v) and math.isfinite(high_v):
-        nan_v = inf_v = 0
-    else:  # only now pay for the extra passes
+    mean_v, low_v, high_v, norm_v = torch.stack([mean, low, high, norm]).double().tolist()
+    nan_v = inf_v = 0
+    if not math.isfinite(norm_v):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
         nan_v = int(torch.isnan(x).sum())
         inf_v = int(torch.isinf(x).sum())
-        mean_v = float(x.mean())  # std_mean's mean is NaN where torch.mean gives +-inf
-    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, nonzero_v, nan_v, inf_v)
+    # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels badly when |mean| >> std: then
+    # (and for non-finite data) take the exact second pass.
+    centered_square = norm_v * norm_v - n * mean_v * mean_v
+    if n > 1 and (not math.isfinite(centered_square) or centered_square < 1e-3 * norm_v * norm_v):
+        centered_square = float(torch.linalg.vector_norm(x - mean)) ** 2
+    std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
+    if nan_v or inf_v:
+        std_v = math.nan  # as torch.std of data with NaN or Inf
+    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, int(nonzero), nan_v, inf_v)
 
 
-def _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count) -> None:
+def _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count) -> None:
     values = {
         "mean": mean,
         "std": std,
         "min": low,
         "max": high,
         "abs_max": max(abs(low), abs(high)) if not (math.isnan(low) or math.isnan(high)) else math.nan,
-        "norm": _norm(n, mean, std, nan_count, inf_count),
+        "norm": norm,
         "nan_count": nan_count,
         "inf_count": inf_count,
         "zero_fraction": (n - nonzero) / n,
@@ -222,23 +242,14 @@ def _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count)
             stats[name] = values[name]
 
 
-def _norm(n: int, mean: float, std: float, nan_count: int, inf_count: int) -> float:
-    if nan_count:
-        return math.nan
-    if inf_count:
-        return math.inf
-    # sum(x^2) = sum((x - mean)^2) + n * mean^2: the L2 norm without another pass over the tensor.
-    return math.sqrt((n - 1) * std * std + n * mean * mean) if n > 1 else abs(mean)
-
-
 def resolve(stats: dict[str, Any]) -> dict[str, Any]:
     """Reads statistics left on an accelerator (one host read per tensor, off the hot path)."""
     pending = stats.pop("_pending", None)
     if pending is not None:
         packed, counts, n, wanted = pending
-        mean, std, low, high = packed.tolist()
+        mean, std, low, high, norm = packed.tolist()
         nonzero, nan_count, inf_count = counts.tolist()
-        _fill(stats, wanted, n, mean, std, low, high, nonzero, nan_count, inf_count)
+        _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)
     return stats
 
 

@@ -1,0 +1,318 @@
+"""Dashboards as code: writes torchtrace's Grafana dashboard and provisioning files as plain JSON / YAML.
+
+    python grafana/build_dashboards.py          # (re)write the files next to this script
+    python grafana/build_dashboards.py --check  # exit 1 if a committed file differs from what this script makes
+
+The generated files are committed; a test checks they equal this script's output, and a test against a real
+Prometheus runs every panel's PromQL (``panel_queries()``). Only metrics that torchtrace exports today appear:
+gradient norms, step time and per-rank stragglers wait for backward / step tracing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROMETHEUS_UID = "prometheus"
+JAEGER_UID = "jaeger"
+DASHBOARD_UID = "torchtrace-layers"
+
+# every query filters on the dashboard variables; regex matchers so "All" (.*) works
+SELECTOR = 'model=~"$model", rank=~"$rank"'
+MODULE_SELECTOR = f'{SELECTOR}, module=~"$module"'
+TYPE_SELECTOR = f'{SELECTOR}, module_type=~"$module_type"'
+RATE = "$__rate_interval"
+
+
+def _target(expr: str, legend: str = "", *, ref: str = "A", instant: bool = False, exemplar: bool = False,
+            fmt: str = "time_series") -> dict[str, Any]:  # fmt: skip
+    return {
+        "datasource": {"type": "prometheus", "uid": PROMETHEUS_UID},
+        "editorMode": "code",
+        "exemplar": exemplar,
+        "expr": expr,
+        "format": fmt,
+        "instant": instant,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "refId": ref,
+    }
+
+
+def _panel(kind: str, title: str, description: str, targets: list[dict[str, Any]], grid: tuple[int, int, int, int],
+           unit: str = "short", **options: Any) -> dict[str, Any]:  # fmt: skip
+    x, y, w, h = grid
+    panel: dict[str, Any] = {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": {"type": "prometheus", "uid": PROMETHEUS_UID},
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {},
+        "targets": targets,
+    }
+    panel.update(options)
+    return panel
+
+
+def _row(title: str, y: int) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "gridPos": {"x": 0, "y": y, "w": 24, "h": 1},
+            "panels": []}  # fmt: skip
+
+
+def _variable(name: str, label: str, query: str, *, multi: bool = True) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": {"type": "prometheus", "uid": PROMETHEUS_UID},
+        "query": {"query": query, "refId": f"{name}-values"},
+        "definition": query,
+        "refresh": 2,  # on time range change: new modules appear without a reload
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": multi,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def layers_dashboard() -> dict[str, Any]:
+    duration = "torchtrace_module_call_duration_seconds_bucket"
+    panels = [
+        _row("Latency", 0),
+        _panel(
+            "heatmap", "Module call duration (heatmap, by module type)",
+            "Distribution of module call durations for the selected module types. Exemplars link a bucket to "
+            "the trace of a call that fell in it.",
+            [_target(f"sum by (le) (rate({duration}{{{TYPE_SELECTOR}}}[{RATE}]))", "{{le}}", exemplar=True,
+                     fmt="heatmap")],
+            (0, 1, 12, 9), unit="s",
+            options={"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1, "color": {"scheme": "Oranges"},
+                     "exemplars": {"color": "rgba(255,0,255,0.7)"}, "tooltip": {"show": True, "yHistogram": True}},
+        ),
+        _panel(
+            "timeseries", "p50 / p99 call duration by module type (exemplars → Jaeger)",
+            "Quantiles from the duration histogram. Each exemplar dot is one traced call: click it and open its "
+            "trace in Jaeger.",
+            [
+                _target(f"histogram_quantile(0.99, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}"
+                        f"[{RATE}])))", "p99 {{module_type}}", exemplar=True),
+                _target(f"histogram_quantile(0.5, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}"
+                        f"[{RATE}])))", "p50 {{module_type}}", ref="B"),
+            ],
+            (12, 1, 12, 9), unit="s",
+        ),
+        _panel(
+            "bargauge", "Top 10 modules by mean time per call",
+            "Time in a module's calls (children included) divided by its calls, over the selected range.",
+            [_target(f"topk(10, sum by (module) (increase(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
+                     f"[$__range])) / sum by (module) (increase(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}"
+                     "[$__range])))", "{{module}}", instant=True)],
+            (0, 10, 12, 9), unit="s",
+            options={"displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True,
+                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+        ),
+        _panel(
+            "timeseries", "Top 10 modules by share of wall time",
+            "Seconds spent in each module per second of wall time; nested modules overlap their children.",
+            [_target(f"topk(10, sum by (module) (rate(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
+                     f"[{RATE}])))", "{{module}}")],
+            (12, 10, 12, 9), unit="percentunit",
+        ),
+        _panel(
+            "timeseries", "Calls per second by module",
+            "Module calls per second (module=\"__other__\": modules past the metrics' max_module_labels).",
+            [_target(f"sum by (module) (rate(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}[{RATE}]))",
+                     "{{module}}")],
+            (0, 19, 12, 8), unit="reqps",
+        ),
+        _panel(
+            "timeseries", "Module calls that raised",
+            "Calls that ended with an exception, per module.",
+            [_target(f"sum by (module) (increase(torchtrace_module_call_errors_total{{{MODULE_SELECTOR}}}[{RATE}]))",
+                     "{{module}}")],
+            (12, 19, 12, 8),
+        ),
+        _row("Activations (latest value per module)", 27),
+    ]
+    for index, (metric, title, unit) in enumerate([
+        ("torchtrace_output_mean", "Output mean", "short"),
+        ("torchtrace_output_std", "Output std", "short"),
+        ("torchtrace_output_abs_max", "Output abs max", "short"),
+        ("torchtrace_output_zero_ratio", "Output zero fraction", "percentunit"),
+    ]):  # fmt: skip
+        panels.append(_panel(
+            "timeseries", f"{title} by module",
+            f"{title} of each module's main output tensor at its latest call before each scrape.",
+            [_target(f"{metric}{{{MODULE_SELECTOR}}}", "{{module}}")],
+            ((index % 2) * 12, 28 + (index // 2) * 8, 12, 8), unit=unit,
+        ))  # fmt: skip
+    panels += [
+        _row("Numerical health", 44),
+        _panel(
+            "stat", "NaN / Inf values in outputs (selected range)",
+            "Non-finite elements in module outputs. Anything but 0 is a numerical problem.",
+            [
+                _target(f"sum(increase(torchtrace_output_nan_values_total{{{MODULE_SELECTOR}}}[$__range]))", "NaN",
+                        instant=True),
+                _target(f"sum(increase(torchtrace_output_inf_values_total{{{MODULE_SELECTOR}}}[$__range]))", "Inf",
+                        ref="B", instant=True),
+            ],
+            (0, 45, 6, 8),
+            fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
+            options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
+        ),
+        _panel(
+            "timeseries", "NaN / Inf values by module",
+            "Non-finite output elements per module: the first module to show them is where they appear.",
+            [
+                _target(f"sum by (module) (increase(torchtrace_output_nan_values_total{{{MODULE_SELECTOR}}}[{RATE}]))",
+                        "NaN {{module}}"),
+                _target(f"sum by (module) (increase(torchtrace_output_inf_values_total{{{MODULE_SELECTOR}}}[{RATE}]))",
+                        "Inf {{module}}", ref="B"),
+            ],
+            (6, 45, 18, 8),
+        ),
+        _row("Exporter health", 53),
+        _panel(
+            "timeseries", "Spans recorded / exported / dropped per second",
+            "Recorded: module calls seen. Exported: delivered by the OTLP/file exporter. Dropped: lost because the "
+            "buffer was full (export slower than the model) or the backend failed. Drops are never silent.",
+            [
+                _target(f"sum(rate(torchtrace_spans_recorded_total{{{SELECTOR}}}[{RATE}]))", "recorded"),
+                _target(f"sum by (exporter) (rate(torchtrace_spans_exported_total{{{SELECTOR}}}[{RATE}]))",
+                        "exported ({{exporter}})", ref="B"),
+                _target(f"sum by (reason) (rate(torchtrace_spans_dropped_total{{{SELECTOR}}}[{RATE}]))",
+                        "dropped ({{reason}})", ref="C"),
+            ],
+            (0, 54, 16, 8), unit="ops",
+        ),
+        _panel(
+            "stat", "Spans dropped (selected range)",
+            "Any drop means missing traces: raise max_pending_calls, sample, or fix the backend.",
+            [_target(f"sum(increase(torchtrace_spans_dropped_total{{{SELECTOR}}}[$__range]))", "dropped",
+                     instant=True)],
+            (16, 54, 4, 8),
+            fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
+            options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
+        ),
+        _panel(
+            "stat", "Modules past the label limit",
+            "Module paths counted under module=\"__other__\" because max_module_labels was reached.",
+            [_target(f"max(torchtrace_metrics_overflowed_modules{{{SELECTOR}}})", "overflowed", instant=True)],
+            (20, 54, 4, 8),
+            options={"reduceOptions": {"calcs": ["lastNotNull"]}},
+        ),
+    ]  # fmt: skip
+    for panel_id, panel in enumerate(panels, start=1):
+        panel["id"] = panel_id
+    return {
+        "uid": DASHBOARD_UID,
+        "title": "torchtrace: layers",
+        "description": "Per-layer latency, activation statistics, numerical and exporter health from torchtrace.",
+        "tags": ["torchtrace", "pytorch"],
+        "timezone": "browser",
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "links": [{"title": "Traces in Jaeger", "type": "link", "url": "/explore?left={\"datasource\":\"jaeger\"}",
+                   "targetBlank": True}],  # fmt: skip
+        "templating": {"list": [
+            _variable("model", "Model", "label_values(torchtrace_spans_recorded_total, model)"),
+            _variable("rank", "Rank", 'label_values(torchtrace_spans_recorded_total{model=~"$model"}, rank)'),
+            _variable("module_type", "Module type",
+                      'label_values(torchtrace_module_calls_total{model=~"$model"}, module_type)'),
+            _variable("module", "Module",
+                      'label_values(torchtrace_module_calls_total{model=~"$model", module_type=~"$module_type"}, '
+                      "module)"),
+        ]},  # fmt: skip
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+DATASOURCES = f"""\
+# Generated by grafana/build_dashboards.py: edit the script, not this file.
+apiVersion: 1
+datasources:
+  - name: Prometheus
+    uid: {PROMETHEUS_UID}
+    type: prometheus
+    access: proxy
+    url: http://prometheus:9090
+    isDefault: true
+    jsonData:
+      # an exemplar's trace_id label opens that trace in Jaeger
+      exemplarTraceIdDestinations:
+        - name: trace_id
+          datasourceUid: {JAEGER_UID}
+  - name: Jaeger
+    uid: {JAEGER_UID}
+    type: jaeger
+    access: proxy
+    url: http://jaeger:16686
+"""
+
+DASHBOARD_PROVIDER = """\
+# Generated by grafana/build_dashboards.py: edit the script, not this file.
+apiVersion: 1
+providers:
+  - name: torchtrace
+    folder: torchtrace
+    type: file
+    disableDeletion: false
+    allowUiUpdates: false
+    options:
+      path: /var/lib/grafana/dashboards
+"""
+
+
+def generated_files() -> dict[str, str]:
+    """Relative path under grafana/ -> file content, exactly as committed."""
+    return {
+        "dashboards/torchtrace-layers.json": json.dumps(layers_dashboard(), indent=2, ensure_ascii=False) + "\n",
+        "provisioning/datasources/datasources.yaml": DATASOURCES,
+        "provisioning/dashboards/dashboards.yaml": DASHBOARD_PROVIDER,
+    }
+
+
+def panel_queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(panel title, PromQL expression) of every query in every panel."""
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            yield panel["title"], target["expr"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed files are not up to date")
+    args = parser.parse_args(argv)
+    stale = []
+    for relative, content in generated_files().items():
+        path = HERE / relative
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != content:
+                stale.append(relative)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+    if stale:
+        print(f"out of date (run python grafana/build_dashboards.py): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,323 @@
+"""MetricsSink, serve_metrics and the committed dashboards / deploy files, without a Prometheus server.
+
+(tests/test_metrics_prometheus.py runs the same metrics through a real Prometheus.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import urllib.request
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from prometheus_client import REGISTRY, CollectorRegistry
+from torch import nn
+
+import torchtrace
+from torchtrace._metrics import OVERFLOW_MODULE, MetricsSink
+from torchtrace._serve import metrics_from_env, serve_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+STATS_TO_METRICS = {
+    "mean": "torchtrace_output_mean",
+    "std": "torchtrace_output_std",
+    "abs_max": "torchtrace_output_abs_max",
+    "zero_fraction": "torchtrace_output_zero_ratio",
+}
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2))
+    ).eval()
+
+
+def labels(module: str, module_type: str, model: str = "Tiny") -> dict[str, str]:
+    return {"model": model, "rank": "0", "module": module, "module_type": module_type}
+
+
+def run(model: nn.Module, sink: MetricsSink, batches: int = 3, **options) -> list[torchtrace.ModuleCall]:
+    with torchtrace.instrument(model, exporter="none", sinks=[sink], **options) as handle:
+        for _ in range(batches):
+            model(torch.randn(3, 4))
+        handle.flush()
+        return handle.records
+
+
+def test_a_fresh_registry_sees_the_metrics_and_the_global_one_does_not():
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model="Tiny")
+    run(tiny_model(), sink, batches=2)
+    assert registry.get_sample_value("torchtrace_module_calls_total", labels("linear_1", "Linear")) == 2
+    assert registry.get_sample_value("torchtrace_spans_recorded_total", {"model": "Tiny", "rank": "0"}) == 8
+    assert REGISTRY.get_sample_value("torchtrace_module_calls_total", labels("linear_1", "Linear")) is None
+    assert all(not name.startswith("torchtrace_") for name in REGISTRY._names_to_collectors)
+
+
+def test_output_gauges_equal_the_span_statistics_of_the_latest_call():
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model="Tiny")
+    records = run(tiny_model(), sink, batches=3)
+    for path, module_type in [("linear_1", "Linear"), ("relu", "ReLU"), ("linear_2", "Linear")]:
+        latest = [r for r in records if r.path == path][-1].attributes
+        for stat, metric in STATS_TO_METRICS.items():
+            assert registry.get_sample_value(metric, labels(path, module_type)) == latest[f"torchtrace.output.{stat}"]
+    assert registry.get_sample_value("torchtrace_output_zero_ratio", labels("relu", "ReLU")) > 0  # ReLU zeroes
+
+
+def test_the_model_itself_is_labelled_with_its_class_name():
+    registry = CollectorRegistry()
+    run(tiny_model(), MetricsSink(registry), batches=1)
+    assert registry.get_sample_value("torchtrace_module_calls_total", labels("Sequential", "Sequential", "Sequential"))
+
+
+def test_call_counters_histogram_and_nan_counts_add_up_to_the_records():
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model="Tiny")
+    model = tiny_model()
+    with torchtrace.instrument(model, exporter="none", sinks=[sink]) as handle:
+        model(torch.full((2, 4), float("nan")))
+        model(torch.tensor([[1.0, float("inf"), 0.0, 0.0]]))
+        model(torch.randn(5, 4))
+        records = handle.records
+    linear_1 = [r for r in records if r.path == "linear_1"]
+    key = labels("linear_1", "Linear")
+    assert registry.get_sample_value("torchtrace_output_nan_values_total", key) == sum(
+        r.attributes["torchtrace.output.nan_count"] for r in linear_1
+    ) == 2 * 8  # every output of the NaN batch
+    assert registry.get_sample_value("torchtrace_output_inf_values_total", key) == sum(
+        r.attributes["torchtrace.output.inf_count"] for r in linear_1
+    ) == 8  # an inf input element reaches every output
+    assert registry.get_sample_value("torchtrace_module_call_seconds_total", key) == pytest.approx(
+        sum(r.duration_ns for r in linear_1) / 1e9
+    )
+    type_labels = {"model": "Tiny", "rank": "0", "module_type": "Linear"}
+    linears = [r for r in records if r.type_name == "Linear"]
+    assert registry.get_sample_value("torchtrace_module_call_duration_seconds_count", type_labels) == len(linears)
+    assert registry.get_sample_value("torchtrace_module_call_duration_seconds_sum", type_labels) == pytest.approx(
+        sum(r.duration_ns for r in linears) / 1e9
+    )
+    for bound in sink.bucket_bounds:
+        expected = sum(1 for r in linears if r.duration_ns / 1e9 <= bound)
+        le = {**type_labels, "le": _go_float(bound)}
+        assert registry.get_sample_value("torchtrace_module_call_duration_seconds_bucket", le) == expected
+
+
+def _go_float(value: float) -> str:
+    from prometheus_client.utils import floatToGoString
+
+    return floatToGoString(value)
+
+
+def test_nan_counters_cover_every_output_tensor_and_gauges_follow_the_first():
+    class TwoOutputs(nn.Module):
+        def forward(self, x):
+            return x * 2, torch.full_like(x, float("nan"))
+
+    model = nn.Sequential(OrderedDict(pair=TwoOutputs()))
+    registry = CollectorRegistry()
+    with torchtrace.instrument(model, exporter="none", sinks=[MetricsSink(registry, model="Tiny")]) as handle:
+        model(torch.ones(2, 3))
+        attributes = handle["pair"][-1].attributes
+    key = labels("pair", "TwoOutputs")
+    assert registry.get_sample_value("torchtrace_output_mean", key) == attributes["torchtrace.output.0.mean"] == 2.0
+    assert registry.get_sample_value("torchtrace_output_nan_values_total", key) == 6
+
+
+def test_modules_past_the_limit_collapse_into_the_overflow_label():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)], nn.ReLU()).eval()
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model="Deep", max_module_labels=3)
+    records = run(model, sink, batches=2)
+    samples = [s for family in registry.collect() for s in family.samples if s.name == "torchtrace_module_calls_total"]
+    modules = {s.labels["module"] for s in samples}
+    # call order is parents first: the model, then "0", "1"; everything later is __other__
+    assert modules == {"Sequential", "0", "1", OVERFLOW_MODULE}
+    overflow_linear = {"model": "Deep", "rank": "0", "module": OVERFLOW_MODULE, "module_type": "Linear"}
+    assert registry.get_sample_value("torchtrace_module_calls_total", overflow_linear) == 2 * 4
+    overflow_relu = {**overflow_linear, "module_type": "ReLU"}
+    assert registry.get_sample_value("torchtrace_module_calls_total", overflow_relu) == 2
+    assert registry.get_sample_value("torchtrace_metrics_overflowed_modules", {"model": "Deep", "rank": "0"}) == 5
+    assert registry.get_sample_value("torchtrace_output_mean", overflow_linear) is None  # no mixed "latest" value
+    assert sum(s.value for s in samples) == len(records)
+
+
+def test_the_duration_histogram_is_labelled_by_type_never_by_path():
+    registry = CollectorRegistry()
+    run(tiny_model(), MetricsSink(registry, model="Tiny"))
+    family = next(f for f in registry.collect() if f.name == "torchtrace_module_call_duration_seconds")
+    assert {frozenset(s.labels) - {"le"} for s in family.samples} == {frozenset({"model", "rank", "module_type"})}
+
+
+def test_exemplars_carry_the_trace_and_span_of_a_recorded_call():
+    registry = CollectorRegistry()
+    records = run(tiny_model(), MetricsSink(registry, model="Tiny"))
+    by_span = {f"{r.span_id:016x}": r for r in records}
+    family = next(f for f in registry.collect() if f.name == "torchtrace_module_call_duration_seconds")
+    exemplars = [s.exemplar for s in family.samples if s.exemplar is not None]
+    assert exemplars
+    for exemplar in exemplars:
+        record = by_span[exemplar.labels["span_id"]]
+        assert exemplar.labels["trace_id"] == f"{record.trace_id:032x}"
+        assert exemplar.value == record.duration_ns / 1e9
+
+
+def test_watch_reports_buffer_drops_and_exported_spans(tmp_path: Path):
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry)
+    model = tiny_model()
+    options = {"max_pending_calls": 4, "export_interval_ms": 3_600_000, "trace_file": str(tmp_path / "t.jsonl")}
+    with torchtrace.instrument(model, exporter="file", sinks=[sink], **options) as handle:
+        sink.watch(handle)
+        model(torch.randn(1, 4))
+        model(torch.randn(1, 4))  # the buffer holds one forward (4 calls): this one is dropped, whole
+        handle.flush()
+        dropped = handle.dropped_calls
+        recorded = len(handle.records)
+    base = {"model": "Sequential", "rank": "0"}  # named by watch() after the handle's model
+    assert dropped == 4
+    assert registry.get_sample_value("torchtrace_spans_dropped_total", {**base, "reason": "buffer_full"}) == 4
+    assert registry.get_sample_value("torchtrace_spans_dropped_total", {**base, "reason": "export_failed"}) == 0
+    assert registry.get_sample_value("torchtrace_spans_exported_total", {**base, "exporter": "file"}) == recorded == 4
+    assert registry.get_sample_value("torchtrace_spans_recorded_total", base) == 4
+
+
+def test_a_second_sink_on_the_same_registry_is_refused():
+    registry = CollectorRegistry()
+    MetricsSink(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        MetricsSink(registry)
+
+
+def test_invalid_options_raise():
+    with pytest.raises(ValueError):
+        MetricsSink(None, max_module_labels=-1)
+    with pytest.raises(ValueError):
+        MetricsSink(None, buckets=[0.0, 1.0])
+
+
+def _get(url: str, accept: str | None = None) -> tuple[str, str]:
+    request = urllib.request.Request(url, headers={"Accept": accept} if accept else {})
+    with urllib.request.urlopen(request, timeout=5) as response:
+        return response.headers["Content-Type"], response.read().decode()
+
+
+def test_serve_metrics_negotiates_openmetrics_with_exemplars_and_binds_loopback():
+    registry = CollectorRegistry()
+    records = run(tiny_model(), MetricsSink(registry, model="Tiny"))
+    with serve_metrics(0, registry=registry) as server:
+        assert server.server.server_address[0] == "127.0.0.1"
+        content_type, body = _get(server.url, "application/openmetrics-text; version=1.0.0")
+        assert content_type.startswith("application/openmetrics-text")
+        exemplar_lines = [line for line in body.splitlines() if " # {" in line]
+        assert exemplar_lines and all("_bucket{" in line for line in exemplar_lines)
+        assert any(f'trace_id="{records[-1].trace_id:032x}"' in line for line in exemplar_lines)
+        assert body.rstrip().endswith("# EOF")
+        content_type, plain = _get(server.url)
+        assert content_type.startswith("text/plain")
+        assert " # {" not in plain and "torchtrace_module_calls_total{" in plain
+    with pytest.raises(OSError):
+        _get(server.url)  # shut down
+
+
+def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):
+    assert metrics_from_env() is None
+    monkeypatch.setenv("TORCHTRACE_METRICS_PORT", "0")
+    registry = CollectorRegistry()
+    with metrics_from_env(registry) as server:
+        assert server.addr == "127.0.0.1" and server.port > 0
+        assert _get(server.url)[0].startswith("text/plain")
+    monkeypatch.setenv("TORCHTRACE_METRICS_PORT", "http")
+    with pytest.raises(ValueError, match="TORCHTRACE_METRICS_PORT"):
+        metrics_from_env(registry)
+    with pytest.raises(ValueError):
+        serve_metrics(70000, registry=registry)
+
+
+# --- dashboards and deploy files --------------------------------------------------------------------------------
+
+
+def _load_builder():
+    spec = importlib.util.spec_from_file_location("build_dashboards", ROOT / "grafana" / "build_dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_grafana_files_equal_the_generator_output():
+    builder = _load_builder()
+    for relative, content in builder.generated_files().items():
+        committed = (ROOT / "grafana" / relative).read_text(encoding="utf-8")
+        assert committed == content, f"grafana/{relative} is stale: run python grafana/build_dashboards.py"
+
+
+def test_dashboard_queries_use_only_exported_metrics_and_known_variables():
+    builder = _load_builder()
+    registry = CollectorRegistry()
+    run(tiny_model(), MetricsSink(registry, model="Tiny"), batches=1)
+    exported = {sample.name for family in registry.collect() for sample in family.samples}
+    exported |= {"torchtrace_spans_exported_total"}  # present with an OTLP/file exporter (see watch())
+    dashboard = builder.layers_dashboard()
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables >= {"model", "module", "rank"}
+    queries = list(builder.panel_queries(dashboard))
+    assert len(queries) >= 15
+    for title, expr in queries:
+        metrics = {word for word in _words(expr) if word.startswith("torchtrace_")}
+        assert metrics and metrics <= exported, (title, metrics - exported)
+        used = {word.split("$", 1)[1] for word in expr.replace('"', " ").split() if word.startswith("$")}
+        assert {v for v in used if not v.startswith("__")} <= variables, title
+    panel_types = {p["type"] for p in dashboard["panels"]}
+    assert {"heatmap", "bargauge", "timeseries", "stat"} <= panel_types
+    assert any(t.get("exemplar") for p in dashboard["panels"] for t in p.get("targets", []))
+
+
+def _words(expr: str) -> list[str]:
+    import re
+
+    return re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", expr)
+
+
+def test_datasources_link_exemplar_trace_ids_to_jaeger():
+    datasources = yaml.safe_load((ROOT / "grafana/provisioning/datasources/datasources.yaml").read_text())
+    by_uid = {d["uid"]: d for d in datasources["datasources"]}
+    assert by_uid["jaeger"]["type"] == "jaeger"
+    link = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"][0]
+    assert link == {"name": "trace_id", "datasourceUid": "jaeger"}
+
+
+def test_deploy_files_parse_and_fit_together():
+    for path in list((ROOT / "deploy").rglob("*.y*ml")) + list((ROOT / "grafana").rglob("*.yaml")):
+        assert yaml.safe_load(path.read_text()) is not None, path
+    compose = yaml.safe_load((ROOT / "deploy/docker-compose.yml").read_text())
+    assert {"app", "otel-collector", "jaeger", "prometheus", "grafana"} <= set(compose["services"])
+    assert "--enable-feature=exemplar-storage" in compose["services"]["prometheus"]["command"]
+    assert compose["services"]["app"]["environment"]["TORCHTRACE_METRICS_PORT"] == "9464"
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert "app:9464" in prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    for config in ("deploy/otel-collector/config.yaml", "deploy/k8s/otel-collector-config.yaml"):
+        collector = yaml.safe_load((ROOT / config).read_text())
+        pipeline = collector["service"]["pipelines"]["traces"]
+        assert set(pipeline["receivers"]) <= set(collector["receivers"])
+        assert set(pipeline["processors"]) <= set(collector["processors"]) and "batch" in pipeline["processors"]
+        assert set(pipeline["exporters"]) <= set(collector["exporters"])
+        assert set(collector["receivers"]["otlp"]["protocols"]) == {"grpc", "http"}
+    kustomization = yaml.safe_load((ROOT / "deploy/k8s/kustomization.yaml").read_text())
+    for resource in kustomization["resources"]:
+        assert (ROOT / "deploy/k8s" / resource).exists()
+    kinds = {yaml.safe_load((ROOT / "deploy/k8s" / r).read_text())["kind"] for r in kustomization["resources"]}
+    assert {"DaemonSet", "PodMonitor"} <= kinds
+
+
+def test_gauges_are_nan_when_the_latest_output_is_nan():
+    registry = CollectorRegistry()
+    model = tiny_model()
+    with torchtrace.instrument(model, exporter="none", sinks=[MetricsSink(registry, model="Tiny")]):
+        model(torch.full((1, 4), float("nan")))
+    assert math.isnan(registry.get_sample_value("torchtrace_output_mean", labels("linear_1", "Linear")))

@@ -1,0 +1,129 @@
+"""torchtrace's metrics, dashboards and deploy files against a real Prometheus (Debian's 2.42 and its promtool).
+
+One instrumented run is scraped by a real Prometheus (1 s interval, exemplar storage on); the tests then ask that
+Prometheus. Missing binaries: fail on CI (CI=true), skip elsewhere (tests/prometheus_server.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from prometheus_server import PrometheusServer, promtool, require_binary
+from torch import nn
+
+import torchtrace
+from torchtrace._metrics import MetricsSink
+from torchtrace._serve import serve_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+STATS_TO_METRICS = {
+    "mean": "torchtrace_output_mean",
+    "std": "torchtrace_output_std",
+    "abs_max": "torchtrace_output_abs_max",
+    "zero_fraction": "torchtrace_output_zero_ratio",
+}
+MODEL = "TinyNet"
+# dashboard variables: "All" for the regex ones, a concrete model; Grafana's own intervals as fixed windows
+VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".*",
+             "$__rate_interval": "1m", "$__range": "5m"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scraped_run(tmp_path_factory: pytest.TempPathFactory):
+    """An instrumented model run while a real Prometheus scrapes its metrics; the handle is removed on return."""
+    directory = tmp_path_factory.mktemp("prometheus")
+    require_binary("prometheus")
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model=MODEL)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2))).eval()
+    started = time.time()
+    server = serve_metrics(0, registry=registry)
+    with server, PrometheusServer([f"127.0.0.1:{server.port}"], directory) as prom:
+        trace_file = directory / "traces.jsonl"
+        with torchtrace.instrument(model, exporter="file", trace_file=str(trace_file), sinks=[sink]) as handle:
+            sink.watch(handle)
+            model(torch.full((2, 4), float("nan")))  # something for the NaN panels
+            deadline = time.monotonic() + 30
+            # keep the model busy until Prometheus holds a few samples, so rates and increases are not empty
+            while not prom.query("count_over_time(torchtrace_spans_recorded_total[1m]) >= 3"):
+                assert time.monotonic() < deadline, "prometheus never scraped 3 samples"
+                model(torch.randn(3, 4))
+                handle.flush()
+                time.sleep(0.05)
+            model(torch.randn(3, 4))
+            handle.flush()
+            records = handle.records
+        # the final state reaches Prometheus in the next scrape
+        prom.wait_for("torchtrace_spans_recorded_total", lambda r: r and float(r[0]["value"][1]) == len(records))
+        yield prom, records, started
+
+
+def _values(result: list[dict]) -> dict[str, float]:
+    return {sample["metric"].get("module", ""): float(sample["value"][1]) for sample in result}
+
+
+def test_every_dashboard_query_returns_data(scraped_run):
+    prom, _, _ = scraped_run
+    dashboard = json.loads((ROOT / "grafana/dashboards/torchtrace-layers.json").read_text())
+    expressions = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    # the variables' own queries: label_values(selector, label) -> count by (label) (selector)
+    for variable in dashboard["templating"]["list"]:
+        selector, label = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"]).groups()
+        expressions.append((f"variable {variable['name']}", f"count by ({label}) ({selector})"))
+    empty = []
+    for title, expr in expressions:
+        for name, value in VARIABLES.items():
+            expr = expr.replace(name, value)
+        assert "$" not in expr, expr
+        if not prom.query(expr):
+            empty.append(f"{title}: {expr}")
+    assert not empty, "queries with no data:\n" + "\n".join(empty)
+
+
+def test_prometheus_values_equal_the_span_statistics(scraped_run):
+    prom, records, _ = scraped_run
+    for path in ("linear_1", "relu", "linear_2"):
+        latest = [r for r in records if r.path == path][-1].attributes
+        for stat, metric in STATS_TO_METRICS.items():
+            assert _values(prom.query(f'{metric}{{module="{path}"}}'))[path] == latest[f"torchtrace.output.{stat}"]
+        calls = [r for r in records if r.path == path]
+        assert _values(prom.query(f'torchtrace_module_calls_total{{module="{path}"}}'))[path] == len(calls)
+        nan = sum(r.attributes["torchtrace.output.nan_count"] for r in calls)
+        assert nan > 0
+        assert _values(prom.query(f'torchtrace_output_nan_values_total{{module="{path}"}}'))[path] == nan
+    linear_calls = [r for r in records if r.type_name == "Linear"]
+    count = prom.query('torchtrace_module_call_duration_seconds_count{module_type="Linear"}')
+    assert float(count[0]["value"][1]) == len(linear_calls)
+    exported = prom.query('torchtrace_spans_exported_total{exporter="file"}')
+    assert float(exported[0]["value"][1]) == len(records)
+    dropped = prom.query("sum(torchtrace_spans_dropped_total)")
+    assert float(dropped[0]["value"][1]) == 0
+
+
+def test_exemplars_reach_prometheus_and_point_at_recorded_spans(scraped_run):
+    prom, records, started = scraped_run
+    by_span = {f"{r.span_id:016x}": r for r in records}
+    series = prom.query_exemplars(f'torchtrace_module_call_duration_seconds_bucket{{model="{MODEL}"}}',
+                                  started - 60, time.time() + 60)  # fmt: skip
+    exemplars = [e for s in series for e in s["exemplars"]]
+    assert exemplars
+    for exemplar in exemplars:
+        record = by_span[exemplar["labels"]["span_id"]]
+        assert exemplar["labels"]["trace_id"] == f"{record.trace_id:032x}"
+        assert float(exemplar["value"]) == pytest.approx(record.duration_ns / 1e9)
+
+
+def test_promtool_accepts_the_deploy_config_and_rules():
+    directory = ROOT / "deploy/prometheus"
+    for args in (("check", "config", "prometheus.yml"), ("check", "rules", "alerts.yml"),
+                 ("test", "rules", "alerts_test.yml")):  # fmt: skip
+        result = promtool(*args, cwd=directory)
+        assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}{result.stderr}"

@@ -1,0 +1,412 @@
+"""Prometheus metrics from the record stream: a ``Sink`` that aggregates, a Collector that exposes at scrape time.
+
+Nothing here runs in a hook. The dispatcher hands each batch of ``ModuleCall``s to ``MetricsSink`` on its
+worker thread; the sink folds them into plain counters under one lock per batch. prometheus_client calls
+``collect()`` on a scrape and gets samples built from that state, so the hot path has no ``observe()`` at all.
+
+Cardinality is bounded by design (see the README's "Metrics" section):
+
+- the duration histogram is labelled by module *type*, never by module path: buckets x paths x ranks is what
+  explodes, and types are few;
+- per-module series (call count, time, errors, NaN/Inf counts, output statistics) are one series each, for at
+  most ``max_module_labels`` paths; later paths share the label value ``OVERFLOW_MODULE`` (counters only:
+  a "latest value" of a mix of layers means nothing, so overflowed modules get no output-statistic gauges).
+
+Not yet: gradient norms and step duration (torchtrace does not trace backward or steps yet).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
+
+from torchtrace._calls import ModuleCall
+
+__all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
+
+OVERFLOW_MODULE = "__other__"
+# Module calls range from a few microseconds (an activation) to seconds (a whole model on CPU).
+DEFAULT_DURATION_BUCKETS: tuple[float, ...] = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# span statistic -> (metric name part, unit, help); gauges of the latest value per module
+OUTPUT_STATS: dict[str, tuple[str, str, str]] = {
+    "mean": ("output_mean", "", "Mean of the module's main output tensor, latest call."),
+    "std": ("output_std", "", "Standard deviation (unbiased) of the module's main output tensor, latest call."),
+    "abs_max": ("output_abs_max", "", "Largest absolute value of the module's main output tensor, latest call."),
+    "zero_fraction": ("output_zero", "ratio", "Fraction of zeros in the module's main output tensor, latest call."),
+}
+_OUTPUT_PREFIX = "torchtrace.output"
+_NON_STAT_KEYS = ("truncated", "stats_error")
+
+
+@dataclass(slots=True)
+class _ModuleState:
+    """Aggregates of one module label value (a path, or the overflow of one module type)."""
+
+    module_type: str
+    calls: int = 0
+    seconds: float = 0.0
+    errors: int = 0
+    nan_values: int = 0
+    inf_values: int = 0
+    latest: dict[str, float] = field(default_factory=dict)  # OUTPUT_STATS key -> latest value
+
+
+# (trace_id, span_id, seconds, end_ns) of a call: an exemplar, formatted only when scraped
+_RawExemplar = tuple[int, int, float, int]
+
+
+@dataclass(slots=True)
+class _HistogramState:
+    """One module type's duration histogram: per-bucket (not cumulative) counts and the latest exemplar each."""
+
+    counts: list[int]
+    exemplars: list[_RawExemplar | None]
+    total_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _OutputLayout:
+    """Which attribute keys of a module's calls hold its NaN/Inf counts and main-output statistics.
+
+    Computed once per path and again when the number of attributes changes, so a call costs a few dict lookups.
+    """
+
+    size: int
+    nan_keys: tuple[str, ...]  # every output tensor counts for NaN/Inf, not just the main one
+    inf_keys: tuple[str, ...]
+    stat_keys: tuple[tuple[str, str], ...]  # (OUTPUT_STATS key, attribute key) of the main output
+
+    @classmethod
+    def of(cls, attributes: dict[str, Any], *, with_stats: bool) -> _OutputLayout:
+        outputs = [key for key in attributes if key.startswith(_OUTPUT_PREFIX + ".")]
+        prefix = _main_output_prefix(attributes)
+        return cls(
+            size=len(attributes),
+            nan_keys=tuple(key for key in outputs if key.endswith(".nan_count")),
+            inf_keys=tuple(key for key in outputs if key.endswith(".inf_count")),
+            stat_keys=tuple((stat, f"{prefix}.{stat}") for stat in OUTPUT_STATS) if with_stats else (),
+        )
+
+
+@dataclass(slots=True)
+class _PathEntry:
+    state: _ModuleState
+    histogram: _HistogramState
+    state_is_named: bool  # False for an overflowed path: it adds to counters, never to the latest-value gauges
+    layout: _OutputLayout | None = None
+
+
+class MetricsSink(Collector):
+    """A torchtrace ``Sink`` that aggregates module calls into Prometheus metrics, exposed by a custom Collector.
+
+    ``instrument(model, sinks=[MetricsSink()])``; serve with :func:`torchtrace.serve_metrics`. The collector is
+    registered on ``registry`` at construction (``registry=None`` to register it yourself). One sink per model:
+    its metric names can be registered once per registry.
+
+    ``model`` names the model in the ``model`` label (default: the class name of the instrumented model, from
+    the call of its root module or from :meth:`watch`). ``rank`` fills the ``rank`` label (default: ``RANK``
+    from the environment, as torchrun sets it, else ``"0"``).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = REGISTRY,
+        *,
+        namespace: str = "torchtrace",
+        model: str | None = None,
+        rank: str | int | None = None,
+        max_module_labels: int = 200,
+        buckets: Iterable[float] = DEFAULT_DURATION_BUCKETS,
+    ) -> None:
+        if max_module_labels < 0:
+            raise ValueError(f"max_module_labels must be >= 0, got {max_module_labels}")
+        bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        if not bounds or bounds[0] <= 0:
+            raise ValueError("buckets must be positive durations in seconds")
+        self.namespace = namespace
+        self.model = model
+        self.rank = str(rank if rank is not None else os.environ.get("RANK", "0"))
+        self.max_module_labels = max_module_labels
+        self.bucket_bounds: tuple[float, ...] = tuple(bounds)
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[str, str], _ModuleState] = {}  # (module label, module type) -> state
+        self._paths: dict[str, _PathEntry] = {}  # module path -> where its calls are counted
+        self._named_modules = 0
+        self._overflowed_paths = 0
+        self._histograms: dict[str, _HistogramState] = {}
+        self._recorded = 0
+        self._watched: list[_Watched] = []
+        if registry is not None:
+            registry.register(self)
+
+    # -- the sink: runs on the dispatcher's worker thread ---------------------------------------------------------
+
+    def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        with self._lock:
+            if self.model is None:
+                self.model = next((c.type_name for c in calls if c.path == ""), None) or "model"
+            for call in calls:
+                self._add(call)
+            self._recorded += len(calls)
+
+    def _add(self, call: ModuleCall) -> None:
+        path = self._paths.get(call.path)
+        if path is None:
+            path = self._paths[call.path] = self._new_path(call)
+        seconds = (call.end_ns - call.start_ns) / 1e9
+        state = path.state
+        state.calls += 1
+        state.seconds += seconds
+        if call.error is not None:
+            state.errors += 1
+        attributes = call.attributes
+        layout = path.layout
+        if layout is None or layout.size != len(attributes):  # the output's structure changed (or first call)
+            layout = path.layout = _OutputLayout.of(attributes, with_stats=path.state_is_named)
+        for key in layout.nan_keys:
+            state.nan_values += int(attributes.get(key, 0))
+        for key in layout.inf_keys:
+            state.inf_values += int(attributes.get(key, 0))
+        latest = state.latest
+        for stat, key in layout.stat_keys:
+            value = attributes.get(key)
+            if value is not None:
+                latest[stat] = value
+
+        histogram = path.histogram
+        index = bisect.bisect_left(self.bucket_bounds, seconds)  # first bound >= seconds: Prometheus' "le"
+        histogram.counts[index] += 1
+        histogram.total_seconds += seconds
+        if call.trace_flags & 1:  # only a sampled span is worth linking to; formatted at scrape time
+            histogram.exemplars[index] = (call.trace_id, call.span_id, seconds, call.end_ns)
+
+    def _new_path(self, call: ModuleCall) -> _PathEntry:
+        """State of a path seen for the first time: its own label while under the limit, else the overflow's."""
+        if self._named_modules < self.max_module_labels:
+            self._named_modules += 1
+            label = call.name  # the model itself is labelled with its class name, as its span is
+        else:
+            self._overflowed_paths += 1
+            label = OVERFLOW_MODULE
+        state = self._modules.get((label, call.type_name))
+        if state is None:
+            state = self._modules[(label, call.type_name)] = _ModuleState(call.type_name)
+        histogram = self._histograms.get(call.type_name)
+        if histogram is None:
+            slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
+            histogram = self._histograms[call.type_name] = _HistogramState([0] * slots, [None] * slots)
+        return _PathEntry(state, histogram, state_is_named=label != OVERFLOW_MODULE)
+
+    # -- export health ------------------------------------------------------------------------------------------
+
+    def watch(self, handle: Any) -> None:
+        """Expose ``handle``'s drop and export counts (read at scrape time) as span counters.
+
+        Reads ``handle.dropped_calls`` (calls lost to a full buffer) and the exporter's exported / failed span
+        counts. The handle is held weakly; after it is gone its last counts stay exposed, so counters never go
+        back. Also names the ``model`` label after the handle's model when no name was given.
+        """
+        with self._lock:
+            if self.model is None:
+                model = handle._model_ref() if hasattr(handle, "_model_ref") else None
+                if model is not None:
+                    self.model = type(model).__name__
+            self._watched.append(_Watched(weakref.ref(handle), str(getattr(handle, "exporter", "unknown"))))
+
+    # -- the collector: runs on the scraping thread ---------------------------------------------------------------
+
+    def describe(self) -> list[Metric]:
+        """The metric names, without samples, so a registry refuses a second sink with the same names."""
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            snapshot = _Snapshot(
+                model=self.model or "model",
+                modules={key: _copy_state(state) for key, state in self._modules.items()},
+                histograms={
+                    name: _HistogramState(list(h.counts), list(h.exemplars), h.total_seconds)
+                    for name, h in self._histograms.items()
+                },
+                recorded=self._recorded,
+                overflowed_paths=self._overflowed_paths,
+                watched=list(self._watched),
+            )
+        return self._families(snapshot)
+
+    def _families(self, snapshot: _Snapshot | None = None) -> list[Metric]:
+        ns = self.namespace
+        base = ["model", "rank"]
+        per_module = [*base, "module", "module_type"]
+        duration = HistogramMetricFamily(
+            f"{ns}_module_call_duration",
+            "Duration of module calls by module type; exemplars link to the trace of a call.",
+            labels=[*base, "module_type"],
+            unit="seconds",
+        )
+        calls = CounterMetricFamily(f"{ns}_module_calls", "Calls of each module.", labels=per_module)
+        seconds = CounterMetricFamily(
+            f"{ns}_module_call", "Time spent in calls of each module (children included).", labels=per_module,
+            unit="seconds",
+        )  # fmt: skip
+        errors = CounterMetricFamily(f"{ns}_module_call_errors", "Module calls that raised.", labels=per_module)
+        nan = CounterMetricFamily(
+            f"{ns}_output_nan_values", "NaN elements in the module's output tensors.", labels=per_module
+        )
+        inf = CounterMetricFamily(
+            f"{ns}_output_inf_values", "Infinite elements in the module's output tensors.", labels=per_module
+        )
+        gauges = {
+            stat: GaugeMetricFamily(f"{ns}_{name}", help_text, labels=per_module, unit=unit)
+            for stat, (name, unit, help_text) in OUTPUT_STATS.items()
+        }
+        overflowed = GaugeMetricFamily(
+            f"{ns}_metrics_overflowed_modules",
+            f'Module paths past max_module_labels, counted under module="{OVERFLOW_MODULE}".',
+            labels=base,
+        )
+        recorded = CounterMetricFamily(f"{ns}_spans_recorded", "Module calls recorded (one span each).", labels=base)
+        exported = CounterMetricFamily(
+            f"{ns}_spans_exported", "Spans the exporter delivered.", labels=[*base, "exporter"]
+        )
+        dropped = CounterMetricFamily(
+            f"{ns}_spans_dropped",
+            "Spans lost: buffer_full (export fell behind the model), export_failed (the backend refused or was down).",
+            labels=[*base, "reason"],
+        )
+        families: list[Metric] = [
+            duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped
+        ]  # fmt: skip
+        if snapshot is None:
+            return families
+
+        model_rank = [snapshot.model, self.rank]
+        bounds = [*(floatToGoString(b) for b in self.bucket_bounds), "+Inf"]
+        for module_type, histogram in sorted(snapshot.histograms.items()):
+            cumulative, buckets = 0, []
+            for bound, count, exemplar in zip(bounds, histogram.counts, histogram.exemplars):
+                cumulative += count
+                buckets.append((bound, cumulative, _exemplar(exemplar)) if exemplar else (bound, cumulative))
+            duration.add_metric([*model_rank, module_type], buckets, histogram.total_seconds)
+        for (module, module_type), state in sorted(snapshot.modules.items()):
+            labels = [*model_rank, module, module_type]
+            calls.add_metric(labels, state.calls)
+            seconds.add_metric(labels, state.seconds)
+            errors.add_metric(labels, state.errors)
+            nan.add_metric(labels, state.nan_values)
+            inf.add_metric(labels, state.inf_values)
+            for stat, value in state.latest.items():
+                gauges[stat].add_metric(labels, value)
+        overflowed.add_metric(model_rank, snapshot.overflowed_paths)
+        recorded.add_metric(model_rank, snapshot.recorded)
+        buffer_dropped = export_failed = 0
+        exported_by: dict[str, int] = {}
+        for watched in snapshot.watched:
+            counts = watched.read()
+            buffer_dropped += counts.dropped
+            if counts.exported is not None:
+                exported_by[watched.exporter] = exported_by.get(watched.exporter, 0) + counts.exported
+                export_failed += counts.failed
+        for exporter_name, count in sorted(exported_by.items()):
+            exported.add_metric([*model_rank, exporter_name], count)
+        # always present (0 included) so "no drops" is a value, not missing data, and an alert can see it
+        dropped.add_metric([*model_rank, "buffer_full"], buffer_dropped)
+        dropped.add_metric([*model_rank, "export_failed"], export_failed)
+        return families
+
+
+@dataclass(slots=True)
+class _Counts:
+    dropped: int = 0
+    exported: int | None = None  # None: the exporter keeps no count (sdk: the SDK's processor owns delivery)
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class _Watched:
+    handle: weakref.ref
+    exporter: str
+    last: _Counts = field(default_factory=_Counts)
+
+    def read(self) -> _Counts:
+        """Current counts of the handle, or its last ones once it is gone."""
+        handle = self.handle()
+        if handle is not None:
+            exporter_sink = _exporter_sink(handle)
+            self.last = _Counts(
+                dropped=int(handle.dropped_calls),
+                exported=int(exporter_sink.exported) if exporter_sink is not None else None,
+                failed=int(exporter_sink.failed) if exporter_sink is not None else 0,
+            )
+        return self.last
+
+
+def _exporter_sink(handle: Any) -> Any:
+    """The handle's sink that counts exported / failed spans (the OTLP / file exporter), if any.
+
+    TraceHandle has no public accessor for these counts yet: this reads its dispatcher's sinks, as the demo does.
+    """
+    dispatcher = getattr(handle, "_dispatcher", None)
+    for sink in getattr(dispatcher, "sinks", ()):
+        if hasattr(sink, "exported") and hasattr(sink, "failed"):
+            return sink
+    return None
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    model: str
+    modules: dict[tuple[str, str], _ModuleState]
+    histograms: dict[str, _HistogramState]
+    recorded: int
+    overflowed_paths: int
+    watched: list[_Watched]
+
+
+def _copy_state(state: _ModuleState) -> _ModuleState:
+    return _ModuleState(
+        state.module_type, state.calls, state.seconds, state.errors, state.nan_values, state.inf_values,
+        dict(state.latest),
+    )  # fmt: skip
+
+
+def _exemplar(raw: _RawExemplar) -> Exemplar:
+    trace_id, span_id, seconds, end_ns = raw
+    return Exemplar({"trace_id": f"{trace_id:032x}", "span_id": f"{span_id:016x}"}, seconds, end_ns / 1e9)
+
+
+def _main_output_prefix(attributes: dict[str, Any]) -> str:
+    """Attribute prefix of a call's main output: the output itself when it is a tensor, else its first tensor.
+
+    Follows the span attribute naming: ``torchtrace.output.<stat>`` for a bare tensor, ``torchtrace.output.
+    <name>.<stat>`` inside containers, in the order the tensors were found.
+    """
+    if f"{_OUTPUT_PREFIX}.dtype" in attributes:
+        return _OUTPUT_PREFIX
+    start = len(_OUTPUT_PREFIX) + 1
+    for key in attributes:
+        if key.startswith(_OUTPUT_PREFIX + ".") and key.endswith(".dtype"):
+            return key[: -len(".dtype")]
+    for key in attributes:  # statistics chosen without dtype: the first tensor-named statistic
+        rest = key[start:] if key.startswith(_OUTPUT_PREFIX + ".") else ""
+        if "." in rest and rest.rsplit(".", 1)[1] not in _NON_STAT_KEYS:
+            return key.rsplit(".", 1)[0]
+    return _OUTPUT_PREFIX

@@ -1,0 +1,72 @@
+"""The Prometheus scrape endpoint: ``serve_metrics()`` and its environment form, ``metrics_from_env()``.
+
+prometheus_client's own WSGI server does the work: it answers ``Accept: application/openmetrics-text`` (what
+Prometheus sends first) with OpenMetrics, the only exposition that carries exemplars, and plain text otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+__all__ = ["ENV_METRICS_ADDR", "ENV_METRICS_PORT", "MetricsServer", "metrics_from_env", "serve_metrics"]
+
+ENV_METRICS_PORT = "TORCHTRACE_METRICS_PORT"
+ENV_METRICS_ADDR = "TORCHTRACE_METRICS_ADDR"
+DEFAULT_METRICS_ADDR = "127.0.0.1"  # loopback: tensor statistics are not for the whole network unless asked
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    """A running metrics endpoint. ``shutdown()`` (or leaving the ``with`` block) stops it and frees the port."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    addr: str
+    port: int  # the bound port (the OS's choice when 0 was asked for)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def serve_metrics(port: int, addr: str = DEFAULT_METRICS_ADDR, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Serve ``registry`` on ``http://addr:port/metrics`` from a daemon thread; ``port=0`` picks a free port.
+
+    Binds loopback unless ``addr`` says otherwise (``"0.0.0.0"`` in a container that Prometheus scrapes).
+    """
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics port must be an integer in 0..65535, got {port!r}")
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    thread.name = "torchtrace-metrics"
+    return MetricsServer(server, thread, addr, server.server_address[1])
+
+
+def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
+    """``serve_metrics()`` as ``TORCHTRACE_METRICS_PORT`` / ``TORCHTRACE_METRICS_ADDR`` say; None when no port is
+    set. An invalid port raises ``ValueError``."""
+    text = os.environ.get(ENV_METRICS_PORT, "").strip()
+    if not text:
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise ValueError(f"{ENV_METRICS_PORT}={text!r} is not a port number") from None
+    addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or DEFAULT_METRICS_ADDR
+    return serve_metrics(port, addr=addr, registry=registry)
