@@ -3,15 +3,21 @@
 from torchtrace._calls import ModuleCall, Sink
 from torchtrace._handle import TraceHandle, instrument
 from torchtrace._hooks import CompressedTensor
+from torchtrace._metrics import MetricsSink
+from torchtrace._serve import MetricsServer, metrics_from_env, serve_metrics
 from torchtrace._stats import STAT_NAMES
 from torchtrace.version import __version__
 
 __all__ = [
     "STAT_NAMES",
     "CompressedTensor",
+    "MetricsServer",
+    "MetricsSink",
     "ModuleCall",
     "Sink",
     "TraceHandle",
     "__version__",
     "instrument",
+    "metrics_from_env",
+    "serve_metrics",
 ]

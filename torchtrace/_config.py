@@ -30,6 +30,8 @@ ENV_MAX_RECORDS = "TORCHTRACE_MAX_RECORDS"  # in-memory records kept (oldest dro
 ENV_MAX_TENSORS = "TORCHTRACE_MAX_TENSORS"  # tensors summarised per module output (and per input)
 ENV_EXPORT_INTERVAL = "TORCHTRACE_EXPORT_INTERVAL_MS"  # how often the background worker drains the buffer
 ENV_MAX_PENDING = "TORCHTRACE_MAX_PENDING_CALLS"  # calls buffered before whole forwards are dropped (counted)
+ENV_METRICS = "TORCHTRACE_METRICS"  # true: aggregate Prometheus metrics (set by TORCHTRACE_METRICS_PORT too)
+ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
 DEFAULT_TRACE_FILE = os.path.join("torchtrace-traces", "traces.jsonl")
@@ -65,6 +67,8 @@ class Options:
     export_interval_ms: int = 1000
     max_pending_calls: int = 200_000
     sinks: tuple[Callable, ...] = ()
+    print_summary: bool | None = None  # None: only when traces go to the embedded default file
+    metrics: Any = None  # False/None, True (a MetricsSink on the global registry) or a MetricsSink
 
 
 def _env(name: str) -> str | None:
@@ -154,6 +158,20 @@ def _bool_option(name: str, value: Any) -> bool:
     return value
 
 
+def _metrics_option(value: Any) -> Any:
+    if value is None:
+        if _env(ENV_METRICS) is not None:
+            return _parse_bool(ENV_METRICS, _env(ENV_METRICS))
+        return _env("TORCHTRACE_METRICS_PORT") is not None  # asking for an endpoint asks for metrics
+    if isinstance(value, bool) or callable(value):
+        return value
+    raise TypeError(f"metrics must be True, False or a MetricsSink, got {value!r}")
+
+
+def _optional_bool(name: str, value: Any) -> bool | None:
+    return None if value is None else _bool_option(name, value)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -235,6 +253,8 @@ def resolve_options(**kwargs: Any) -> Options:
         export_interval_ms=pick("export_interval_ms", ENV_EXPORT_INTERVAL, _parse_int),
         max_pending_calls=pick("max_pending_calls", ENV_MAX_PENDING, _parse_int),
         sinks=sinks,
+        print_summary=_optional_bool("print_summary", pick("print_summary", ENV_PRINT_SUMMARY, _parse_bool)),
+        metrics=_metrics_option(kwargs.get("metrics")),
     )
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)

@@ -70,10 +70,9 @@ def _progress(items: Iterable[int], total: int, stream: TextIO) -> Iterator[int]
 
 def _exporter_counts(handle: torchtrace.TraceHandle) -> tuple[int, int] | None:
     """(exported, failed) span counts of the OTLP/file exporter sink, when it keeps them."""
-    for sink in handle._dispatcher.sinks:
-        if hasattr(sink, "exported") and hasattr(sink, "failed"):
-            return int(sink.exported), int(sink.failed)
-    return None
+    if handle.exported_spans is None:
+        return None
+    return handle.exported_spans, handle.failed_spans
 
 
 def _where(handle: torchtrace.TraceHandle, spans: int) -> str:
@@ -131,6 +130,7 @@ def run_demo(
         trace_file=trace_file,
         stats=None if stats else False,
         sinks=[counter],
+        print_summary=False,  # the demo prints its own table, with where the traces went
     )
     tracer = trace.get_tracer("torchtrace.demo", torchtrace.__version__)  # no-op unless an SDK provider is set
     try:

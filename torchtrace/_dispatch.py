@@ -14,7 +14,6 @@ from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
-from torchtrace import _hooks as raw
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, Sink
 from torchtrace._hooks import ModuleInfo, RawForward
@@ -66,9 +65,20 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
     getrandbits = random.getrandbits
     calls: list[ModuleCall] = []
     append = calls.append
-    for module, start, end, parent_position, _, outputs, inputs, error, output_value, input_value, attrs, tensors in (
-        forward.entries
-    ):
+    for (
+        module,
+        start,
+        end,
+        parent_position,
+        _,
+        outputs,
+        inputs,
+        error,
+        output_value,
+        input_value,
+        attrs,
+        tensors,
+    ) in forward.entries:
         info = modules[module]
         attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
         if outputs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -41,7 +42,9 @@ class TraceHandle:
         self._records = RecordStore(options.max_records)
         self._summary = SummarySink()
         self.exporter, export_sinks, self._flushers = _export_sinks(options)
-        sinks = [*export_sinks, self._records, self._summary, *options.sinks]
+        self.metrics = _metrics_sink(options.metrics, model)
+        metrics_sinks = [self.metrics] if self.metrics is not None else []
+        sinks = [*export_sinks, self._records, self._summary, *metrics_sinks, *options.sinks]
         self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
         with_kwargs = options.inputs
         self._hook_handles = []
@@ -54,6 +57,8 @@ class TraceHandle:
         self._removed = False
         _instrumented[model] = self
         _live_handles.add(self)
+        if self.metrics is not None:
+            self.metrics.watch(self)
         # a model dropped without remove() must not leave the worker thread running
         weakref.finalize(model, _remove_if_alive, weakref.ref(self))
         self._dispatcher.start()
@@ -96,6 +101,11 @@ class TraceHandle:
         self.flush()
         for shutdown in self._shutdowns():
             shutdown()
+        print_summary = self.options.print_summary
+        if print_summary or (print_summary is None and self.exporter == "file" and self.options.exporter == "auto"):
+            print(
+                f"{self.summary(limit=30)}\n\ntorchtrace: traces written to {self.options.trace_file}", file=sys.stderr
+            )
         model = self._model_ref()
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]
@@ -140,8 +150,44 @@ class TraceHandle:
         """Calls lost because the buffer was full (export slower than the model); also logged."""
         return self.buffer.dropped_calls
 
+    @property
+    def exported_spans(self) -> int | None:
+        """Spans the OTLP / file exporter delivered; None with the "sdk" exporter (its processors deliver)."""
+        sink = self._counting_exporter()
+        return sink.exported if sink is not None else None
+
+    @property
+    def failed_spans(self) -> int:
+        """Spans the OTLP / file exporter could not deliver (also logged)."""
+        sink = self._counting_exporter()
+        return sink.failed if sink is not None else 0
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The instrumented model, while it exists (held weakly)."""
+        return self._model_ref()
+
+    def _counting_exporter(self) -> Any:
+        return next((sink for sink in self._dispatcher.sinks if hasattr(sink, "exported")), None)
+
     def _shutdowns(self) -> list[Callable[[], None]]:
         return [sink.shutdown for sink in self._dispatcher.sinks if hasattr(sink, "shutdown")]
+
+
+_metrics_server: Any = None  # the process's TORCHTRACE_METRICS_PORT endpoint, started once
+
+
+def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
+    """The MetricsSink for ``metrics=``; starts the env-configured endpoint once per process."""
+    global _metrics_server
+    if not option:
+        return None
+    from torchtrace._metrics import MetricsSink
+    from torchtrace._serve import metrics_from_env
+
+    if _metrics_server is None:
+        _metrics_server = metrics_from_env()
+    return option if option is not True else MetricsSink(model=type(model).__name__)
 
 
 def _remove_if_alive(handle_ref: weakref.ref) -> None:
@@ -197,6 +243,8 @@ def instrument(
     export_interval_ms: int | None = None,
     max_pending_calls: int | None = None,
     sinks: Iterable[Callable] | None = None,
+    print_summary: bool | None = None,
+    metrics: bool | Callable | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 
@@ -212,9 +260,10 @@ def instrument(
 
 
 @atexit.register
-def _flush_at_exit() -> None:
+def _remove_at_exit() -> None:
+    """Deliver what is pending (and print the summary where asked) before the interpreter goes."""
     for handle in list(_live_handles):
         try:
-            handle.flush(timeout_millis=5_000)
+            handle.remove()
         except Exception:
-            _logger.exception("torchtrace: flush at exit failed")
+            _logger.exception("torchtrace: delivering pending calls at exit failed")

@@ -226,7 +226,7 @@ class MetricsSink(Collector):
         """
         with self._lock:
             if self.model is None:
-                model = handle._model_ref() if hasattr(handle, "_model_ref") else None
+                model = handle.model
                 if model is not None:
                     self.model = type(model).__name__
             self._watched.append(_Watched(weakref.ref(handle), str(getattr(handle, "exporter", "unknown"))))
@@ -350,25 +350,8 @@ class _Watched:
         """Current counts of the handle, or its last ones once it is gone."""
         handle = self.handle()
         if handle is not None:
-            exporter_sink = _exporter_sink(handle)
-            self.last = _Counts(
-                dropped=int(handle.dropped_calls),
-                exported=int(exporter_sink.exported) if exporter_sink is not None else None,
-                failed=int(exporter_sink.failed) if exporter_sink is not None else 0,
-            )
+            self.last = _Counts(handle.dropped_calls, handle.exported_spans, handle.failed_spans)
         return self.last
-
-
-def _exporter_sink(handle: Any) -> Any:
-    """The handle's sink that counts exported / failed spans (the OTLP / file exporter), if any.
-
-    TraceHandle has no public accessor for these counts yet: this reads its dispatcher's sinks, as the demo does.
-    """
-    dispatcher = getattr(handle, "_dispatcher", None)
-    for sink in getattr(dispatcher, "sinks", ()):
-        if hasattr(sink, "exported") and hasattr(sink, "failed"):
-            return sink
-    return None
 
 
 @dataclass(slots=True)

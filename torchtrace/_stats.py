@@ -180,7 +180,9 @@ def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) 
         for (_, stats), row, count_row in zip(items, rows, counts):
             stats.update(zip(keys, row))
             if with_counts:
-                stats.update(zip(with_counts, count_row) if len(with_counts) == 2 else _one_count(with_counts, count_row))
+                stats.update(
+                    zip(with_counts, count_row) if len(with_counts) == 2 else _one_count(with_counts, count_row)
+                )
 
 
 def _as_real_float(x: torch.Tensor) -> torch.Tensor:
