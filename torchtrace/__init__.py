@@ -1,9 +1,10 @@
 """torchtrace: OpenTelemetry spans and tensor statistics for every PyTorch module call."""
 
-from torchtrace._calls import ModuleCall, Sink
+from torchtrace._calls import ModuleCall, NonFiniteError, Sink
 from torchtrace._handle import TraceHandle, instrument
 from torchtrace._hooks import CompressedTensor
 from torchtrace._metrics import MetricsSink
+from torchtrace._schedule import StepSchedule, every, schedule
 from torchtrace._serve import MetricsServer, metrics_from_env, serve_metrics
 from torchtrace._stats import STAT_NAMES
 from torchtrace.version import __version__
@@ -14,10 +15,14 @@ __all__ = [
     "MetricsServer",
     "MetricsSink",
     "ModuleCall",
+    "NonFiniteError",
     "Sink",
+    "StepSchedule",
     "TraceHandle",
     "__version__",
+    "every",
     "instrument",
     "metrics_from_env",
+    "schedule",
     "serve_metrics",
 ]

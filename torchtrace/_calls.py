@@ -40,11 +40,17 @@ class ModuleCall:
     input_value: Any = None  # result of the user's function_on_input, if given
     tensors: dict[str, Any] | None = None  # opt-in captured tensors (see capture_tensors)
     module_attributes: dict[str, Any] | None = None  # values of the module_attributes option after the call
+    kind: str = "forward"  # "forward" | "backward" (a module's backward) | "step" | "phase" (backward, optimizer)
 
     @property
     def name(self) -> str:
-        """Span name: the module path (bounded by the model's size)."""
-        return self.path or self.type_name
+        """Span name, bounded by the model's size: the module path (its class name for the model itself),
+        "<path> backward" for a module's backward, and the step / phase name for the others."""
+        if self.kind == "forward":
+            return self.path or self.type_name
+        if self.kind == "backward":
+            return f"{self.path or self.type_name} backward"
+        return self.type_name
 
     @property
     def duration_ns(self) -> int:
@@ -53,6 +59,15 @@ class ModuleCall:
     @property
     def status_code(self) -> int:
         return STATUS_ERROR if self.error is not None else STATUS_UNSET
+
+
+class NonFiniteError(ArithmeticError):
+    """A module produced NaN or Inf: marks the first such call of a forward / backward (span status ERROR with an
+    ``exception`` event naming the tensor); raised by ``TraceHandle.step()`` with ``on_nonfinite="raise"``."""
+
+    def __init__(self, message: str, call: ModuleCall | None = None) -> None:
+        super().__init__(message)
+        self.call = call
 
 
 # A sink receives each batch of finished calls, in start order per forward, off the hot path.

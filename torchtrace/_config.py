@@ -31,6 +31,9 @@ ENV_MAX_TENSORS = "TORCHTRACE_MAX_TENSORS"  # tensors summarised per module outp
 ENV_EXPORT_INTERVAL = "TORCHTRACE_EXPORT_INTERVAL_MS"  # how often the background worker drains the buffer
 ENV_MAX_PENDING = "TORCHTRACE_MAX_PENDING_CALLS"  # calls buffered before whole forwards are dropped (counted)
 ENV_METRICS = "TORCHTRACE_METRICS"  # true: aggregate Prometheus metrics (set by TORCHTRACE_METRICS_PORT too)
+ENV_BACKWARD = "TORCHTRACE_BACKWARD"  # true: a span per module backward, with gradient statistics
+ENV_STEP_EVERY = "TORCHTRACE_STEP_EVERY"  # trace every Nth training step (schedule=every(N))
+ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-gradient norms on backward spans
 ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
@@ -69,6 +72,11 @@ class Options:
     sinks: tuple[Callable, ...] = ()
     print_summary: bool | None = None  # None: only when traces go to the embedded default file
     metrics: Any = None  # False/None, True (a MetricsSink on the global registry) or a MetricsSink
+    backward: bool = False
+    schedule: Callable[[int], bool] | None = None  # step -> traced?; None traces every step
+    optimizer: Any = None  # a torch.optim.Optimizer whose step() closes each training step
+    param_stats: bool = False
+    on_nonfinite: Any = None  # None, "raise" or callable(NonFiniteError)
 
 
 def _env(name: str) -> str | None:
@@ -168,6 +176,31 @@ def _metrics_option(value: Any) -> Any:
     raise TypeError(f"metrics must be True, False or a MetricsSink, got {value!r}")
 
 
+def _schedule_option(value: Any) -> Callable[[int], bool] | None:
+    if value is None:
+        text = _env(ENV_STEP_EVERY)
+        if text is None:
+            return None
+        from torchtrace._schedule import every
+
+        return every(_parse_int(ENV_STEP_EVERY, text))
+    if not callable(value):
+        raise TypeError(f"schedule must be a callable step -> bool (e.g. torchtrace.schedule(...)), got {value!r}")
+    return value
+
+
+def _optimizer_option(value: Any) -> Any:
+    if value is not None and not isinstance(value, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(value).__name__}")
+    return value
+
+
+def _nonfinite_option(value: Any) -> Any:
+    if value is None or value == "raise" or callable(value):
+        return value
+    raise ValueError(f"on_nonfinite must be None, 'raise' or a callable, got {value!r}")
+
+
 def _optional_bool(name: str, value: Any) -> bool | None:
     return None if value is None else _bool_option(name, value)
 
@@ -255,6 +288,11 @@ def resolve_options(**kwargs: Any) -> Options:
         sinks=sinks,
         print_summary=_optional_bool("print_summary", pick("print_summary", ENV_PRINT_SUMMARY, _parse_bool)),
         metrics=_metrics_option(kwargs.get("metrics")),
+        backward=_bool_option("backward", pick("backward", ENV_BACKWARD, _parse_bool)),
+        schedule=_schedule_option(kwargs.get("schedule")),
+        optimizer=_optimizer_option(kwargs.get("optimizer")),
+        param_stats=_bool_option("param_stats", pick("param_stats", ENV_PARAM_STATS, _parse_bool)),
+        on_nonfinite=_nonfinite_option(kwargs.get("on_nonfinite")),
     )
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)

@@ -15,14 +15,17 @@ from typing import Any
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import ModuleCall, Sink
-from torchtrace._hooks import ModuleInfo, RawForward
+from torchtrace._calls import ModuleCall, NonFiniteError, Sink
+from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, ModuleInfo, RawForward
 from torchtrace._stats import resolve
+from torchtrace._steps import BACKWARD_START, StepRecord
 
 _logger = logging.getLogger(__name__)
 
 OUTPUT_PREFIX = "torchtrace.output"
 INPUT_PREFIX = "torchtrace.input"
+GRAD_OUTPUT_PREFIX = "torchtrace.grad_output"
+GRAD_INPUT_PREFIX = "torchtrace.grad_input"
 ATTRIBUTE_PREFIX = "torchtrace.module_attribute"
 
 
@@ -95,7 +98,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
             parent_call = calls[parent_position]
             depth, parent_id, remote = parent_call.depth + 1, parent_call.span_id, False
         else:
-            depth, parent_id, remote = 0, root_parent_id, root_parent_id != 0
+            depth, parent_id, remote = 0, root_parent_id, parent.is_remote
         append(
             ModuleCall(  # positional: keywords cost a microsecond per call here
                 info.path,
@@ -118,7 +121,152 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
                 attrs,
             )
         )
+    _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in forward.entries], "output")
     return calls
+
+
+def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None:
+    """(tensor name, NaN count, Inf count) of the first tensor with either, if any."""
+    for name, stats in (summaries or {}).items():
+        nans, infs = stats.get("nan_count", 0), stats.get("inf_count", 0)
+        if nans or infs:
+            return name, nans, infs
+    return None
+
+
+def _mark_first_nonfinite(calls: Sequence[ModuleCall], summaries: Sequence[dict | None], what: str) -> None:
+    """The first call to finish with NaN/Inf produced it (its ancestors only pass it on): mark it ERROR."""
+    found = [(call.end_ns, index) for index, (call, summary) in enumerate(zip(calls, summaries)) if _nonfinite(summary)]
+    if not found:
+        return
+    call = calls[min(found)[1]]
+    name, nans, infs = _nonfinite(summaries[min(found)[1]])
+    tensor = f"{what}.{name}" if name else what
+    if call.error is None:
+        call.error = NonFiniteError(f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}", call)
+
+
+def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | None:
+    """The verdict of a step without resolving it: which module first produced NaN/Inf, forward or backward."""
+    for forward in record.forwards:
+        for entry in sorted(forward.entries, key=lambda entry: entry[END] or 0):  # completion order
+            found = _nonfinite(entry[OUTPUTS] and {k: resolve(v) for k, v in entry[OUTPUTS].items()})
+            if found:
+                info = modules[entry[MODULE]]
+                return f"{info.path or info.type_name} produced NaN/Inf in output {found[0] or ''}".rstrip()
+    for entry, event, _, grads in sorted(record.backward_events, key=lambda event: event[2]):
+        found = event != BACKWARD_START and _nonfinite({k: resolve(v) for k, v in grads.items()})
+        if found:
+            info = modules[entry[MODULE]]
+            return f"{info.path or info.type_name} backward produced NaN/Inf in grad_input {found[0]}"
+    return None
+
+
+def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[ModuleCall]:
+    """A traced training step: its root span, its forwards, a backward span holding one span per module
+    backward (nested like the forward calls), and the optimizer step."""
+    offset = record.clock_offset_ns
+    getrandbits = random.getrandbits
+
+    def phase(name: str, start_ns: int, end_ns: int, attributes: dict | None = None) -> ModuleCall:
+        return ModuleCall(
+            "",
+            name,
+            1,
+            record.trace_id,
+            getrandbits(64) or 1,
+            record.span_id,
+            start_ns,
+            end_ns,
+            attributes or {},
+            kind="phase",
+        )
+
+    step = ModuleCall(
+        "",
+        "train_step",
+        0,
+        record.trace_id,
+        record.span_id,
+        0,
+        record.start_ns,
+        record.end_ns,
+        {"torchtrace.step": record.number},
+        kind="step",
+    )
+    calls = [step]
+    forward_of: dict[int, tuple[ModuleCall, list, list]] = {}  # id(entry) -> (forward call, entry, its forward)
+    for forward in record.forwards:
+        resolved = resolve_forward(forward, modules)
+        calls.extend(resolved)
+        for entry, call in zip(forward.entries, resolved):
+            forward_of[id(entry)] = (call, entry, forward.entries)
+    if record.optimizer_ns:
+        start, end = record.optimizer_ns
+        calls.append(phase("optimizer.step", start + offset, end + offset))
+    calls.extend(_backward_calls(record, forward_of, phase))
+    return calls
+
+
+def _backward_calls(record: StepRecord, forward_of: dict, phase: Any) -> list[ModuleCall]:
+    offset = record.clock_offset_ns
+    starts: dict[int, tuple[int, dict]] = {}
+    ends: dict[int, tuple[int, dict]] = {}
+    for entry, event, time_ns, grads in record.backward_events:
+        key = id(entry)
+        if key not in forward_of:
+            continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
+        if event == BACKWARD_START:
+            starts.setdefault(key, (time_ns + offset, grads))
+        else:
+            ends[key] = (time_ns + offset, grads)
+    keys = sorted(starts.keys() | ends.keys(), key=lambda k: (starts.get(k) or ends[k])[0])
+    if not keys:
+        return []
+    first = min((starts.get(k) or ends[k])[0] for k in keys)
+    last = max((ends.get(k) or starts[k])[0] for k in keys)
+    backward = phase("backward", first, last)
+    spans: dict[int, ModuleCall] = {}
+    grad_inputs_of: dict[int, dict | None] = {}
+    for key in keys:
+        forward_call, entry, entries = forward_of[key]
+        start, grad_outputs = starts.get(key) or (ends[key][0], None)
+        end, grad_inputs = ends.get(key) or (start, None)
+        attributes: dict[str, Any] = {
+            "torchtrace.module.path": forward_call.path,
+            "torchtrace.module.type": forward_call.type_name,
+        }
+        _stat_attributes(attributes, GRAD_OUTPUT_PREFIX, grad_outputs)
+        _stat_attributes(attributes, GRAD_INPUT_PREFIX, grad_inputs)
+        attributes.update(record.param_stats.get(key, {}))
+        spans[key] = ModuleCall(
+            forward_call.path,
+            forward_call.type_name,
+            forward_call.depth,
+            record.trace_id,
+            random.getrandbits(64) or 1,
+            backward.span_id,
+            start,
+            end,
+            attributes,
+            thread_id=forward_call.thread_id,
+            kind="backward",
+        )
+        grad_inputs_of[key] = grad_inputs
+    for key, span in spans.items():  # nest like the forward calls: under the nearest ancestor with a backward
+        _, entry, entries = forward_of[key]
+        position = entry[PARENT]
+        while position >= 0:
+            ancestor = spans.get(id(entries[position]))
+            if ancestor is not None:
+                span.parent_span_id = ancestor.span_id
+                ancestor.start_ns = min(ancestor.start_ns, span.start_ns)  # a container holds its children
+                ancestor.end_ns = max(ancestor.end_ns, span.end_ns)
+                break
+            position = entries[position][PARENT]
+    backward_spans = list(spans.values())
+    _mark_first_nonfinite(backward_spans, [grad_inputs_of[key] for key in spans], "grad_input")
+    return [backward, *backward_spans]
 
 
 class Dispatcher:
@@ -132,6 +280,7 @@ class Dispatcher:
         self.sinks = list(sinks)
         self.interval_s = interval_s
         self.sink_errors = 0
+        self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
@@ -150,6 +299,12 @@ class Dispatcher:
         while not self._stop.wait(self.interval_s):
             self.drain()
 
+    def _notify_nonfinite(self, error: NonFiniteError) -> None:
+        try:
+            self.on_nonfinite(error)
+        except Exception:
+            _logger.exception("torchtrace: the on_nonfinite callback failed")
+
     def drain(self) -> int:
         """Processes everything buffered so far; returns the number of calls handed to the sinks."""
         with self._lock:
@@ -157,8 +312,15 @@ class Dispatcher:
             if not forwards:
                 return 0
             calls: list[ModuleCall] = []
-            for forward in forwards:
-                calls.extend(resolve_forward(forward, self.modules))
+            for item in forwards:
+                if isinstance(item, StepRecord):
+                    calls.extend(resolve_step(item, self.modules))
+                else:
+                    calls.extend(resolve_forward(item, self.modules))
+            if self.on_nonfinite is not None:
+                for call in calls:
+                    if isinstance(call.error, NonFiniteError):
+                        self._notify_nonfinite(call.error)
             for sink in self.sinks:
                 try:
                     sink(calls)

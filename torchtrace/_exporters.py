@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +32,14 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_COMPRESSION,
     OTEL_EXPORTER_OTLP_ENDPOINT,
     OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TIMEOUT,
     OTEL_EXPORTER_OTLP_TRACES_COMPRESSION,
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
 )
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from torchtrace._calls import ModuleCall
 from torchtrace._otlp_encoding import encode_export_request
@@ -48,9 +51,12 @@ __all__ = [
     "HttpSender",
     "JsonFileSender",
     "OtlpSink",
+    "SdkJsonFileExporter",
     "SpanSender",
     "create_otlp_sender",
+    "create_sdk_span_exporter",
     "default_resource",
+    "export_timeout_s",
     "otlp_endpoint_configured",
     "resolve_protocol",
 ]
@@ -60,6 +66,37 @@ _logger = logging.getLogger(__name__)
 DEFAULT_SERVICE_NAME = "torchtrace"
 PROTOCOLS = ("grpc", "http/protobuf")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+DEFAULT_TIMEOUT_S = 10.0  # the OTel spec's default for OTEL_EXPORTER_OTLP_TIMEOUT
+DEFAULT_RETRY_INTERVAL_S = 1.0  # while export fails: the pause after a failed request before the next one
+
+
+# --- the SDK exporters' own log lines, during torchtrace's sends ----------------------------------------------
+
+# The OTLP exporters log every failed (and every retried) batch. torchtrace's sink logs once per failure burst
+# instead: records these loggers emit *while a torchtrace send runs on this thread* are kept (the last one is the
+# reason in torchtrace's warning) and not printed. Everything else they log (the app's own exporters) is untouched.
+_SDK_EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.common.http",
+)
+_send_state = threading.local()
+
+
+class _QuietDuringSend(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(_send_state, "active", False):
+            if record.levelno >= logging.ERROR or getattr(_send_state, "last", None) is None:
+                _send_state.last = record.getMessage()
+            return False
+        return True
+
+
+_QUIET_FILTER = _QuietDuringSend()
+for _name in _SDK_EXPORTER_LOGGERS:
+    _sdk_logger = logging.getLogger(_name)
+    if not any(isinstance(f, _QuietDuringSend) for f in _sdk_logger.filters):
+        _sdk_logger.addFilter(_QUIET_FILTER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,14 +147,46 @@ def default_resource() -> Resource:
     return resource
 
 
+def export_timeout_s() -> float:
+    """Seconds one OTLP request may take, retries included: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, then
+    OTEL_EXPORTER_OTLP_TIMEOUT (seconds, as opentelemetry-exporter-otlp reads them), else 10."""
+    for var in (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, OTEL_EXPORTER_OTLP_TIMEOUT):
+        value = os.environ.get(var, "").strip()
+        if value:
+            try:
+                timeout = float(value)
+            except ValueError:
+                raise ValueError(f"{var}={value!r}: expected a number of seconds") from None
+            if not timeout > 0:
+                raise ValueError(f"{var}={value!r}: expected a positive number of seconds")
+            return timeout
+    return DEFAULT_TIMEOUT_S
+
+
 def create_otlp_sender(protocol: str | None = None) -> GrpcSender | HttpSender:
     """A sender for ``protocol`` (default: ``resolve_protocol()``), configured from the environment."""
     protocol = protocol or resolve_protocol()
+    timeout = export_timeout_s()
     if protocol == "grpc":
-        return GrpcSender()
+        return GrpcSender(timeout=timeout)
     if protocol == "http/protobuf":
-        return HttpSender()
+        return HttpSender(timeout=timeout)
     raise ValueError(f"unsupported OTLP protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
+
+
+def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -> SpanExporter:
+    """An SDK ``SpanExporter`` for the app's own spans that goes where torchtrace's would: the SDK's OTLP exporter
+    for the configured protocol when an endpoint is set, else OTLP JSON lines in ``trace_file``
+    (``TORCHTRACE_TRACE_FILE`` or the default)."""
+    if otlp_endpoint_configured():
+        timeout = export_timeout_s()
+        if resolve_protocol() == "grpc":
+            return _GrpcSpanExporter(timeout=timeout)
+        return _HttpSpanExporter(timeout=timeout)
+    from torchtrace._config import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
+
+    path = trace_file or os.environ.get(ENV_TRACE_FILE, "").strip() or DEFAULT_TRACE_FILE
+    return SdkJsonFileExporter(path)
 
 
 # --- senders --------------------------------------------------------------------------------------------------
@@ -244,13 +313,42 @@ class JsonFileSender:
                 self._file = None
 
 
+class SdkJsonFileExporter(SpanExporter):
+    """SDK span exporter writing OTLP JSON lines (the SDK's encoder, then ``JsonFileSender``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.sender = JsonFileSender(path)
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        if not spans:
+            return SpanExportResult.SUCCESS
+        payload = encode_spans(spans).SerializeToString()
+        ok = self.sender.send(EncodedSpans(payload, len(spans)))
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.sender.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
 # --- sink -----------------------------------------------------------------------------------------------------
 
 
 class OtlpSink:
     """A ``Sink``: encodes each batch of ModuleCalls (at most ``max_spans_per_request`` spans per request) and
-    hands the bytes to ``sender``. Never raises; ``exported`` and ``failed`` count spans; one warning is logged
-    when sending starts failing, and one line when it recovers."""
+    hands the bytes to ``sender``. Never raises; ``exported`` and ``failed`` count spans.
+
+    Failures are bounded in time and in log lines: one request takes at most the sender's timeout
+    (``OTEL_EXPORTER_OTLP_TIMEOUT``, retries included). After a failed request, requests for the next
+    ``retry_interval_s`` are not attempted (their spans are counted in ``failed`` at once), then one request
+    probes the endpoint again; so a dead endpoint costs one timeout per probe, never one per batch. One warning
+    is logged when sending starts failing (with the exporter's reason), and one line when it recovers with the
+    number of spans lost meanwhile; the OTLP exporters' own per-batch log lines are kept quiet during these sends.
+    """
 
     def __init__(
         self,
@@ -259,15 +357,20 @@ class OtlpSink:
         scope_name: str = "torchtrace",
         scope_version: str = "",
         max_spans_per_request: int = 4096,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
     ) -> None:
         self.sender = sender
         self.resource = resource if resource is not None else default_resource()
         self.scope_name = scope_name
         self.scope_version = scope_version
         self.max_spans_per_request = max(1, max_spans_per_request)
+        self.retry_interval_s = retry_interval_s
         self.exported = 0
         self.failed = 0
+        self.failure_bursts = 0  # how many times export went from working to failing
         self._failing = False
+        self._failed_in_burst = 0
+        self._retry_at = 0.0
         self._shut_down = False
         self._lock = threading.Lock()
 
@@ -276,30 +379,45 @@ class OtlpSink:
         for i in range(0, len(calls), step):
             chunk = calls[i : i + step]
             ok = False
-            error: BaseException | None = None
-            if not self._shut_down:
+            reason: str | None = None
+            if not self._shut_down and not (self._failing and time.monotonic() < self._retry_at):
+                _send_state.active, _send_state.last = True, None
                 try:
                     payload = encode_export_request(chunk, self.resource, self.scope_name, self.scope_version)
                     ok = self.sender.send(EncodedSpans(payload, len(chunk)))
                 except Exception as e:  # a sink must not break the traced program
-                    error = e
-            self._record(len(chunk), ok, error)
+                    reason = f"{type(e).__name__}: {e}"
+                finally:
+                    _send_state.active = False
+                if not ok and reason is None:
+                    reason = getattr(_send_state, "last", None) or "exporter reported failure"
+                if not ok:
+                    self._retry_at = time.monotonic() + self.retry_interval_s
+            self._record(len(chunk), ok, reason)
 
-    def _record(self, count: int, ok: bool, error: BaseException | None) -> None:
+    def _record(self, count: int, ok: bool, reason: str | None) -> None:
         with self._lock:
             if ok:
                 self.exported += count
-                if self._failing:
-                    self._failing = False
-                    _logger.info("torchtrace: OTLP export recovered")
-                return
-            self.failed += count
-            if self._failing or self._shut_down:
-                return
-            self._failing = True
+                if not self._failing:
+                    return
+                self._failing = False
+                lost, self._failed_in_burst = self._failed_in_burst, 0
+            else:
+                self.failed += count
+                self._failed_in_burst += count
+                if self._failing or self._shut_down:
+                    return
+                self._failing = True
+                self.failure_bursts += 1
+        if ok:
+            _logger.warning("torchtrace: OTLP export recovered; %d spans were lost while it failed", lost)
+            return
         _logger.warning(
-            "torchtrace: OTLP export failed (%s); dropping spans until it recovers (see OtlpSink.failed)",
-            f"{type(error).__name__}: {error}" if error is not None else "exporter reported failure",
+            "torchtrace: OTLP export failed (%s); dropping spans until it recovers, retrying every %.3gs "
+            "(counted in failed_spans / torchtrace_spans_dropped_total{reason=\"export_failed\"})",
+            reason,
+            self.retry_interval_s,
         )
 
     def shutdown(self) -> None:

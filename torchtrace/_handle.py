@@ -13,14 +13,16 @@ import torch
 from opentelemetry import trace
 
 from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._config import Options, resolve_options
-from torchtrace._dispatch import Dispatcher
+from torchtrace._dispatch import Dispatcher, first_nonfinite
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
+from torchtrace._schedule import always
 from torchtrace._selection import select_modules
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._stats import StatFunction
+from torchtrace._steps import StepRecord, StepTracker
 from torchtrace._summary import SummarySink
 from torchtrace.version import __version__
 
@@ -46,6 +48,11 @@ class TraceHandle:
         metrics_sinks = [self.metrics] if self.metrics is not None else []
         sinks = [*export_sinks, self._records, self._summary, *metrics_sinks, *options.sinks]
         self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
+        if callable(options.on_nonfinite):
+            self._dispatcher.on_nonfinite = options.on_nonfinite
+        self._steps = _step_tracker(options)
+        self._recorder.steps = self._steps
+        self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
         self._hook_handles = []
         for index, (module, _) in enumerate(selected):
@@ -94,9 +101,12 @@ class TraceHandle:
         if self._removed:
             return
         self._removed = True
-        for handle in self._hook_handles:
+        for handle in [*self._hook_handles, *self._optimizer_hooks]:
             handle.remove()
         self._hook_handles.clear()
+        self._optimizer_hooks.clear()
+        if self._steps is not None:
+            self._close_step()  # what the unfinished step recorded is delivered too
         self._dispatcher.stop()
         self.flush()
         for shutdown in self._shutdowns():
@@ -110,6 +120,34 @@ class TraceHandle:
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]
         _live_handles.discard(self)
+
+    def step(self) -> None:
+        """Close the current training step (one trace: its forwards, backward and optimizer step) and start the
+        next. With ``optimizer=`` this happens at the end of each ``optimizer.step()``. Call it before
+        ``zero_grad()`` when ``param_stats=True`` and no optimizer is given.
+
+        With ``on_nonfinite="raise"`` it raises :class:`NonFiniteError` naming the first module that produced
+        NaN/Inf in this step (forward or backward): the verdict is read once per step, not per layer.
+        """
+        if self._steps is None:
+            raise RuntimeError("step() needs step tracing: instrument(model, backward=True / schedule= / optimizer=)")
+        record = self._close_step()
+        if record is not None and self.options.on_nonfinite == "raise":
+            message = first_nonfinite(record, self._recorder.modules)
+            if message is not None:
+                raise NonFiniteError(message)
+
+    @property
+    def step_number(self) -> int | None:
+        """The number of the current (open) training step, from 0; None without step tracing."""
+        return self._steps.number if self._steps is not None else None
+
+    def _close_step(self) -> StepRecord | None:
+        record = self._steps.finish()
+        if record is not None:
+            calls = sum(len(forward.entries) for forward in record.forwards) + len(record.backward_events) + 3
+            self.buffer.put(record, calls)
+        return record
 
     def __enter__(self) -> TraceHandle:
         return self
@@ -172,6 +210,27 @@ class TraceHandle:
 
     def _shutdowns(self) -> list[Callable[[], None]]:
         return [sink.shutdown for sink in self._dispatcher.sinks if hasattr(sink, "shutdown")]
+
+
+def _step_tracker(options: Options) -> StepTracker | None:
+    """Step tracing is on when backward, a schedule or an optimizer is given."""
+    if not (options.backward or options.schedule is not None or options.optimizer is not None):
+        return None
+    return StepTracker(options.schedule or always, backward=options.backward, param_stats=options.param_stats)
+
+
+def _watch_optimizer(optimizer: torch.optim.Optimizer, handle: TraceHandle) -> list:
+    """optimizer.step() is timed as the step's "optimizer.step" span and closes the step."""
+    steps = handle._steps
+
+    def after_step(*_: Any) -> None:
+        steps.optimizer_finished()
+        handle.step()
+
+    return [
+        optimizer.register_step_pre_hook(lambda *_: steps.optimizer_started()),
+        optimizer.register_step_post_hook(after_step),
+    ]
 
 
 _metrics_server: Any = None  # the process's TORCHTRACE_METRICS_PORT endpoint, started once
@@ -245,6 +304,11 @@ def instrument(
     sinks: Iterable[Callable] | None = None,
     print_summary: bool | None = None,
     metrics: bool | Callable | None = None,
+    backward: bool | None = None,
+    schedule: Callable[[int], bool] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    param_stats: bool | None = None,
+    on_nonfinite: str | Callable[[NonFiniteError], Any] | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 

@@ -70,6 +70,7 @@ class HookRecorder:
         self.summarise = bool(options.stats or options.extra_stats)
         self.captured_bytes = 0
         self.skipped_captures = 0
+        self.steps: Any = None  # a StepTracker when forwards belong to training steps
         self._state = _ThreadState(options)
 
     # -- hook factories -------------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class HookRecorder:
             else:
                 entry[ERROR] = None
             try:
-                self._summarise_output(entry, module, output)
+                self._summarise_output(entry, module, args, output)
             except Exception as error:  # never let tracing break the user's forward
                 entry[OUTPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
             if not stack:
@@ -146,7 +147,12 @@ class HookRecorder:
     def _begin_forward(self, state: _ThreadState, index: int) -> bool:
         state.root_frame = sys._getframe(2)  # torch's frame running this outermost call
         parent = None
-        if self.enabled:
+        steps = self.steps
+        if not self.enabled:
+            pass
+        elif steps is not None:
+            parent = steps.context if steps.traced else None  # the step's schedule decides
+        else:
             parent = trace.get_current_span().get_span_context()
             if parent.is_valid and not parent.trace_flags.sampled:
                 parent = None  # the caller's trace is not sampled: neither are we (ParentBased)
@@ -178,7 +184,11 @@ class HookRecorder:
         state.entries = []
         state.root_frame = None
         state.stats.finish_forward()
-        self.buffer.put(RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns), len(entries))
+        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns)
+        if self.steps is not None:
+            self.steps.forwards.append(forward)  # delivered with its step, after the step's root span
+        else:
+            self.buffer.put(forward, len(entries))
 
     # -- what a call records --------------------------------------------------------------------------------------
 
@@ -193,7 +203,7 @@ class HookRecorder:
         except Exception as error:
             entry[INPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
 
-    def _summarise_output(self, entry: list, module: torch.nn.Module, output: Any) -> None:
+    def _summarise_output(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         options = self.options
         if self.summarise and output is not None:
             entry[OUTPUTS] = self._summarise_value(output)
@@ -203,6 +213,9 @@ class HookRecorder:
             entry[ATTRIBUTES] = {name: _attribute_value(module, name) for name in options.module_attributes}
         if options.capture_tensors and output is not None:
             entry[TENSORS] = self._capture(output)
+        steps = self.steps
+        if steps is not None and steps.backward:
+            steps.watch_backward(entry, module, args, output)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)

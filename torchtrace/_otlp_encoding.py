@@ -205,7 +205,7 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: fr
 
 def _encode_span_row(call: ModuleCall, trace_state: str | None) -> bytes:
     """Slow path: one span, all values written here (errors, odd attribute types)."""
-    t = _build(call, call.path or call.type_name, trace_state, frozenset())
+    t = _build(call, call.name, trace_state, frozenset())
     row = bytearray(t.row)
     row[t.tid : t.tid + 16] = call.trace_id.to_bytes(16, "big")
     row[t.sid : t.sid + 8] = call.span_id.to_bytes(8, "big")
@@ -275,7 +275,7 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
         else:
             attrs = c.attributes
             vals = tuple(attrs.values())
-            name = c.path or c.type_name
+            name = c.name
             key = (name, c.parent_span_id != 0, c.parent_is_remote, ts, tuple(attrs))
             shape = shapes.get(key)
             if shape is None:

@@ -12,6 +12,21 @@ from torchtrace._calls import ModuleCall
 from torchtrace.version import __version__
 
 
+def _parents_first(calls: Sequence[ModuleCall]) -> list[ModuleCall]:
+    """The provider assigns ids as spans start, so a parent must start before its children."""
+    in_batch = {call.span_id for call in calls}
+    children: dict[int, list[ModuleCall]] = {}
+    ordered: list[ModuleCall] = []
+    for call in calls:
+        if call.parent_span_id in in_batch:
+            children.setdefault(call.parent_span_id, []).append(call)
+        else:
+            ordered.append(call)
+    for call in ordered:  # grows while iterating: breadth-first from the roots
+        ordered.extend(children.pop(call.span_id, ()))
+    return ordered
+
+
 class SdkSpanSink:
     """Builds one span per call after the fact (explicit times and parents), parents first.
 
@@ -24,7 +39,7 @@ class SdkSpanSink:
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         spans: dict[int, trace.Span] = {}
-        for call in calls:
+        for call in _parents_first(calls):
             parent_span = spans.get(call.parent_span_id)
             if parent_span is not None:
                 context = trace.set_span_in_context(parent_span)

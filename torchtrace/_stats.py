@@ -127,7 +127,7 @@ class StatComputer:
                         copy = real.clone() if real is x else real
                     self._pending.append((copy, stats))
                 else:
-                    _numeric_stats(x, self.wanted, stats)
+                    numeric_stats(x, self.wanted, stats)
         except Exception as error:  # a statistic must never break the user's forward
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
             stats["stats_error"] = f"{type(error).__name__}: {error}"
@@ -197,7 +197,7 @@ def _as_real_float(x: torch.Tensor) -> torch.Tensor:
     return x.double()  # integers: float64 holds them exactly up to 2**53
 
 
-def _numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
+def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
     """One tensor, reduced where it lives. torch.std_mean is several times slower than these passes on CPU."""
     x = _as_real_float(tensor)
     n = x.numel()

@@ -1,4 +1,4 @@
-"""``torchtrace`` command line: ``torchtrace demo`` (also ``python -m torchtrace demo``).
+"""``torchtrace`` command line: ``demo``, ``run script.py [args]`` and ``config`` (also ``python -m torchtrace``).
 
 Argument parsing only; each subcommand's work lives in its own module, imported when the subcommand runs (so
 ``torchtrace --help`` does not import torch). Subcommands are registered in ``build_parser``: add ``run`` and
@@ -63,6 +63,96 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _ratio(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """instrument() options as flags: a flag is a keyword argument (it beats TORCHTRACE_* variables)."""
+    group = parser.add_argument_group("torchtrace options (override TORCHTRACE_* variables)")
+    group.add_argument("--exporter", choices=("auto", "otlp", "sdk", "file", "none"), help="where spans go")
+    group.add_argument("--trace-file", metavar="PATH", help="OTLP JSON lines file of the file exporter")
+    group.add_argument("--include", action="append", metavar="GLOB", help="module paths to trace (repeatable)")
+    group.add_argument("--exclude", action="append", metavar="GLOB", help="module paths not to trace (repeatable)")
+    group.add_argument("--max-depth", type=_non_negative_int, metavar="N", help="0: the model only, 1: children...")
+    group.add_argument("--stats", metavar="NAMES", help="comma-separated statistics, 'all' or 'none'")
+    group.add_argument("--sample-every", type=_positive_int, metavar="N", help="trace every Nth outermost forward")
+    group.add_argument("--sample-ratio", type=_ratio, metavar="R", help="trace this fraction of outermost forwards")
+
+
+def _option_keywords(args: argparse.Namespace) -> dict:
+    return {
+        "exporter": args.exporter,
+        "trace_file": args.trace_file,
+        "include": tuple(args.include) if args.include else None,
+        "exclude": tuple(args.exclude) if args.exclude else None,
+        "max_depth": args.max_depth,
+        "stats": args.stats,
+        "sample_every": args.sample_every,
+        "sample_ratio": args.sample_ratio,
+    }
+
+
+def _add_run(subcommands: argparse._SubParsersAction) -> None:
+    run = subcommands.add_parser(
+        "run",
+        help="run a Python script with every model it calls traced",
+        description=(
+            "Runs SCRIPT as __main__ with torchtrace's OpenTelemetry instrumentor active: every top-level model the "
+            "script calls is instrumented on its first call (that call included). The script's own OTel spans "
+            "(e.g. HTTP request spans) are exported too and parent the model spans. With OTEL_EXPORTER_OTLP_ENDPOINT "
+            "set, spans go there over OTLP; else to the OTLP JSON trace file. At exit the per-layer summary of each "
+            "model is printed to stderr. Options not given here come from TORCHTRACE_* variables."
+        ),
+    )
+    _add_option_flags(run)
+    run.add_argument("--no-summary", action="store_true", help="do not print the per-layer summary at exit")
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=_run_script)
+
+
+def _run_script(args: argparse.Namespace) -> int:
+    from torchtrace._run import run_script
+
+    return run_script(args.script, args.args, _option_keywords(args), summary=not args.no_summary)
+
+
+def _add_config(subcommands: argparse._SubParsersAction) -> None:
+    config = subcommands.add_parser(
+        "config",
+        help="print the effective configuration and where each value comes from",
+        description=(
+            "Prints every instrument() option with its effective value and its source (keyword: a flag given here; "
+            "env: a TORCHTRACE_* variable; default), then the OTEL_* settings torchtrace honours. Exits 2 if an "
+            "option or variable is invalid, with the error instrument() would raise."
+        ),
+    )
+    _add_option_flags(config)
+    config.add_argument("--json", action="store_true", help="one JSON list of {name, value, source}")
+    config.set_defaults(handler=_print_config)
+
+
+def _print_config(args: argparse.Namespace) -> int:
+    from torchtrace._run import print_config
+
+    print_config(_option_keywords(args), as_json=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchtrace", description="OpenTelemetry spans and tensor statistics for every PyTorch module call."
@@ -70,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchtrace {__version__}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo(subcommands)
+    _add_run(subcommands)
+    _add_config(subcommands)
     return parser
 
 
@@ -86,6 +178,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("torchtrace: interrupted", file=sys.stderr)
         return 130
-    except ValueError as error:  # invalid configuration (options, TORCHTRACE_* / OTEL_* variables)
+    except (ValueError, TypeError) as error:  # invalid configuration (options, TORCHTRACE_* / OTEL_* variables)
         print(f"torchtrace {args.command}: error: {error}", file=sys.stderr)
         return 2

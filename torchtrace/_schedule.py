@@ -1,0 +1,41 @@
+"""Which training steps are traced: a plain function ``step -> bool``, like torch.profiler's schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+StepSchedule = Callable[[int], bool]  # step number (from 0) -> trace this step?
+
+
+def schedule(*, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0, skip_first: int = 0) -> StepSchedule:
+    """torch.profiler.schedule's cycle: skip ``skip_first`` steps, then repeat ``wait`` + ``warmup`` untraced
+    steps (warmup is kept so a profiler schedule carries over unchanged) and ``active`` traced steps;
+    ``repeat=0`` repeats forever.
+    """
+    for name, value in (("wait", wait), ("warmup", warmup), ("skip_first", skip_first), ("repeat", repeat)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"schedule: {name} must be an integer >= 0, got {value!r}")
+    if not isinstance(active, int) or active < 1:
+        raise ValueError(f"schedule: active must be an integer >= 1, got {active!r}")
+    cycle = wait + warmup + active
+
+    def traced(step: int) -> bool:
+        if step < skip_first:
+            return False
+        step -= skip_first
+        if repeat and step >= cycle * repeat:
+            return False
+        return step % cycle >= wait + warmup
+
+    return traced
+
+
+def every(n: int) -> StepSchedule:
+    """Trace every ``n``-th step, starting with step 0."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"every: n must be an integer >= 1, got {n!r}")
+    return lambda step: step % n == 0
+
+
+def always(step: int) -> bool:
+    return True

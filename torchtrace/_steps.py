@@ -1,0 +1,176 @@
+"""Training steps: one trace per step holding its forwards, its backward and the optimizer step.
+
+Backward timing uses tensor-level multi-grad hooks (as torch's ModuleTracker does), not full backward hooks,
+which break on in-place modules: a module's backward starts when the first gradient reaches its outputs and ends
+when the gradients of its inputs (or, for the first layer, of its own parameters) are computed. Autograd may run
+these hooks on its own threads: they only append to the step's event list, never read the current OTel context.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from opentelemetry.trace import SpanContext, TraceFlags
+from torch.autograd.graph import register_multi_grad_hook
+
+from torchtrace._schedule import StepSchedule
+from torchtrace._stats import numeric_stats
+
+GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
+BACKWARD_START, BACKWARD_END = 0, 1
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Everything one traced step produced, handed to the dispatcher at ``step()``."""
+
+    number: int
+    trace_id: int
+    span_id: int
+    start_ns: int  # epoch
+    end_ns: int
+    forwards: list  # RawForward, in completion order
+    backward_events: list  # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name)
+    optimizer_ns: tuple[int, int] | None  # perf_counter start/end of optimizer.step()
+    clock_offset_ns: int
+    param_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # id(entry) -> parameter norms
+
+
+class StepTracker:
+    """The current step: its number, whether the schedule traces it, its ids, and what it collected."""
+
+    def __init__(self, schedule: StepSchedule, *, backward: bool, param_stats: bool) -> None:
+        self.schedule = schedule
+        self.backward = backward
+        self.param_stats = param_stats
+        self.number = 0
+        self._lock = threading.Lock()
+        self._begin(0)
+
+    def _begin(self, number: int) -> None:
+        self.number = number
+        self.traced = bool(self.schedule(number))
+        self.trace_id = random.getrandbits(128) or 1
+        self.span_id = random.getrandbits(64) or 1
+        self.context = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=TraceFlags(1))
+        self.start_ns = time.time_ns()
+        self.clock_offset_ns = self.start_ns - time.perf_counter_ns()
+        self.forwards: list = []
+        self.events: list = []
+        self.hook_handles: list = []
+        self.optimizer_ns: list[int] = []
+        self.parameter_owners: list = []  # (entry, module) whose parameter norms are read at the step's end
+        self._param_stats: dict[int, dict[str, float]] = {}
+
+    # -- called from the forward hooks (only while this step is traced and backward tracing is on) ------------
+
+    def watch_backward(self, entry: list, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        """Registers the grad hooks that time this call's backward and summarise its gradients."""
+        if not torch.is_grad_enabled():
+            return
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        if not outputs:
+            return
+        events = self.events
+        self.hook_handles.append(
+            register_multi_grad_hook(
+                outputs,
+                lambda grad: events.append((entry, BACKWARD_START, time.perf_counter_ns(), _grad_stats([grad]))),
+                mode="any",
+            )
+        )
+        sources = [t for t in _tensors(inputs) if t.requires_grad]
+        if not sources:  # the first layer: its backward ends when its own parameters have their gradients
+            sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if sources:
+            self.hook_handles.append(
+                register_multi_grad_hook(
+                    sources,
+                    lambda grads: events.append((entry, BACKWARD_END, time.perf_counter_ns(), _grad_stats(grads))),
+                )
+            )
+        if self.param_stats:
+            self.parameter_owners.append((entry, module))
+
+    # -- optimizer hooks ----------------------------------------------------------------------------------------
+
+    def optimizer_started(self) -> None:
+        self.optimizer_ns = [time.perf_counter_ns()]
+        if self.traced:
+            self.read_parameter_stats()  # gradients complete, parameters not yet updated
+
+    def optimizer_finished(self) -> None:
+        if self.optimizer_ns:
+            self.optimizer_ns.append(time.perf_counter_ns())
+
+    def read_parameter_stats(self) -> None:
+        for entry, module in self.parameter_owners:
+            params = list(module.parameters(recurse=False))
+            grads = [p.grad for p in params if p.grad is not None]
+            stats = self._param_stats.setdefault(id(entry), {})
+            if params:
+                stats["torchtrace.param.norm"] = _joint_norm(params)
+            if grads:
+                stats["torchtrace.param_grad.norm"] = _joint_norm(grads)
+        self.parameter_owners = []
+
+    # -- step boundary ------------------------------------------------------------------------------------------
+
+    def finish(self) -> StepRecord | None:
+        """Closes the current step and starts the next; the record of a traced step, else None."""
+        with self._lock:
+            if self.traced and self.parameter_owners:
+                self.read_parameter_stats()
+            for handle in self.hook_handles:
+                handle.remove()  # leaf-parameter hooks would otherwise outlive the step
+            record = None
+            if self.traced:
+                end_ns = time.time_ns()
+                record = StepRecord(
+                    self.number,
+                    self.trace_id,
+                    self.span_id,
+                    self.start_ns,
+                    end_ns,
+                    self.forwards,
+                    self.events,
+                    tuple(self.optimizer_ns) if len(self.optimizer_ns) == 2 else None,
+                    self.clock_offset_ns,
+                    self._param_stats,
+                )
+            self._begin(self.number + 1)
+            return record
+
+
+def _joint_norm(tensors: list[torch.Tensor]) -> float:
+    """L2 norm of all the tensors together, as torch.nn.utils.clip_grad_norm_ computes it."""
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach()) for t in tensors])))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [item for item in value if isinstance(item, torch.Tensor)]
+    if isinstance(value, dict):
+        return [item for item in value.values() if isinstance(item, torch.Tensor)]
+    return []
+
+
+def _grad_stats(grads: Any) -> dict[str, dict]:
+    summaries: dict[str, dict] = {}
+    for index, grad in enumerate(grads):
+        if grad is None:
+            continue
+        stats: dict[str, Any] = {}
+        try:
+            numeric_stats(grad.detach(), GRAD_STATS, stats)
+        except Exception as error:  # a statistic must never break the user's backward
+            stats = {"stats_error": f"{type(error).__name__}: {error}"}
+        summaries[str(index)] = stats
+    return summaries
