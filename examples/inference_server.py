@@ -47,7 +47,7 @@ def make_handler(model: nn.Module, on_request: threading.Semaphore | None) -> ty
         protocol_version = "HTTP/1.1"
 
         def do_POST(self) -> None:  # noqa: N802
-            parent = propagate.extract(dict(self.headers.items()))
+            parent = propagate.extract({key.lower(): value for key, value in self.headers.items()})
             with tracer.start_as_current_span(
                 f"POST {self.path}", context=parent, kind=SpanKind.SERVER, record_exception=False
             ) as span:

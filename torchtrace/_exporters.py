@@ -41,6 +41,7 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from torchtrace import _fork  # noqa: F401 - re-arms live handles in a forked child (new worker, new senders)
 from torchtrace._calls import ModuleCall
 from torchtrace._otlp_encoding import encode_export_request
 
@@ -415,7 +416,7 @@ class OtlpSink:
             return
         _logger.warning(
             "torchtrace: OTLP export failed (%s); dropping spans until it recovers, retrying every %.3gs "
-            "(counted in failed_spans / torchtrace_spans_dropped_total{reason=\"export_failed\"})",
+            '(counted in failed_spans / torchtrace_spans_dropped_total{reason="export_failed"})',
             reason,
             self.retry_interval_s,
         )

@@ -19,7 +19,7 @@ from torchtrace._dispatch import Dispatcher, first_nonfinite
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
 from torchtrace._schedule import always
-from torchtrace._selection import select_modules
+from torchtrace._selection import is_compiled_module, select_modules
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._stats import StatFunction
 from torchtrace._steps import StepRecord, StepTracker
@@ -41,6 +41,7 @@ class TraceHandle:
         modules = [info for _, info in selected]
         self.buffer = RecordBuffer(options.max_pending_calls)
         self._recorder = HookRecorder(modules, options, buffer=self.buffer)
+        self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.max_records)
         self._summary = SummarySink()
         self.exporter, export_sinks, self._flushers = _export_sinks(options)

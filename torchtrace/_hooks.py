@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,7 @@ class HookRecorder:
         self.captured_bytes = 0
         self.skipped_captures = 0
         self.steps: Any = None  # a StepTracker when forwards belong to training steps
+        self.warned_compiled = False
         self._state = _ThreadState(options)
 
     # -- hook factories -------------------------------------------------------------------------------------------
@@ -80,8 +82,11 @@ class HookRecorder:
         perf_counter_ns = time.perf_counter_ns
         exc_info = sys.exc_info
         wants_inputs = self.options.inputs or self.options.function_on_input is not None
+        is_compiling = torch.compiler.is_compiling
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
+            if is_compiling():  # constant-folded by dynamo: a compiled region contains no hook work (see README)
+                return
             if state.skip_depth:
                 if index != state.skip_root or _on_call_stack(state.root_frame):
                     state.skip_depth += 1
@@ -105,13 +110,18 @@ class HookRecorder:
             stack.append(entry)
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
-        return pre_hook
+        # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
+        # model still gets its outermost span: region-level tracing, announced once by _warn_if_compiled.
+        return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
 
     def forward_post_hook(self, index: int):
         state = self._state
         perf_counter_ns = time.perf_counter_ns
+        is_compiling = torch.compiler.is_compiling
 
         def post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if is_compiling():
+                return
             end = perf_counter_ns()  # first: the span times the module, not our bookkeeping
             if state.skip_depth:
                 state.skip_depth -= 1
@@ -140,12 +150,15 @@ class HookRecorder:
             if not stack:
                 self._end_forward(state)
 
-        return post_hook
+        return torch.compiler.disable(post_hook) if self.modules[index].path == "" else post_hook
 
     # -- per forward ---------------------------------------------------------------------------------------------
 
     def _begin_forward(self, state: _ThreadState, index: int) -> bool:
-        state.root_frame = sys._getframe(2)  # torch's frame running this outermost call
+        state.root_frame = _torch_call_frame()
+        if not self.warned_compiled and self.modules[index].path == "" and called_from_compiled_code():
+            self.warned_compiled = True
+            warn_region_level(self.modules[index].type_name)
         parent = None
         steps = self.steps
         if not self.enabled:
@@ -244,6 +257,36 @@ def _attribute_value(module: torch.nn.Module, name: str) -> Any:
         value = value.detach()
         return value.item() if value.numel() == 1 else value.to("cpu", copy=True)
     return value
+
+
+def _torch_call_frame() -> Any:
+    """torch's frame running the hooked call: above _begin_forward, the hook and any graph-break wrapper."""
+    frame = sys._getframe(3)
+    if "_dynamo" in frame.f_code.co_filename:  # torch.compiler.disable around the model's own hooks
+        frame = frame.f_back
+    return frame
+
+
+def called_from_compiled_code() -> bool:
+    """Whether torch.compile'd code called this model: a torch._dynamo frame above torch's module call."""
+    frame = sys._getframe(4)  # past this check, _begin_forward, the hook, and torch.compiler.disable's wrapper
+    for _ in range(24):
+        if frame is None:
+            return False
+        if "_dynamo" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def warn_region_level(model_name: str) -> None:
+    warnings.warn(
+        f"torchtrace: {model_name} runs under torch.compile; module hooks do not run inside compiled regions, "
+        "so it is traced at region level: one span per call of the model, with its output statistics. "
+        "Run it uncompiled for per-module spans.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _on_call_stack(frame: Any) -> bool:

@@ -12,7 +12,8 @@ Cardinality is bounded by design (see the README's "Metrics" section):
   most ``max_module_labels`` paths; later paths share the label value ``OVERFLOW_MODULE`` (counters only:
   a "latest value" of a mix of layers means nothing, so overflowed modules get no output-statistic gauges).
 
-Not yet: gradient norms and step duration (torchtrace does not trace backward or steps yet).
+With step tracing: the step duration histogram (exemplars link to the step's trace), the latest gradient norm
+per module (from its backward span), and how often each module was the first to produce NaN/Inf.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, NonFiniteError
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 
@@ -66,6 +67,8 @@ class _ModuleState:
     errors: int = 0
     nan_values: int = 0
     inf_values: int = 0
+    nonfinite_first: int = 0  # calls marked as the first producer of NaN/Inf (forward or backward)
+    grad_norm: float | None = None  # L2 norm of the gradient at the module's output, latest traced backward
     latest: dict[str, float] = field(default_factory=dict)  # OUTPUT_STATS key -> latest value
 
 
@@ -152,6 +155,8 @@ class MetricsSink(Collector):
         self._named_modules = 0
         self._overflowed_paths = 0
         self._histograms: dict[str, _HistogramState] = {}
+        slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
+        self._steps = _HistogramState([0] * slots, [None] * slots)
         self._recorded = 0
         self._watched: list[_Watched] = []
         if registry is not None:
@@ -162,20 +167,40 @@ class MetricsSink(Collector):
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         with self._lock:
             if self.model is None:
-                self.model = next((c.type_name for c in calls if c.path == ""), None) or "model"
+                self.model = next((c.type_name for c in calls if c.path == "" and c.kind == "forward"), None) or "model"
             for call in calls:
-                self._add(call)
+                kind = call.kind
+                if kind == "forward":
+                    self._add(call)
+                elif kind == "backward":
+                    self._add_backward(call)
+                elif kind == "step":
+                    _observe(self._steps, self.bucket_bounds, call)
             self._recorded += len(calls)
 
-    def _add(self, call: ModuleCall) -> None:
+    def _path(self, call: ModuleCall) -> _PathEntry:
         path = self._paths.get(call.path)
         if path is None:
             path = self._paths[call.path] = self._new_path(call)
+        return path
+
+    def _add_backward(self, call: ModuleCall) -> None:
+        state = self._path(call).state
+        if isinstance(call.error, NonFiniteError):
+            state.nonfinite_first += 1
+        norm = call.attributes.get("torchtrace.grad_output.0.norm")
+        if norm is not None:
+            state.grad_norm = norm
+
+    def _add(self, call: ModuleCall) -> None:
+        path = self._path(call)
         seconds = (call.end_ns - call.start_ns) / 1e9
         state = path.state
         state.calls += 1
         state.seconds += seconds
-        if call.error is not None:
+        if isinstance(call.error, NonFiniteError):
+            state.nonfinite_first += 1
+        elif call.error is not None:
             state.errors += 1
         attributes = call.attributes
         layout = path.layout
@@ -191,12 +216,7 @@ class MetricsSink(Collector):
             if value is not None:
                 latest[stat] = value
 
-        histogram = path.histogram
-        index = bisect.bisect_left(self.bucket_bounds, seconds)  # first bound >= seconds: Prometheus' "le"
-        histogram.counts[index] += 1
-        histogram.total_seconds += seconds
-        if call.trace_flags & 1:  # only a sampled span is worth linking to; formatted at scrape time
-            histogram.exemplars[index] = (call.trace_id, call.span_id, seconds, call.end_ns)
+        _observe(path.histogram, self.bucket_bounds, call)
 
     def _new_path(self, call: ModuleCall) -> _PathEntry:
         """State of a path seen for the first time: its own label while under the limit, else the overflow's."""
@@ -246,6 +266,7 @@ class MetricsSink(Collector):
                     name: _HistogramState(list(h.counts), list(h.exemplars), h.total_seconds)
                     for name, h in self._histograms.items()
                 },
+                steps=_HistogramState(list(self._steps.counts), list(self._steps.exemplars), self._steps.total_seconds),
                 recorded=self._recorded,
                 overflowed_paths=self._overflowed_paths,
                 watched=list(self._watched),
@@ -261,6 +282,22 @@ class MetricsSink(Collector):
             "Duration of module calls by module type; exemplars link to the trace of a call.",
             labels=[*base, "module_type"],
             unit="seconds",
+        )
+        step_duration = HistogramMetricFamily(
+            f"{ns}_step_duration",
+            "Duration of traced training steps; exemplars link to the step's trace.",
+            labels=base,
+            unit="seconds",
+        )
+        grad_norm = GaugeMetricFamily(
+            f"{ns}_gradient_norm",
+            "L2 norm of the gradient reaching the module's output, latest traced backward.",
+            labels=per_module,
+        )
+        nonfinite = CounterMetricFamily(
+            f"{ns}_nonfinite_first",
+            "Times the module was the first to produce NaN/Inf in a forward or backward.",
+            labels=per_module,
         )
         calls = CounterMetricFamily(f"{ns}_module_calls", "Calls of each module.", labels=per_module)
         seconds = CounterMetricFamily(
@@ -293,7 +330,8 @@ class MetricsSink(Collector):
             labels=[*base, "reason"],
         )
         families: list[Metric] = [
-            duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped
+            duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped,
+            step_duration, grad_norm, nonfinite,
         ]  # fmt: skip
         if snapshot is None:
             return families
@@ -301,11 +339,9 @@ class MetricsSink(Collector):
         model_rank = [snapshot.model, self.rank]
         bounds = [*(floatToGoString(b) for b in self.bucket_bounds), "+Inf"]
         for module_type, histogram in sorted(snapshot.histograms.items()):
-            cumulative, buckets = 0, []
-            for bound, count, exemplar in zip(bounds, histogram.counts, histogram.exemplars):
-                cumulative += count
-                buckets.append((bound, cumulative, _exemplar(exemplar)) if exemplar else (bound, cumulative))
-            duration.add_metric([*model_rank, module_type], buckets, histogram.total_seconds)
+            duration.add_metric([*model_rank, module_type], _buckets(bounds, histogram), histogram.total_seconds)
+        if any(snapshot.steps.counts):
+            step_duration.add_metric(model_rank, _buckets(bounds, snapshot.steps), snapshot.steps.total_seconds)
         for (module, module_type), state in sorted(snapshot.modules.items()):
             labels = [*model_rank, module, module_type]
             calls.add_metric(labels, state.calls)
@@ -313,6 +349,9 @@ class MetricsSink(Collector):
             errors.add_metric(labels, state.errors)
             nan.add_metric(labels, state.nan_values)
             inf.add_metric(labels, state.inf_values)
+            nonfinite.add_metric(labels, state.nonfinite_first)
+            if state.grad_norm is not None:
+                grad_norm.add_metric(labels, state.grad_norm)
             for stat, value in state.latest.items():
                 gauges[stat].add_metric(labels, value)
         overflowed.add_metric(model_rank, snapshot.overflowed_paths)
@@ -331,6 +370,24 @@ class MetricsSink(Collector):
         dropped.add_metric([*model_rank, "buffer_full"], buffer_dropped)
         dropped.add_metric([*model_rank, "export_failed"], export_failed)
         return families
+
+
+def _observe(histogram: _HistogramState, bucket_bounds: tuple[float, ...], call: ModuleCall) -> None:
+    seconds = (call.end_ns - call.start_ns) / 1e9
+    index = bisect.bisect_left(bucket_bounds, seconds)  # first bound >= seconds: Prometheus' "le"
+    histogram.counts[index] += 1
+    histogram.total_seconds += seconds
+    if call.trace_flags & 1:  # only a sampled span is worth linking to; formatted at scrape time
+        histogram.exemplars[index] = (call.trace_id, call.span_id, seconds, call.end_ns)
+
+
+def _buckets(bounds: list[str], histogram: _HistogramState) -> list[tuple]:
+    """Cumulative buckets with their exemplars, as HistogramMetricFamily takes them."""
+    cumulative, buckets = 0, []
+    for bound, count, exemplar in zip(bounds, histogram.counts, histogram.exemplars):
+        cumulative += count
+        buckets.append((bound, cumulative, _exemplar(exemplar)) if exemplar else (bound, cumulative))
+    return buckets
 
 
 @dataclass(slots=True)
@@ -359,6 +416,7 @@ class _Snapshot:
     model: str
     modules: dict[tuple[str, str], _ModuleState]
     histograms: dict[str, _HistogramState]
+    steps: _HistogramState
     recorded: int
     overflowed_paths: int
     watched: list[_Watched]
@@ -367,7 +425,7 @@ class _Snapshot:
 def _copy_state(state: _ModuleState) -> _ModuleState:
     return _ModuleState(
         state.module_type, state.calls, state.seconds, state.errors, state.nan_values, state.inf_values,
-        dict(state.latest),
+        state.nonfinite_first, state.grad_norm, dict(state.latest),
     )  # fmt: skip
 
 

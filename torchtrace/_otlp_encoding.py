@@ -17,6 +17,13 @@ The output decodes to exactly what opentelemetry-exporter-otlp's ``encode_spans`
 (tests/test_otlp_encoding.py compares them), spans in input order, with two deliberate choices: flags are what the
 SDK 1.45 encoder writes (0x100, | 0x200 for a remote parent; no W3C trace-flag bits), and the exception event has
 no ``exception.escaped`` attribute (deprecated in the semantic conventions; the SDK still adds it).
+
+Span limits are the SDK's (``SpanLimits`` from ``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT`` / ``OTEL_ATTRIBUTE_COUNT_LIMIT``,
+default 128; ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT`` / ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, default unlimited;
+the exception event's attributes by ``OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT`` and ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``),
+applied with the SDK's own ``BoundedAttributes``: past the count limit the earliest attributes are dropped and
+``dropped_attributes_count`` says how many; longer strings are truncated. Spans within the limits (nearly all) pay
+one length check.
 """
 
 from __future__ import annotations
@@ -30,7 +37,9 @@ from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits
 
 from torchtrace._calls import ModuleCall
 
@@ -118,7 +127,41 @@ def _trace_state_str(trace_state: Any) -> str:
     return ",".join(f"{k}={v}" for k, v in trace_state.items())
 
 
-def _exception_event(error: BaseException, time_ns: int) -> bytes:
+class _Limits:
+    """The SDK's span limits, read from the environment once per request."""
+
+    __slots__ = ("attributes", "value_length", "event_attributes", "event_value_length")
+
+    def __init__(self) -> None:
+        limits = SpanLimits()
+        self.attributes = limits.max_span_attributes
+        self.value_length = limits.max_span_attribute_length
+        self.event_attributes = limits.max_event_attributes
+        self.event_value_length = limits.max_attribute_length
+
+
+def _too_long(value: Any, length: int) -> bool:
+    if isinstance(value, str):
+        return len(value) > length
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(item, str) and len(item) > length for item in value)
+    return False
+
+
+def _over_limits(attributes: Mapping[str, Any], limits: _Limits) -> bool:
+    if limits.attributes is not None and len(attributes) > limits.attributes:
+        return True
+    length = limits.value_length
+    return length is not None and any(_too_long(value, length) for value in attributes.values())
+
+
+def _bounded(attributes: Mapping[str, Any], count: int | None, length: int | None) -> tuple[dict[str, Any], int]:
+    """Attributes as the SDK keeps them under these limits, and how many were dropped."""
+    bounded = BoundedAttributes(count, attributes, immutable=False, max_value_len=length)
+    return dict(bounded), bounded.dropped
+
+
+def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None = None) -> bytes:
     """Span.events entry like SDK ``record_exception`` (without the deprecated ``exception.escaped``)."""
     etype = type(error)
     module, qualname = etype.__module__, etype.__qualname__
@@ -127,7 +170,12 @@ def _exception_event(error: BaseException, time_ns: int) -> bytes:
         "exception.message": str(error),
         "exception.stacktrace": "".join(traceback.format_exception(error)),
     }
+    dropped = 0
+    if limits is not None:
+        attrs, dropped = _bounded(attrs, limits.event_attributes, limits.event_value_length)
     body = b"\x09" + _PACK_Q(time_ns) + _ld(b"\x12", b"exception") + _attributes(b"\x1a", attrs)
+    if dropped:
+        body += b"\x20" + _varint(dropped)  # Event.dropped_attributes_count
     return _ld(b"\x5a", body)
 
 
@@ -146,8 +194,15 @@ class _Template:
         self.n_doubles = len(doubles)
 
 
-def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: frozenset[int]) -> _Template:
-    """Encode ``call`` as a template; attribute values at positions ``float_slots`` become zeroed 8-byte slots."""
+def _build(
+    call: ModuleCall,
+    name: str,
+    trace_state: str | None,
+    float_slots: frozenset[int],
+    limits: _Limits | None = None,
+) -> _Template:
+    """Encode ``call`` as a template; attribute values at positions ``float_slots`` become zeroed 8-byte slots.
+    With ``limits``, attributes are bounded first (the slow path only: then there are no float slots)."""
     parts: list[bytes] = []
     size = 0
     slots: dict[str, int] = {}
@@ -174,7 +229,10 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: fr
     put(_ld(b"\x2a", name.encode("utf-8")) + _SPAN_KIND_INTERNAL + b"\x39")
     slots["start"] = size
     put(bytes(8) + b"\x41" + bytes(8))
-    for position, (key, value) in enumerate(call.attributes.items()):
+    attributes, dropped = call.attributes, 0
+    if limits is not None and _over_limits(attributes, limits):
+        attributes, dropped = _bounded(attributes, limits.attributes, limits.value_length)
+    for position, (key, value) in enumerate(attributes.items()):
         if position in float_slots:
             kb = _ld(b"\x0a", key.encode("utf-8"))
             put(_ld(b"\x4a", kb + b"\x12\x09\x21" + bytes(8))[:-8])
@@ -182,8 +240,10 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: fr
             put(bytes(8))
         elif (kv := _key_value(key, value)) is not None:
             put(_ld(b"\x4a", kv))
+    if dropped:
+        put(b"\x50" + _varint(dropped))  # Span.dropped_attributes_count
     if call.error is not None:
-        put(_exception_event(call.error, call.end_ns))
+        put(_exception_event(call.error, call.end_ns, limits))
         message = f"{type(call.error).__name__}: {call.error}".encode()
         put(_ld(b"\x7a", _ld(b"\x12", message) + b"\x18\x02"))  # Status{message, code=ERROR}
     else:
@@ -203,9 +263,9 @@ def _build(call: ModuleCall, name: str, trace_state: str | None, float_slots: fr
     )
 
 
-def _encode_span_row(call: ModuleCall, trace_state: str | None) -> bytes:
-    """Slow path: one span, all values written here (errors, odd attribute types)."""
-    t = _build(call, call.name, trace_state, frozenset())
+def _encode_span_row(call: ModuleCall, trace_state: str | None, limits: _Limits | None = None) -> bytes:
+    """Slow path: one span, all values written here (errors, odd attribute types, spans over the limits)."""
+    t = _build(call, call.name, trace_state, frozenset(), limits)
     row = bytearray(t.row)
     row[t.tid : t.tid + 16] = call.trace_id.to_bytes(16, "big")
     row[t.sid : t.sid + 8] = call.span_id.to_bytes(8, "big")
@@ -254,8 +314,12 @@ _get_trace_id = attrgetter("trace_id")
 _get_ids = attrgetter("span_id", "parent_span_id", "start_ns", "end_ns")
 
 
-def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
-    """Concatenated ScopeSpans.spans entries for ``calls``, in order."""
+def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) -> bytes:
+    """Concatenated ScopeSpans.spans entries for ``calls``, in order, within ``limits`` (default: from env)."""
+    if limits is None:
+        limits = _Limits()
+    max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
+    check_lengths = limits.value_length is not None
     rows: list[bytes] = []
     fast: list[ModuleCall] = []  # calls encoded from a template, and for each:
     starts: list[int] = []  # its row's offset in the output
@@ -270,8 +334,12 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
             ts = ts_memo.get(id(ts))
             if ts is None:
                 ts = ts_memo[id(c.trace_state)] = _trace_state_str(c.trace_state)
-        if c.error is not None:
-            row = _encode_span_row(c, ts)
+        if (
+            c.error is not None
+            or len(c.attributes) > max_attributes
+            or (check_lengths and _over_limits(c.attributes, limits))
+        ):
+            row = _encode_span_row(c, ts, limits)
         else:
             attrs = c.attributes
             vals = tuple(attrs.values())
@@ -287,7 +355,7 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
                 # it raises on types it does not know (numpy scalars...), which take the slow path.
                 vkey = marshal.dumps(shape.others(vals), 2)  # version 2: no back-references
             except ValueError:
-                row = _encode_span_row(c, ts)
+                row = _encode_span_row(c, ts, limits)
             else:
                 t = shape.variants.get(vkey)
                 if t is None:
@@ -304,7 +372,9 @@ def _encode_spans(calls: Sequence[ModuleCall]) -> bytes:
 
     if fast and not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
         # a non-float where the template has a double slot (rare): encode this batch span by span
-        return b"".join(_encode_span_row(c, _trace_state_str(c.trace_state) if c.trace_state else None) for c in calls)
+        return b"".join(
+            _encode_span_row(c, _trace_state_str(c.trace_state) if c.trace_state else None, limits) for c in calls
+        )
     out = bytearray(b"".join(rows))
     if fast:
         _fill(np.frombuffer(out, dtype=np.uint8), fast, starts, temps, floats)

@@ -48,6 +48,15 @@ OPTION_ENV: dict[str, tuple[str, ...]] = {
     "metrics": (_config.ENV_METRICS, "TORCHTRACE_METRICS_PORT"),
 }
 
+_KNOWN_ENV = {value for name, value in vars(_config).items() if name.startswith("ENV_") and isinstance(value, str)}
+
+
+def _env_names(option: str) -> tuple[str, ...]:
+    """The variables an option reads: the table above, else TORCHTRACE_<OPTION> when _config defines it."""
+    guess = f"TORCHTRACE_{option.upper()}"
+    return OPTION_ENV.get(option) or ((guess,) if guess in _KNOWN_ENV else ())
+
+
 # standard variables torchtrace's exporters read (through opentelemetry-exporter-otlp / the SDK)
 OTEL_VARIABLES = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
@@ -95,7 +104,7 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
         if name in keywords:
             source = "keyword"
         else:
-            env_names = [env for env in OPTION_ENV.get(name, ()) if _env_set(env)]
+            env_names = [env for env in _env_names(name) if _env_set(env)]
             source = f"env {env_names[0]}" if env_names else "default"
         text = _format(value)
         if name == "exporter" and value == "auto":

@@ -7,12 +7,21 @@ from fnmatch import fnmatchcase
 import torch
 
 from torchtrace._config import Options
-from torchtrace._hooks import ModuleInfo
+from torchtrace._hooks import ModuleInfo, warn_region_level
+
+
+def is_compiled_module(model: torch.nn.Module) -> bool:
+    """torch.compile(model) returns an OptimizedModule wrapping the original as ``_orig_mod``."""
+    return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
 def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch.nn.Module, ModuleInfo]]:
     """The modules to trace, in registration order. A module shared by two parents is listed once, under the
     first path that reaches it; its spans are still parented by whichever module called it."""
+    if is_compiled_module(model):  # compiled before instrumenting
+        name = type(model._orig_mod).__name__
+        warn_region_level(name)
+        return [(model, ModuleInfo(path="", type_name=name, depth=0))]
     selected = []
     for path, module in model.named_modules():
         depth = path.count(".") + 1 if path else 0

@@ -129,7 +129,7 @@ class StepTracker:
             for handle in self.hook_handles:
                 handle.remove()  # leaf-parameter hooks would otherwise outlive the step
             record = None
-            if self.traced:
+            if self.traced and (self.forwards or self.events or self.optimizer_ns):
                 end_ns = time.time_ns()
                 record = StepRecord(
                     self.number,

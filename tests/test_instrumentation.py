@@ -1,0 +1,225 @@
+"""Zero-code tracing: ``TorchInstrumentor`` (opentelemetry-instrument), ``torchtrace run``, ``torchtrace config``,
+and the example inference server, whose request spans parent the model spans."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from otlp_receiver import OtlpHttpReceiver
+from torch import nn
+
+from torchtrace import _handle
+from torchtrace.cli import main
+from torchtrace.instrumentation import TorchInstrumentor
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACEPARENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT_SPAN_ID = "b7ad6b7169203331"
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+CALLS = 5  # Net, encoder, encoder.0, encoder.1, head
+
+
+@pytest.fixture
+def instrumentor():
+    instrumentor = TorchInstrumentor()
+    yield instrumentor
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
+
+
+def test_the_instrumentor_is_registered_for_opentelemetry_instrument() -> None:
+    (entry_point,) = [ep for ep in entry_points(group="opentelemetry_instrumentor") if ep.name == "torch"]
+    assert entry_point.load() is TorchInstrumentor
+    assert TorchInstrumentor().instrumentation_dependencies() == ("torch >= 2.3",)
+
+
+def test_every_model_is_traced_from_its_first_call_on(instrumentor) -> None:
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    model(torch.randn(3, 4))  # the first call: instrumented by the global hook, and traced
+    model(torch.randn(3, 4))
+    (handle,) = instrumentor.handles
+    assert handle.model is model
+    records = handle.records
+    assert len(records) == 2 * CALLS
+    roots = [record for record in records if record.depth == 0]
+    assert [record.path for record in roots] == ["", ""]
+    assert {record.trace_id for record in records if record.depth > 0} == {root.trace_id for root in roots}
+
+
+def test_submodules_and_helpers_are_traced_with_their_model_not_on_their_own(instrumentor) -> None:
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    model(torch.randn(1, 4))
+    model.head(torch.randn(1, 4))  # a submodule called directly: covered by its model's handle
+    assert len(instrumentor.handles) == 1
+
+
+def test_a_model_called_after_one_of_its_parts_is_traced_as_a_whole(instrumentor) -> None:
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    model.encoder(torch.randn(1, 4))  # traced on its own first
+    model(torch.randn(1, 4))
+    (handle,) = instrumentor.handles  # the part's handle was replaced by the model's
+    assert handle.model is model
+    assert len(handle.records) == CALLS
+
+
+def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    instrumentor.instrument(tracer_provider=provider, export_interval_ms=60_000)
+    model = Net()
+    with provider.get_tracer("test").start_as_current_span("request") as request:
+        model(torch.randn(2, 4))
+    instrumentor.uninstrument()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"request", "Net", "encoder", "encoder.0", "encoder.1", "head"}
+    assert spans["Net"].parent.span_id == request.get_span_context().span_id
+    assert not model._forward_pre_hooks and not model.head._forward_hooks
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert not _handle._live_handles
+    model(torch.randn(2, 4))  # no longer traced
+    assert len(exporter.get_finished_spans()) == 1 + CALLS
+
+
+def test_invalid_torchtrace_variables_fail_at_instrument_time(instrumentor, monkeypatch) -> None:
+    monkeypatch.setenv("TORCHTRACE_SAMPLE_RATIO", "-0.5")
+    with pytest.raises(ValueError, match="sample_ratio"):
+        instrumentor.instrument()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
+
+
+def _clean_env(**updates: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update(updates)
+    return env
+
+
+SCRIPT = """
+import sys, torch
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+for _ in range(3):
+    model(torch.randn(2, 4))
+print("args", sys.argv[1:], "name", __name__)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _spans_in(trace_file: Path) -> list[dict]:
+    return [
+        span
+        for line in trace_file.read_text().splitlines()
+        for resource_spans in json.loads(line)["resourceSpans"]
+        for scope_spans in resource_spans["scopeSpans"]
+        for span in scope_spans["spans"]
+    ]
+
+
+@pytest.mark.parametrize("command", ["torchtrace-run", "opentelemetry-instrument"])
+def test_a_script_is_traced_without_changing_it(tmp_path: Path, command: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    trace_file = tmp_path / "traces.jsonl"
+    if command == "torchtrace-run":
+        argv = [sys.executable, "-m", "torchtrace", "run", "--trace-file", str(trace_file), str(script), "3", "x"]
+    else:
+        bin_dir = Path(sys.executable).parent
+        argv = [str(bin_dir / "opentelemetry-instrument"), sys.executable, str(script), "3", "x"]
+    env = _clean_env(TORCHTRACE_TRACE_FILE=str(trace_file), TORCHTRACE_EXPORTER="file")
+    result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-3000:]  # the script's own exit status
+    assert "args ['3', 'x'] name __main__" in result.stdout
+    assert [span["name"] for span in _spans_in(trace_file)].count("Sequential") == 3
+    if command == "torchtrace-run":  # the per-layer summary at exit
+        assert "torchtrace: Sequential" in result.stderr
+        assert any(line.startswith("Sequential") and " 3 " in line for line in result.stderr.splitlines())
+
+
+def test_inference_server_request_spans_parent_the_model_spans() -> None:
+    requests = 3
+    with OtlpHttpReceiver() as receiver:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "torchtrace", "run", "examples/inference_server.py", "--port", "0"]
+            + ["--requests", str(requests)],
+            cwd=ROOT,
+            env=_clean_env(OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_SERVICE_NAME="inference"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            url = server.stdout.readline().split()[-1] + "/predict"  # "listening on http://127.0.0.1:PORT"
+            for _ in range(requests):
+                request = urllib.request.Request(
+                    url,
+                    data=json.dumps({"features": [[0.5] * 8, [1.0] * 8]}).encode(),
+                    headers={"traceparent": f"00-{TRACEPARENT_TRACE_ID}-{TRACEPARENT_SPAN_ID}-01"},
+                )
+                reply = json.loads(urllib.request.urlopen(request, timeout=30).read())
+                assert len(reply["probabilities"]) == 2
+            _, stderr = server.communicate(timeout=60)
+        finally:
+            server.kill()
+        assert server.returncode == 0, stderr[-3000:]
+        spans = receiver.wait_for_spans(requests * 7, timeout=10)  # request + Classifier, body, 4 layers, head
+    by_id = {span.span_id: span for span in spans}
+    request_spans = [span for span in spans if span.name == "POST /predict"]
+    model_spans = [span for span in spans if span.name != "POST /predict"]
+    assert len(request_spans) == requests and len(model_spans) == requests * 7
+    assert {span.trace_id.hex() for span in spans} == {TRACEPARENT_TRACE_ID}
+    assert {span.parent_span_id.hex() for span in request_spans} == {TRACEPARENT_SPAN_ID}
+    for span in model_spans:
+        root = span
+        while root.parent_span_id in by_id and by_id[root.parent_span_id].name != "POST /predict":
+            root = by_id[root.parent_span_id]
+        assert root.name == "Classifier"
+        assert by_id[root.parent_span_id].name == "POST /predict"  # the model's root span: a child of the request
+    assert "torchtrace: Classifier" in stderr
+
+
+def test_config_shows_each_value_and_where_it_came_from(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TORCHTRACE_SAMPLE_EVERY", "4")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=secret")
+    assert main(["config", "--json", "--stats", "mean,max"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["sample_every"] == {"name": "sample_every", "value": "4", "source": "env TORCHTRACE_SAMPLE_EVERY"}
+    assert rows["stats"] == {"name": "stats", "value": "mean,max", "source": "keyword"}
+    assert rows["max_pending_calls"]["source"] == "default"
+    assert rows["OTEL_EXPORTER_OTLP_HEADERS"]["value"] == "(set, hidden)"
+    assert "secret" not in json.dumps(rows)
+
+
+def test_config_reports_an_invalid_variable_like_instrument_would(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TORCHTRACE_MAX_DEPTH", "deep")
+    assert main(["config"]) == 2
+    assert "TORCHTRACE_MAX_DEPTH='deep': expected an integer" in capsys.readouterr().err
+
+
+def test_run_refuses_a_missing_script(capsys) -> None:
+    assert main(["run", "no_such_script.py"]) == 2
+    assert "no such script" in capsys.readouterr().err

@@ -1,0 +1,323 @@
+"""Training: one trace per step with its forwards, a backward span per module, gradient statistics, schedules,
+NaN/Inf provenance and torch.compile behaviour."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from opentelemetry.trace import StatusCode
+from torch import nn
+
+import torchtrace
+from torchtrace.testing import capture_spans
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, handle=None) -> None:
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if handle is not None:
+            handle.step()
+
+
+def test_a_step_is_one_trace_holding_its_forward_backward_and_optimizer_step():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        train(model, optimizer, steps=1)
+        assert captured.tree() == {
+            "train_step": {
+                "Sequential": {"0": {}, "1": {}, "2": {}},
+                "backward": {"Sequential backward": {"2 backward": {}, "1 backward": {}, "0 backward": {}}},
+                "optimizer.step": {},
+            }
+        }
+        assert len({span.context.trace_id for span in captured.spans()}) == 1
+        assert captured.span("train_step").attributes["torchtrace.step"] == 0
+
+
+def test_each_step_gets_its_own_trace_and_number():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        train(model, optimizer, steps=3)
+        steps = captured.spans_named("train_step")
+        assert sorted(span.attributes["torchtrace.step"] for span in steps) == [0, 1, 2]
+        assert len({span.context.trace_id for span in steps}) == 3
+        assert captured.handle.step_number == 3
+
+
+def test_backward_spans_time_the_backward_inside_the_step():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        train(model, optimizer, steps=1)
+        step, forward = captured.span("train_step"), captured.span("Sequential")
+        backward, optimizer_span = captured.span("backward"), captured.span("optimizer.step")
+        assert step.start_time <= forward.start_time < forward.end_time <= backward.start_time
+        assert backward.end_time <= optimizer_span.start_time < optimizer_span.end_time <= step.end_time
+        container = captured.span("Sequential backward")
+        for name in ("0 backward", "1 backward", "2 backward"):
+            child = captured.span(name)
+            assert container.start_time <= child.start_time <= child.end_time <= container.end_time
+        # backward runs last layer first
+        assert captured.span("2 backward").start_time <= captured.span("0 backward").start_time
+
+
+def test_gradient_statistics_equal_autograd_results():
+    model = mlp()
+    x = torch.randn(3, 4)
+    outputs = {}
+
+    def keep_output(module, args, output):
+        output.retain_grad()
+        outputs["linear2"] = output
+
+    model[2].register_forward_hook(keep_output)
+    with capture_spans(model, backward=True) as captured:
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        captured.handle.step()
+        grad = outputs["linear2"].grad  # what autograd delivered to the last layer's output
+        attributes = captured.span("2 backward").attributes
+        assert attributes["torchtrace.grad_output.0.norm"] == pytest.approx(float(torch.linalg.vector_norm(grad)))
+        assert attributes["torchtrace.grad_output.0.mean"] == pytest.approx(float(grad.mean()))
+        assert attributes["torchtrace.grad_output.0.abs_max"] == pytest.approx(float(grad.abs().max()))
+        assert attributes["torchtrace.grad_output.0.nan_count"] == 0
+
+
+def test_parameter_and_parameter_gradient_norms_are_read_before_the_update():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = {}
+
+    def remember(*_):
+        first = model[0]
+        seen["param"] = float(torch.linalg.vector_norm(torch.stack([p.detach().norm() for p in first.parameters()])))
+        seen["grad"] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in first.parameters()])))
+
+    optimizer.register_step_pre_hook(remember)
+    with capture_spans(model, backward=True, optimizer=optimizer, param_stats=True) as captured:
+        train(model, optimizer, steps=1)
+        attributes = captured.span("0 backward").attributes
+        assert attributes["torchtrace.param.norm"] == pytest.approx(seen["param"])
+        assert attributes["torchtrace.param_grad.norm"] == pytest.approx(seen["grad"])
+
+
+def test_in_place_modules_and_in_place_ops_do_not_break_backward_tracing():
+    class Residual(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            y = self.linear(x)
+            y += x  # in-place on a traced module's output
+            return self.act(y)
+
+    model = Residual()
+    x = torch.randn(2, 4, requires_grad=True)
+    reference = Residual()
+    reference.load_state_dict(model.state_dict())
+    x_ref = x.detach().clone().requires_grad_(True)
+    reference(x_ref).sum().backward()
+    with capture_spans(model, backward=True) as captured:
+        model(x).sum().backward()
+        captured.handle.step()
+        assert {"Residual backward", "linear backward", "act backward"} <= set(captured.names())
+    assert torch.equal(x.grad, x_ref.grad)  # tracing changed nothing in the gradients
+
+
+def test_a_schedule_decides_which_steps_are_traced():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torchtrace.schedule(wait=1, warmup=1, active=2, repeat=1)
+    with capture_spans(model, backward=True, optimizer=optimizer, schedule=schedule) as captured:
+        train(model, optimizer, steps=6)
+        traced = sorted(span.attributes["torchtrace.step"] for span in captured.spans_named("train_step"))
+        assert traced == [2, 3]
+        assert len(captured.spans_named("Sequential")) == 2  # untraced steps leave no forward spans either
+
+
+def test_schedule_semantics_step_by_step():
+    cycle = torchtrace.schedule(skip_first=1, wait=1, warmup=1, active=2, repeat=2)
+    assert [cycle(step) for step in range(11)] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert [torchtrace.every(3)(step) for step in range(7)] == [True, False, False, True, False, False, True]
+    forever = torchtrace.schedule(wait=2, active=1)
+    assert [forever(step) for step in range(9)] == [False, False, True] * 3
+    with pytest.raises(ValueError, match="active"):
+        torchtrace.schedule(active=0)
+    with pytest.raises(ValueError, match="every"):
+        torchtrace.every(0)
+
+
+def test_step_without_step_tracing_is_a_clear_error():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none") as handle, pytest.raises(RuntimeError, match="step tracing"):
+        handle.step()
+
+
+class InjectNaN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def forward(self, x):
+        if self.armed:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return x
+
+
+def nan_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 4), nn.ReLU())
+
+
+def test_the_first_module_to_produce_nan_in_a_forward_is_marked():
+    model = nan_model()
+    with capture_spans(model) as captured:
+        model(torch.randn(2, 4))
+        culprit = captured.span("1")
+        assert culprit.status.status_code is StatusCode.ERROR
+        event = culprit.events[0]
+        assert event.name == "exception"
+        assert event.attributes["exception.type"] == "torchtrace._calls.NonFiniteError"
+        assert "output" in event.attributes["exception.message"]
+        # downstream layers and the container only pass the NaN on
+        for name in ("0", "2", "3", "Sequential"):
+            assert captured.span(name).status.status_code is StatusCode.UNSET, name
+
+
+class NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+class BadBackward(nn.Module):
+    def forward(self, x):
+        return NaNGrad.apply(x)
+
+
+def test_the_first_module_whose_backward_produces_nan_is_marked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(2, 4)).sum().backward()
+        captured.handle.step()
+        assert captured.span("1 backward").status.status_code is StatusCode.ERROR
+        assert "grad_input" in captured.span("1 backward").events[0].attributes["exception.message"]
+        assert captured.span("2 backward").status.status_code is StatusCode.UNSET  # its gradients were fine
+        assert captured.span("0 backward").status.status_code is StatusCode.UNSET  # it only received the NaN
+
+
+def test_raise_mode_stops_training_at_the_step_naming_the_module():
+    model = nan_model()
+    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(torchtrace.NonFiniteError, match=r"^1 produced NaN/Inf in output"):
+            handle.step()
+
+
+def test_callback_mode_receives_the_verdict_off_the_hot_path():
+    model = nan_model()
+    verdicts = []
+    with torchtrace.instrument(model, exporter="none", on_nonfinite=verdicts.append) as handle:
+        model(torch.randn(2, 4))
+        handle.flush()
+    assert len(verdicts) == 1
+    assert isinstance(verdicts[0], torchtrace.NonFiniteError)
+    assert verdicts[0].call.path == "1"
+
+
+def test_step_metrics_and_gradient_norms_reach_prometheus_metrics():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
+    ) as handle:
+        train(model, optimizer, steps=2)
+        handle.flush()
+    labels = {"model": "Sequential", "rank": "0"}
+    assert registry.get_sample_value("torchtrace_step_duration_seconds_count", labels) == 2
+    backward = [call for call in handle.records if call.kind == "backward" and call.path == "0"][-1]
+    assert registry.get_sample_value(
+        "torchtrace_gradient_norm", {**labels, "module": "0", "module_type": "Linear"}
+    ) == pytest.approx(backward.attributes["torchtrace.grad_output.0.norm"])
+
+
+def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one_warning():
+    torch._dynamo.reset()
+    model = mlp()
+    with capture_spans(model) as captured:
+        compiled = torch.compile(model, backend="eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled(torch.randn(3, 4))
+            graphs_after_first_call = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            for _ in range(3):
+                compiled(torch.randn(3, 4))
+        assert captured.names() == ["Sequential"] * 4  # region-level: the model's own span, per call
+        ours = [w for w in caught if "torchtrace" in str(w.message)]
+        assert len(ours) == 1 and "region level" in str(ours[0].message)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_first_call  # no recompiles
+        stats = captured.spans()[-1].attributes
+        assert stats["torchtrace.output.shape"] == (3, 2) and math.isfinite(stats["torchtrace.output.mean"])
+    torch._dynamo.reset()
+
+
+def test_a_model_compiled_before_instrumenting_is_traced_at_region_level_with_one_warning():
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp(), backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with capture_spans(compiled) as captured:
+            for _ in range(3):
+                compiled(torch.randn(3, 4))
+            assert captured.names() == ["Sequential"] * 3
+    assert len([w for w in caught if "torchtrace" in str(w.message)]) == 1
+    torch._dynamo.reset()
+
+
+def test_outputs_and_gradients_are_unchanged_by_backward_tracing():
+    model, reference = mlp(), mlp()
+    x = torch.randn(5, 4)
+    reference(x).sum().backward()
+    with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True) as handle:
+        out = model(x)
+        out.sum().backward()
+        handle.step()
+    assert torch.equal(out, reference(x))
+    for traced, plain in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(traced.grad, plain.grad)
