@@ -88,56 +88,104 @@ def layers_dashboard() -> dict[str, Any]:
     panels = [
         _row("Latency", 0),
         _panel(
-            "heatmap", "Module call duration (heatmap, by module type)",
+            "heatmap",
+            "Module call duration (heatmap, by module type)",
             "Distribution of module call durations for the selected module types. Exemplars link a bucket to "
             "the trace of a call that fell in it.",
-            [_target(f"sum by (le) (rate({duration}{{{TYPE_SELECTOR}}}[{RATE}]))", "{{le}}", exemplar=True,
-                     fmt="heatmap")],
-            (0, 1, 12, 9), unit="s",
-            options={"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1, "color": {"scheme": "Oranges"},
-                     "exemplars": {"color": "rgba(255,0,255,0.7)"}, "tooltip": {"show": True, "yHistogram": True}},
+            [
+                _target(
+                    f"sum by (le) (rate({duration}{{{TYPE_SELECTOR}}}[{RATE}]))", "{{le}}", exemplar=True, fmt="heatmap"
+                )
+            ],
+            (0, 1, 12, 9),
+            unit="s",
+            options={
+                "calculate": False,
+                "yAxis": {"unit": "s"},
+                "cellGap": 1,
+                "color": {"scheme": "Oranges"},
+                "exemplars": {"color": "rgba(255,0,255,0.7)"},
+                "tooltip": {"show": True, "yHistogram": True},
+            },
         ),
         _panel(
-            "timeseries", "p50 / p99 call duration by module type (exemplars → Jaeger)",
+            "timeseries",
+            "p50 / p99 call duration by module type (exemplars → Jaeger)",
             "Quantiles from the duration histogram. Each exemplar dot is one traced call: click it and open its "
             "trace in Jaeger.",
             [
-                _target(f"histogram_quantile(0.99, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}"
-                        f"[{RATE}])))", "p99 {{module_type}}", exemplar=True),
-                _target(f"histogram_quantile(0.5, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}"
-                        f"[{RATE}])))", "p50 {{module_type}}", ref="B"),
+                _target(
+                    f"histogram_quantile(0.99, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}[{RATE}])))",
+                    "p99 {{module_type}}",
+                    exemplar=True,
+                ),
+                _target(
+                    f"histogram_quantile(0.5, sum by (le, module_type) (rate({duration}{{{TYPE_SELECTOR}}}[{RATE}])))",
+                    "p50 {{module_type}}",
+                    ref="B",
+                ),
             ],
-            (12, 1, 12, 9), unit="s",
+            (12, 1, 12, 9),
+            unit="s",
         ),
         _panel(
-            "bargauge", "Top 10 modules by mean time per call",
+            "bargauge",
+            "Top 10 modules by mean time per call",
             "Time in a module's calls (children included) divided by its calls, over the selected range.",
-            [_target(f"topk(10, sum by (module) (increase(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
-                     f"[$__range])) / sum by (module) (increase(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}"
-                     "[$__range])))", "{{module}}", instant=True)],
-            (0, 10, 12, 9), unit="s",
-            options={"displayMode": "gradient", "orientation": "horizontal", "showUnfilled": True,
-                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+            [
+                _target(
+                    f"topk(10, sum by (module) (increase(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
+                    f"[$__range])) / sum by (module) (increase(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}"
+                    "[$__range])))",
+                    "{{module}}",
+                    instant=True,
+                )
+            ],
+            (0, 10, 12, 9),
+            unit="s",
+            options={
+                "displayMode": "gradient",
+                "orientation": "horizontal",
+                "showUnfilled": True,
+                "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            },
         ),
         _panel(
-            "timeseries", "Top 10 modules by share of wall time",
+            "timeseries",
+            "Top 10 modules by share of wall time",
             "Seconds spent in each module per second of wall time; nested modules overlap their children.",
-            [_target(f"topk(10, sum by (module) (rate(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
-                     f"[{RATE}])))", "{{module}}")],
-            (12, 10, 12, 9), unit="percentunit",
+            [
+                _target(
+                    f"topk(10, sum by (module) (rate(torchtrace_module_call_seconds_total{{{MODULE_SELECTOR}}}"
+                    f"[{RATE}])))",
+                    "{{module}}",
+                )
+            ],
+            (12, 10, 12, 9),
+            unit="percentunit",
         ),
         _panel(
-            "timeseries", "Calls per second by module",
-            "Module calls per second (module=\"__other__\": modules past the metrics' max_module_labels).",
-            [_target(f"sum by (module) (rate(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}[{RATE}]))",
-                     "{{module}}")],
-            (0, 19, 12, 8), unit="reqps",
+            "timeseries",
+            "Calls per second by module",
+            'Module calls per second (module="__other__": modules past the metrics\' max_module_labels).',
+            [
+                _target(
+                    f"sum by (module) (rate(torchtrace_module_calls_total{{{MODULE_SELECTOR}}}[{RATE}]))", "{{module}}"
+                )
+            ],
+            (0, 19, 12, 8),
+            unit="reqps",
         ),
         _panel(
-            "timeseries", "Module calls that raised",
+            "timeseries",
+            "Module calls that raised",
             "Calls that ended with an exception, per module.",
-            [_target(f"sum by (module) (increase(torchtrace_module_call_errors_total{{{MODULE_SELECTOR}}}[{RATE}]))",
-                     "{{module}}")],
+            [
+                _target(
+                    f"sum by (module) (increase(torchtrace_module_call_errors_total{{{MODULE_SELECTOR}}}[{RATE}]))",
+                    "{{module}}",
+                )
+            ],
             (12, 19, 12, 8),
         ),
         _row("Activations (latest value per module)", 27),
@@ -181,7 +229,35 @@ def layers_dashboard() -> dict[str, Any]:
             ],
             (6, 45, 18, 8),
         ),
-        _row("Exporter health", 53),
+        _panel(
+            "bargauge", "First producer of NaN/Inf (selected range)",
+            "How often each module was the first to produce NaN/Inf in a forward or backward (its span is ERROR).",
+            [_target(f"sum by (module) (increase(torchtrace_nonfinite_first_total{{{MODULE_SELECTOR}}}[$__range]))",
+                     "{{module}}", instant=True)],
+            (0, 53, 24, 6),
+            options={"displayMode": "gradient", "orientation": "horizontal",
+                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+        ),
+        _row("Training", 59),
+        _panel(
+            "timeseries", "Step time p50 / p99 (exemplars → step trace)",
+            "Duration of traced training steps. Each exemplar opens the step's trace: forward, backward, optimizer.",
+            [
+                _target("histogram_quantile(0.99, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
+                        f"{{{SELECTOR}}}[{RATE}])))", "p99 rank {{{{rank}}}}", exemplar=True),
+                _target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
+                        f"{{{SELECTOR}}}[{RATE}])))", "p50 rank {{{{rank}}}}", ref="B"),
+            ],
+            (0, 60, 12, 8), unit="s",
+        ),
+        _panel(
+            "timeseries", "Gradient norm by module",
+            "L2 norm of the gradient reaching each module's output, latest traced backward: vanishing or "
+            "exploding gradients show here first.",
+            [_target(f"torchtrace_gradient_norm{{{MODULE_SELECTOR}}}", "{{module}}")],
+            (12, 60, 12, 8),
+        ),
+        _row("Exporter health", 68),
         _panel(
             "timeseries", "Spans recorded / exported / dropped per second",
             "Recorded: module calls seen. Exported: delivered by the OTLP/file exporter. Dropped: lost because the "
@@ -193,14 +269,14 @@ def layers_dashboard() -> dict[str, Any]:
                 _target(f"sum by (reason) (rate(torchtrace_spans_dropped_total{{{SELECTOR}}}[{RATE}]))",
                         "dropped ({{reason}})", ref="C"),
             ],
-            (0, 54, 16, 8), unit="ops",
+            (0, 69, 16, 8), unit="ops",
         ),
         _panel(
             "stat", "Spans dropped (selected range)",
             "Any drop means missing traces: raise max_pending_calls, sample, or fix the backend.",
             [_target(f"sum(increase(torchtrace_spans_dropped_total{{{SELECTOR}}}[$__range]))", "dropped",
                      instant=True)],
-            (16, 54, 4, 8),
+            (16, 69, 4, 8),
             fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
                 {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
             options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
@@ -209,7 +285,7 @@ def layers_dashboard() -> dict[str, Any]:
             "stat", "Modules past the label limit",
             "Module paths counted under module=\"__other__\" because max_module_labels was reached.",
             [_target(f"max(torchtrace_metrics_overflowed_modules{{{SELECTOR}}})", "overflowed", instant=True)],
-            (20, 54, 4, 8),
+            (20, 69, 4, 8),
             options={"reduceOptions": {"calcs": ["lastNotNull"]}},
         ),
     ]  # fmt: skip
@@ -227,17 +303,30 @@ def layers_dashboard() -> dict[str, Any]:
         "schemaVersion": 39,
         "version": 1,
         "time": {"from": "now-30m", "to": "now"},
-        "links": [{"title": "Traces in Jaeger", "type": "link", "url": "/explore?left={\"datasource\":\"jaeger\"}",
-                   "targetBlank": True}],  # fmt: skip
-        "templating": {"list": [
-            _variable("model", "Model", "label_values(torchtrace_spans_recorded_total, model)"),
-            _variable("rank", "Rank", 'label_values(torchtrace_spans_recorded_total{model=~"$model"}, rank)'),
-            _variable("module_type", "Module type",
-                      'label_values(torchtrace_module_calls_total{model=~"$model"}, module_type)'),
-            _variable("module", "Module",
-                      'label_values(torchtrace_module_calls_total{model=~"$model", module_type=~"$module_type"}, '
-                      "module)"),
-        ]},  # fmt: skip
+        "links": [
+            {
+                "title": "Traces in Jaeger",
+                "type": "link",
+                "url": '/explore?left={"datasource":"jaeger"}',
+                "targetBlank": True,
+            }
+        ],  # fmt: skip
+        "templating": {
+            "list": [
+                _variable("model", "Model", "label_values(torchtrace_spans_recorded_total, model)"),
+                _variable("rank", "Rank", 'label_values(torchtrace_spans_recorded_total{model=~"$model"}, rank)'),
+                _variable(
+                    "module_type",
+                    "Module type",
+                    'label_values(torchtrace_module_calls_total{model=~"$model"}, module_type)',
+                ),
+                _variable(
+                    "module",
+                    "Module",
+                    'label_values(torchtrace_module_calls_total{model=~"$model", module_type=~"$module_type"}, module)',
+                ),
+            ]
+        },  # fmt: skip
         "annotations": {"list": []},
         "panels": panels,
     }

@@ -32,9 +32,7 @@ STATS_TO_METRICS = {
 
 def tiny_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2))
-    ).eval()
+    return nn.Sequential(OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2))).eval()
 
 
 def labels(module: str, module_type: str, model: str = "Tiny") -> dict[str, str]:
@@ -87,12 +85,16 @@ def test_call_counters_histogram_and_nan_counts_add_up_to_the_records():
         records = handle.records
     linear_1 = [r for r in records if r.path == "linear_1"]
     key = labels("linear_1", "Linear")
-    assert registry.get_sample_value("torchtrace_output_nan_values_total", key) == sum(
-        r.attributes["torchtrace.output.nan_count"] for r in linear_1
-    ) == 2 * 8  # every output of the NaN batch
-    assert registry.get_sample_value("torchtrace_output_inf_values_total", key) == sum(
-        r.attributes["torchtrace.output.inf_count"] for r in linear_1
-    ) == 8  # an inf input element reaches every output
+    assert (
+        registry.get_sample_value("torchtrace_output_nan_values_total", key)
+        == sum(r.attributes["torchtrace.output.nan_count"] for r in linear_1)
+        == 2 * 8
+    )  # every output of the NaN batch
+    assert (
+        registry.get_sample_value("torchtrace_output_inf_values_total", key)
+        == sum(r.attributes["torchtrace.output.inf_count"] for r in linear_1)
+        == 8
+    )  # an inf input element reaches every output
     assert registry.get_sample_value("torchtrace_module_call_seconds_total", key) == pytest.approx(
         sum(r.duration_ns for r in linear_1) / 1e9
     )

@@ -43,22 +43,31 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
     registry = CollectorRegistry()
     sink = MetricsSink(registry, model=MODEL)
     torch.manual_seed(0)
-    model = nn.Sequential(OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2))).eval()
+    model = nn.Sequential(OrderedDict(linear_1=nn.Linear(4, 8), relu=nn.ReLU(), linear_2=nn.Linear(8, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_step(x: torch.Tensor) -> None:
+        model(x).pow(2).mean().backward()
+        optimizer.step()  # closes the traced step: forward, backward and optimizer spans reach the sinks
+        optimizer.zero_grad()
+
     started = time.time()
     server = serve_metrics(0, registry=registry)
     with server, PrometheusServer([f"127.0.0.1:{server.port}"], directory) as prom:
         trace_file = directory / "traces.jsonl"
-        with torchtrace.instrument(model, exporter="file", trace_file=str(trace_file), sinks=[sink]) as handle:
-            sink.watch(handle)
-            model(torch.full((2, 4), float("nan")))  # something for the NaN panels
+        with torchtrace.instrument(
+            model, exporter="file", trace_file=str(trace_file), metrics=sink, backward=True, optimizer=optimizer
+        ) as handle:
+            with torch.no_grad():
+                model(torch.full((2, 4), float("nan")))  # something for the NaN panels, without poisoning weights
             deadline = time.monotonic() + 30
             # keep the model busy until Prometheus holds a few samples, so rates and increases are not empty
             while not prom.query("count_over_time(torchtrace_spans_recorded_total[1m]) >= 3"):
                 assert time.monotonic() < deadline, "prometheus never scraped 3 samples"
-                model(torch.randn(3, 4))
+                train_step(torch.randn(3, 4))
                 handle.flush()
                 time.sleep(0.05)
-            model(torch.randn(3, 4))
+            train_step(torch.randn(3, 4))
             handle.flush()
             records = handle.records
         # the final state reaches Prometheus in the next scrape
@@ -91,15 +100,15 @@ def test_every_dashboard_query_returns_data(scraped_run):
 def test_prometheus_values_equal_the_span_statistics(scraped_run):
     prom, records, _ = scraped_run
     for path in ("linear_1", "relu", "linear_2"):
-        latest = [r for r in records if r.path == path][-1].attributes
+        latest = [r for r in records if r.path == path and r.kind == "forward"][-1].attributes
         for stat, metric in STATS_TO_METRICS.items():
             assert _values(prom.query(f'{metric}{{module="{path}"}}'))[path] == latest[f"torchtrace.output.{stat}"]
-        calls = [r for r in records if r.path == path]
+        calls = [r for r in records if r.path == path and r.kind == "forward"]
         assert _values(prom.query(f'torchtrace_module_calls_total{{module="{path}"}}'))[path] == len(calls)
         nan = sum(r.attributes["torchtrace.output.nan_count"] for r in calls)
         assert nan > 0
         assert _values(prom.query(f'torchtrace_output_nan_values_total{{module="{path}"}}'))[path] == nan
-    linear_calls = [r for r in records if r.type_name == "Linear"]
+    linear_calls = [r for r in records if r.type_name == "Linear" and r.kind == "forward"]
     count = prom.query('torchtrace_module_call_duration_seconds_count{module_type="Linear"}')
     assert float(count[0]["value"][1]) == len(linear_calls)
     exported = prom.query('torchtrace_spans_exported_total{exporter="file"}')

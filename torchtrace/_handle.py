@@ -165,9 +165,14 @@ class TraceHandle:
         return self._records.all()
 
     def __getitem__(self, path: str) -> list[ModuleCall]:
-        """The kept calls of one module path, in call order."""
+        """The kept forward calls of one module path, in call order."""
         self._dispatcher.drain()
         return self._records.for_path(path)
+
+    def backward_records(self, path: str) -> list[ModuleCall]:
+        """The kept backward calls (gradient statistics) of one module path, in order."""
+        self._dispatcher.drain()
+        return self._records.for_path(path, kind="backward")
 
     def clear_recorded_data(self) -> None:
         self._dispatcher.drain()

@@ -340,8 +340,7 @@ class MetricsSink(Collector):
         bounds = [*(floatToGoString(b) for b in self.bucket_bounds), "+Inf"]
         for module_type, histogram in sorted(snapshot.histograms.items()):
             duration.add_metric([*model_rank, module_type], _buckets(bounds, histogram), histogram.total_seconds)
-        if any(snapshot.steps.counts):
-            step_duration.add_metric(model_rank, _buckets(bounds, snapshot.steps), snapshot.steps.total_seconds)
+        step_duration.add_metric(model_rank, _buckets(bounds, snapshot.steps), snapshot.steps.total_seconds)
         for (module, module_type), state in sorted(snapshot.modules.items()):
             labels = [*model_rank, module, module_type]
             calls.add_metric(labels, state.calls)

@@ -15,26 +15,26 @@ class RecordStore:
         self.max_records = max_records
         self.dropped = 0
         self._records: collections.deque[ModuleCall] = collections.deque()
-        self._by_path: dict[str, collections.deque[ModuleCall]] = {}
+        self._by_path: dict[tuple[str, str], collections.deque[ModuleCall]] = {}  # (kind, path) -> calls
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         records, by_path = self._records, self._by_path
         for call in calls:
             records.append(call)
-            by_path.setdefault(call.path, collections.deque()).append(call)
+            by_path.setdefault((call.kind, call.path), collections.deque()).append(call)
         while len(records) > self.max_records:
             oldest = records.popleft()
-            by_path[oldest.path].popleft()  # the oldest of its path too: both are in call order
+            by_path[(oldest.kind, oldest.path)].popleft()  # the oldest of its path too: both are in call order
             self.dropped += 1
 
     def all(self) -> list[ModuleCall]:
         return list(self._records)
 
-    def for_path(self, path: str) -> list[ModuleCall]:
-        return list(self._by_path.get(path, ()))
+    def for_path(self, path: str, kind: str = "forward") -> list[ModuleCall]:
+        return list(self._by_path.get((kind, path), ()))
 
     def paths(self) -> list[str]:
-        return [path for path, calls in self._by_path.items() if calls]
+        return [path for (kind, path), calls in self._by_path.items() if calls and kind == "forward"]
 
     def clear(self) -> None:
         self._records.clear()
