@@ -262,7 +262,13 @@ def test_committed_grafana_files_equal_the_generator_output():
 def test_dashboard_queries_use_only_exported_metrics_and_known_variables():
     builder = _load_builder()
     registry = CollectorRegistry()
-    run(tiny_model(), MetricsSink(registry, model="Tiny"), batches=1)
+    model = tiny_model()
+    with torchtrace.instrument(
+        model, exporter="none", metrics=MetricsSink(registry, model="Tiny"), backward=True
+    ) as handle:
+        model(torch.randn(3, 4)).sum().backward()  # a traced training step: step and gradient metrics too
+        handle.step()
+        handle.flush()
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     exported |= {"torchtrace_spans_exported_total"}  # present with an OTLP/file exporter (see watch())
     dashboard = builder.layers_dashboard()
