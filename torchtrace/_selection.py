@@ -22,6 +22,8 @@ def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch
         name = type(model._orig_mod).__name__
         warn_region_level(name)
         return [(model, ModuleInfo(path="", type_name=name, depth=0))]
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module  # paths as in the user's model, without DDP's "module." prefix
     selected = []
     for path, module in model.named_modules():
         depth = path.count(".") + 1 if path else 0

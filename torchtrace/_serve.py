@@ -60,7 +60,7 @@ def serve_metrics(port: int, addr: str = DEFAULT_METRICS_ADDR, registry: Collect
 
 def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
     """``serve_metrics()`` as ``TORCHTRACE_METRICS_PORT`` / ``TORCHTRACE_METRICS_ADDR`` say; None when no port is
-    set. An invalid port raises ``ValueError``."""
+    set. Under torchrun each rank serves on the base port + ``LOCAL_RANK``. An invalid port raises ``ValueError``."""
     text = os.environ.get(ENV_METRICS_PORT, "").strip()
     if not text:
         return None
@@ -69,4 +69,7 @@ def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | 
     except ValueError:
         raise ValueError(f"{ENV_METRICS_PORT}={text!r} is not a port number") from None
     addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or DEFAULT_METRICS_ADDR
+    local_rank = os.environ.get("LOCAL_RANK", "").strip()
+    if port and local_rank.isdigit():
+        port += int(local_rank)  # one endpoint per rank on a node: base port + local rank, no collision
     return serve_metrics(port, addr=addr, registry=registry)

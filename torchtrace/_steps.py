@@ -18,6 +18,7 @@ import torch
 from opentelemetry.trace import SpanContext, TraceFlags
 from torch.autograd.graph import register_multi_grad_hook
 
+from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
 from torchtrace._stats import numeric_stats
 
@@ -39,24 +40,37 @@ class StepRecord:
     optimizer_ns: tuple[int, int] | None  # perf_counter start/end of optimizer.step()
     clock_offset_ns: int
     param_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # id(entry) -> parameter norms
+    rank: RankInfo | None = None
+    root_span_id: int = 0  # the step's root shared by all ranks (distributed), emitted by rank 0; else 0
+    comm: list = field(default_factory=list)  # (bucket index, bytes, perf start, perf end, is_last)
 
 
 class StepTracker:
     """The current step: its number, whether the schedule traces it, its ids, and what it collected."""
 
-    def __init__(self, schedule: StepSchedule, *, backward: bool, param_stats: bool) -> None:
+    def __init__(
+        self, schedule: StepSchedule, *, backward: bool, param_stats: bool, rank: RankInfo | None = None
+    ) -> None:
         self.schedule = schedule
         self.backward = backward
         self.param_stats = param_stats
+        self.rank = rank
         self.number = 0
         self._lock = threading.Lock()
         self._begin(0)
 
     def _begin(self, number: int) -> None:
         self.number = number
-        self.traced = bool(self.schedule(number))
-        self.trace_id = random.getrandbits(128) or 1
-        self.span_id = random.getrandbits(64) or 1
+        self.traced = bool(self.schedule(number))  # deterministic in the step number: every rank agrees
+        rank = self.rank
+        if rank is None:
+            self.trace_id = random.getrandbits(128) or 1
+            self.span_id = random.getrandbits(64) or 1
+            self.root_span_id = 0
+        else:  # every rank derives the same trace and root for step N, and its own span under that root
+            self.trace_id = derived_id(128, rank.run_id, number)
+            self.root_span_id = derived_id(64, rank.run_id, number, "root")
+            self.span_id = derived_id(64, rank.run_id, number, "rank", rank.rank)
         self.context = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=TraceFlags(1))
         self.start_ns = time.time_ns()
         self.clock_offset_ns = self.start_ns - time.perf_counter_ns()
@@ -64,6 +78,7 @@ class StepTracker:
         self.events: list = []
         self.hook_handles: list = []
         self.optimizer_ns: list[int] = []
+        self.comm: list = []
         self.parameter_owners: list = []  # (entry, module) whose parameter norms are read at the step's end
         self._param_stats: dict[int, dict[str, float]] = {}
 
@@ -97,6 +112,11 @@ class StepTracker:
         if self.param_stats:
             self.parameter_owners.append((entry, module))
 
+    def record_comm(self, bucket: int, size: int, start: int, end: int, is_last: bool) -> None:
+        """One gradient bucket's all-reduce (from DDP's comm hook; may run on a comm thread)."""
+        if self.traced:
+            self.comm.append((bucket, size, start, end, is_last))
+
     # -- optimizer hooks ----------------------------------------------------------------------------------------
 
     def optimizer_started(self) -> None:
@@ -129,7 +149,7 @@ class StepTracker:
             for handle in self.hook_handles:
                 handle.remove()  # leaf-parameter hooks would otherwise outlive the step
             record = None
-            if self.traced and (self.forwards or self.events or self.optimizer_ns):
+            if self.traced and (self.forwards or self.events or self.optimizer_ns or self.comm):
                 end_ns = time.time_ns()
                 record = StepRecord(
                     self.number,
@@ -142,6 +162,9 @@ class StepTracker:
                     tuple(self.optimizer_ns) if len(self.optimizer_ns) == 2 else None,
                     self.clock_offset_ns,
                     self._param_stats,
+                    self.rank,
+                    self.root_span_id,
+                    self.comm,
                 )
             self._begin(self.number + 1)
             return record

@@ -1,0 +1,55 @@
+"""DDP training traced by torchtrace: one trace per step across all ranks, all-reduce spans, straggler metrics.
+
+    torchrun --nproc-per-node=2 examples/ddp_train.py                 # CPU (gloo) or GPUs (nccl)
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 TORCHTRACE_METRICS_PORT=9464 torchrun ... # to a collector
+
+Each rank exports its spans; rank 0 also sends the root span of each step. Every rank serves its metrics on
+TORCHTRACE_METRICS_PORT + LOCAL_RANK. ``--delay-rank`` makes one rank slow, to see it named the straggler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtrace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--delay-rank", type=int, default=-1, help="this rank sleeps before each backward")
+    parser.add_argument("--delay-ms", type=float, default=200.0)
+    parser.add_argument("--linger", type=float, default=0.0, help="seconds to keep serving metrics after training")
+    args = parser.parse_args()
+
+    dist.init_process_group(args.backend)
+    rank = dist.get_rank()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.backend == "nccl" else "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)  # small buckets: several all-reduce spans per step
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    handle = torchtrace.instrument(ddp, backward=True, optimizer=optimizer, print_summary=False)
+    for _ in range(args.steps):
+        loss = ddp(torch.randn(32, 64, device=device)).pow(2).mean()
+        if rank == args.delay_rank:
+            time.sleep(args.delay_ms / 1000)  # arrives late at every all-reduce: the others wait for it
+        loss.backward()
+        optimizer.step()  # closes the step: its trace goes out
+        optimizer.zero_grad()
+    handle.remove()
+    print(f"rank {rank}: {args.steps} steps traced, {handle.exported_spans} spans exported", flush=True)
+    time.sleep(args.linger)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Distributed training: real torchrun jobs (gloo, CPU) exporting to a real OTLP receiver.
+
+Every rank's spans of step N share one trace and one root span; each rank's all-reduce buckets are spans; the rank
+made slow is the one that waits least in all-reduce; each rank serves its own metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from otlp_receiver import OtlpHttpReceiver, attributes_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "ddp_train.py"
+
+
+def free_port(count: int = 1) -> int:
+    """A base port with ``count`` consecutive free ports after it (checked, then released)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count >= 65535:
+            continue
+        sockets = []
+        try:
+            for offset in range(count):
+                sock = socket.socket()
+                sock.bind(("127.0.0.1", base + offset))
+                sockets.append(sock)
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def torchrun(ranks: int, receiver: OtlpHttpReceiver, *args: str, metrics_port: int | None = None) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_SERVICE_NAME="ddp-test",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
+    if metrics_port is not None:
+        env["TORCHTRACE_METRICS_PORT"] = str(metrics_port)
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
+               f"--master-port={free_port()}", str(EXAMPLE), *args]  # fmt: skip
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 180) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout}s:\n{output[-3000:]}")
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+def spans_by_rank(receiver: OtlpHttpReceiver) -> list[tuple[int, object]]:
+    """(rank from the resource, span) of everything received."""
+    found = []
+    for request in list(receiver.requests):
+        for resource_spans in request.resource_spans:
+            resource = attributes_dict(resource_spans.resource.attributes)
+            for scope_spans in resource_spans.scope_spans:
+                found.extend((resource["torchtrace.rank"], span) for span in scope_spans.spans)
+    return found
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_every_rank_of_a_step_shares_one_trace_and_root(ranks):
+    steps = 2
+    with OtlpHttpReceiver() as receiver:
+        finish(torchrun(ranks, receiver, f"--steps={steps}"))
+        spans = spans_by_rank(receiver)
+    assert {rank for rank, _ in spans} == set(range(ranks))
+    roots = [span for _, span in spans if span.name == "train_step"]
+    assert len(roots) == steps  # rank 0 sends one root per step
+    for root in roots:
+        in_trace = [(rank, span) for rank, span in spans if span.trace_id == root.trace_id]
+        rank_steps = {rank: span for rank, span in in_trace if span.name.startswith("rank ")}
+        assert set(rank_steps) == set(range(ranks))
+        assert all(span.parent_span_id == root.span_id for span in rank_steps.values())
+        for rank, span in in_trace:  # each rank's forward, backward, optimizer and all-reduce sit under its step
+            if span.name in ("Sequential", "backward", "optimizer.step") or span.name.startswith("allreduce"):
+                assert span.parent_span_id == rank_steps[rank].span_id, (rank, span.name)
+        buckets = defaultdict(set)
+        for rank, span in in_trace:
+            if span.name.startswith("allreduce bucket"):
+                buckets[rank].add(attributes_dict(span.attributes)["torchtrace.comm.bucket"])
+        assert set(buckets) == set(range(ranks)) and len({frozenset(b) for b in buckets.values()}) == 1
+    resources = {rank for rank, _ in spans}
+    assert resources == set(range(ranks))
+
+
+def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_metrics():
+    base = free_port(2)
+    steps = 3
+    with OtlpHttpReceiver() as receiver:
+        process = torchrun(
+            2, receiver, f"--steps={steps}", "--delay-rank=1", "--delay-ms=300", "--linger=20", metrics_port=base
+        )
+        scraped = {}
+        deadline = time.monotonic() + 150
+        while len(scraped) < 2 and time.monotonic() < deadline and process.poll() is None:
+            for rank in range(2):
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=2) as response:
+                        text = response.read().decode()
+                except OSError:
+                    continue
+                if f'torchtrace_step_duration_seconds_count{{model="Sequential",rank="{rank}"}} {steps}.0' in text:
+                    scraped[rank] = text
+            time.sleep(0.3)
+        process.terminate()  # done scraping: no need to wait out the linger
+        process.communicate(timeout=30)
+        spans = spans_by_rank(receiver)
+    assert set(scraped) == {0, 1}, "both ranks' endpoints (base port + local rank) served their own metrics"
+    wait = defaultdict(int)
+    for rank, span in spans:
+        if span.name.startswith("allreduce bucket"):
+            wait[rank] += span.end_time_unix_nano - span.start_time_unix_nano
+    assert min(wait, key=wait.get) == 1, f"the delayed rank is the straggler: {dict(wait)}"
+    assert wait[0] > 3 * wait[1]
+
+    def comm_seconds(text: str, rank: int) -> float:
+        prefix = f'torchtrace_comm_wait_seconds_total{{model="Sequential",rank="{rank}"}} '
+        return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
+
+    assert comm_seconds(scraped[1], 1) < comm_seconds(scraped[0], 0)  # the straggler panel's signal

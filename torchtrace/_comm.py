@@ -1,0 +1,65 @@
+"""DDP communication: a span per gradient-bucket all-reduce, by wrapping the comm hook DDP calls per bucket.
+
+DDP calls its comm hook when a bucket of gradients is ready and waits on the returned future. Timing from the
+call to the future's completion is this rank's wait for that bucket: a rank that arrives late (the straggler)
+finds the others ready and waits least. With NCCL, the future completes after a stream sync, not on GPU
+completion: the time includes the launch queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_logger = logging.getLogger(__name__)
+
+CommHook = Callable[[Any, Any], torch.futures.Future]  # (state, GradBucket) -> Future[Tensor]
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def watch_ddp(model: torch.nn.Module, steps: Any, inner: CommHook | None = None, inner_state: Any = None) -> bool:
+    """Registers a timing comm hook on a DDP model (default all-reduce unless ``inner`` is given).
+
+    DDP accepts one comm hook, before the first backward: a model that already has one keeps it, untimed (pass
+    your hook as ``inner`` through :func:`timed_comm_hook` to have both).
+    """
+    try:
+        hook, state = timed_comm_hook(steps, inner, inner_state)
+        model.register_comm_hook(state, hook)
+        return True
+    except (RuntimeError, ValueError) as error:  # a hook is already registered, or backward already ran
+        _logger.warning("torchtrace: all-reduce spans are off for this DDP model: %s", error)
+        return False
+
+
+def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any = None) -> tuple[CommHook, Any]:
+    """(hook, state) for ``ddp.register_comm_hook(state, hook)``: runs ``inner`` (default: DDP's own all-reduce,
+    then the average) and records each bucket's all-reduce in the current step."""
+    if inner is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        inner, inner_state = allreduce_hook, None  # None: the default process group
+
+    def hook(state, bucket):  # noqa: ANN001 -- DDP rejects annotations other than the real classes
+        start = time.perf_counter_ns()
+        future = inner(state, bucket)
+        index, size, is_last = (
+            bucket.index(),
+            bucket.buffer().numel() * bucket.buffer().element_size(),
+            bucket.is_last(),
+        )
+
+        def finished(done: torch.futures.Future) -> Any:
+            steps.record_comm(index, size, start, time.perf_counter_ns(), is_last)
+            return done.value()
+
+        return future.then(finished)
+
+    return hook, inner_state
