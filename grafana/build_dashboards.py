@@ -257,7 +257,31 @@ def layers_dashboard() -> dict[str, Any]:
             [_target(f"torchtrace_gradient_norm{{{MODULE_SELECTOR}}}", "{{module}}")],
             (12, 60, 12, 8),
         ),
-        _row("Exporter health", 68),
+        _panel(
+            "timeseries", "Step time by rank (p50)",
+            "Median traced step time of each rank: a rank above the others is slow in its own compute.",
+            [_target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
+                     f"{{{SELECTOR}}}[{RATE}])))", "rank {{{{rank}}}}")],
+            (0, 68, 12, 8), unit="s",
+        ),
+        _panel(
+            "stat", "Straggler: rank waiting least in all-reduce",
+            "All-reduce completes when the last rank arrives, so the rank that waits least is the one the others "
+            "wait for. Shows the rank label of the lowest all-reduce wait rate.",
+            [_target(f"bottomk(1, sum by (rank) (rate(torchtrace_comm_wait_seconds_total{{{SELECTOR}}}[{RATE}])))",
+                     "rank {{rank}}", instant=True)],
+            (12, 68, 6, 8),
+            options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                     "textMode": "name"},
+        ),
+        _panel(
+            "timeseries", "All-reduce wait by rank",
+            "Seconds per second each rank spends waiting in DDP gradient all-reduce during traced steps.",
+            [_target(f"sum by (rank) (rate(torchtrace_comm_wait_seconds_total{{{SELECTOR}}}[{RATE}]))",
+                     "rank {{rank}}")],
+            (18, 68, 6, 8), unit="percentunit",
+        ),
+        _row("Exporter health", 76),
         _panel(
             "timeseries", "Spans recorded / exported / dropped per second",
             "Recorded: module calls seen. Exported: delivered by the OTLP/file exporter. Dropped: lost because the "
@@ -269,14 +293,14 @@ def layers_dashboard() -> dict[str, Any]:
                 _target(f"sum by (reason) (rate(torchtrace_spans_dropped_total{{{SELECTOR}}}[{RATE}]))",
                         "dropped ({{reason}})", ref="C"),
             ],
-            (0, 69, 16, 8), unit="ops",
+            (0, 77, 16, 8), unit="ops",
         ),
         _panel(
             "stat", "Spans dropped (selected range)",
             "Any drop means missing traces: raise max_pending_calls, sample, or fix the backend.",
             [_target(f"sum(increase(torchtrace_spans_dropped_total{{{SELECTOR}}}[$__range]))", "dropped",
                      instant=True)],
-            (16, 69, 4, 8),
+            (16, 77, 4, 8),
             fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
                 {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
             options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
@@ -285,7 +309,7 @@ def layers_dashboard() -> dict[str, Any]:
             "stat", "Modules past the label limit",
             "Module paths counted under module=\"__other__\" because max_module_labels was reached.",
             [_target(f"max(torchtrace_metrics_overflowed_modules{{{SELECTOR}}})", "overflowed", instant=True)],
-            (20, 69, 4, 8),
+            (20, 77, 4, 8),
             options={"reduceOptions": {"calcs": ["lastNotNull"]}},
         ),
     ]  # fmt: skip

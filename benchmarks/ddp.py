@@ -1,0 +1,91 @@
+"""Overhead of tracing a DDP training step: two identical DDP models in one torchrun job, stepped alternately.
+
+    python benchmarks/ddp.py [--ranks 2] [--steps 40]        # launches torchrun itself (gloo on CPU)
+
+Model A is plain DDP; model B is the same under torchtrace.instrument(backward=True, optimizer=..., stats on).
+Steps alternate A, B, A, B so machine noise hits both alike; medians per model. Rank 0 prints a table and, last,
+one JSON line: {"ddp": {"world_size", "steps", "plain_ms", "traced_ms", "x_plain", "spans_per_step"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torchtrace
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[layer for _ in range(8) for layer in (nn.Linear(256, 256), nn.ReLU())])
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1)
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    plain, plain_opt = make()
+    traced, traced_opt = make()
+    handle = torchtrace.instrument(traced, exporter="none", backward=True, optimizer=traced_opt, print_summary=False)
+    x = torch.randn(64, 256)
+    times: dict[str, list[float]] = {"plain": [], "traced": []}
+    for step in range(steps + 5):
+        for name, model, optimizer in (("plain", plain, plain_opt), ("traced", traced, traced_opt)):
+            dist.barrier()
+            start = time.perf_counter()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            handle.flush() if name == "traced" else None  # export work inside the timed window
+            if step >= 5:  # warm-up excluded
+                times[name].append((time.perf_counter() - start) * 1e3)
+    spans = len(handle.records) / (steps + 5)
+    handle.remove()
+    if rank == 0:
+        plain_ms, traced_ms = statistics.median(times["plain"]), statistics.median(times["traced"])
+        print(f"DDP step, {dist.get_world_size()} ranks (gloo, CPU), {steps} steps each, interleaved")
+        print(f"  plain   {plain_ms:8.3f} ms/step")
+        print(f"  traced  {traced_ms:8.3f} ms/step  ({traced_ms / plain_ms:.3f}x, ~{spans:.0f} spans per step)")
+        result = {"world_size": dist.get_world_size(), "steps": steps, "plain_ms": round(plain_ms, 3),
+                  "traced_ms": round(traced_ms, 3), "x_plain": round(traced_ms / plain_ms, 3),
+                  "spans_per_step": round(spans, 1)}  # fmt: skip
+        print(json.dumps({"ddp": result}), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.steps)
+        return 0
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    )
+    with socket.socket() as probe:  # torchrun's static rendezvous needs a concrete port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", f"--master-port={port}",
+               os.path.abspath(__file__), "--worker", f"--steps={args.steps}"]  # fmt: skip
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
