@@ -5,28 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from seed_models import TestForHook as SeedModel
 from torch import nn
 
 import torchtrace
 from torchtrace import CompressedTensor, ModuleCall
 
 
-class TestForHook(nn.Module):
-    """The seeds' model: two Linear layers and two activations with unit weights."""
+class TestForHook(SeedModel):
+    """The seeds' model returning only its final output tensor."""
 
     __test__ = False
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(2, 2)
-        self.linear_2 = nn.Linear(2, 1)
-        self.relu = nn.ReLU()
-        self.relu6 = nn.ReLU6()
-        for parameter in self.parameters():
-            nn.init.ones_(parameter)
-
     def forward(self, x):
-        return self.relu6(self.relu(self.linear_2(self.linear_1(x))))
+        return super().forward(x)[0]
 
 
 HOOK_PATHS = ["", "linear_1", "linear_2", "relu", "relu6"]

@@ -11,33 +11,11 @@ import pytest
 import torch
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import StatusCode
+from seed_models import TestForHook
 from torch import nn
 
 import torchtrace
 from torchtrace.testing import capture_spans
-
-
-class TestForHook(nn.Module):
-    """The seeds' model: two Linear layers and two activations, called in order."""
-
-    __test__ = False  # not a pytest test class
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear_1 = nn.Linear(2, 2)
-        self.linear_2 = nn.Linear(2, 1)
-        self.relu = nn.ReLU()
-        self.relu6 = nn.ReLU6()
-        for parameter in self.parameters():
-            nn.init.ones_(parameter)
-
-    def forward(self, x):
-        linear_1 = self.linear_1(x)
-        linear_2 = self.linear_2(linear_1)
-        relu = self.relu(linear_2)
-        relu6 = self.relu6(relu)
-        return relu6, (x, linear_1, linear_2), (linear_2, relu, relu6)
-
 
 HOOK_TREE = {"TestForHook": {"linear_1": {}, "linear_2": {}, "relu": {}, "relu6": {}}}
 
