@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 _logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) 
     for (shape, _), items in groups.items():
         if len(items) < _BATCH_AT_LEAST:  # a dozen batched ops cost more than a few tensors' own reductions
             for copy, stats in items:
-                numeric_stats(copy, wanted, stats)
+                _small_stats(copy, wanted, stats)
             continue
         n = math.prod(shape)
         values = torch.stack([copy for copy, _ in items]).reshape(len(items), n)
@@ -188,6 +189,29 @@ def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) 
                 stats.update(
                     zip(with_counts, count_row) if len(with_counts) == 2 else _one_count(with_counts, count_row)
                 )
+
+
+def _small_stats(copy: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """A small CPU copy, reduced with numpy: a few microseconds, where each torch op dispatch costs about as much."""
+    values = copy.numpy().reshape(-1).astype(np.float64)  # exact for every dtype _as_real_float leaves
+    n = values.size
+    with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
+        total, squares = float(values.sum()), float(values @ values)
+    low, high = float(values.min()), float(values.max())
+    nan_count = inf_count = 0
+    if not (math.isfinite(squares) and math.isfinite(low) and math.isfinite(high)):
+        nan_count, inf_count = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+    mean = total / n
+    centered_square = squares - total * mean
+    if n > 1 and math.isfinite(centered_square) and centered_square < 1e-3 * squares:  # cancellation: exact pass
+        with np.errstate(all="ignore"):
+            centered = values - mean
+            centered_square = float(centered @ centered)
+    std = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
+    if nan_count or inf_count:
+        std = math.nan  # as torch.std of data with NaN or Inf
+    norm = math.sqrt(squares)
+    _fill(stats, wanted, n, mean, std, low, high, norm, int(np.count_nonzero(values)), nan_count, inf_count)
 
 
 def _as_real_float(x: torch.Tensor) -> torch.Tensor:
