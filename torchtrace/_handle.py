@@ -45,7 +45,8 @@ class TraceHandle:
         self.monitored_layers: list[str] = [info.path for _, info in selected]
         modules = [info for _, info in selected]
         self.buffer = RecordBuffer(options.max_pending_calls)
-        self._recorder = HookRecorder(modules, options, buffer=self.buffer)
+        self._steps = _step_tracker(options, model)
+        self._recorder = HookRecorder(modules, options, self.buffer, self._steps)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.max_records)
         self._summary = SummarySink()
@@ -56,8 +57,6 @@ class TraceHandle:
         self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
         if callable(options.on_nonfinite):
             self._dispatcher.on_nonfinite = options.on_nonfinite
-        self._steps = _step_tracker(options, model)
-        self._recorder.steps = self._steps
         if is_ddp(model):
             watch_ddp(model, self._steps)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []

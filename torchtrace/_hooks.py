@@ -25,7 +25,6 @@ from torchtrace._stats import StatComputer, find_tensors
 
 # Slots of one raw call entry (a list: the cheapest thing to create in a hook).
 MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS = range(12)
-_ENTRY_SIZE = 12
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,16 +61,24 @@ class _ThreadState(threading.local):
 class HookRecorder:
     """Owns the hook functions of one instrumentation and the per-thread state they share."""
 
-    def __init__(self, modules: list[ModuleInfo], options: Options, buffer: RecordBuffer) -> None:
+    def __init__(self, modules: list[ModuleInfo], options: Options, buffer: RecordBuffer, steps: Any = None) -> None:
         self.modules = modules
         self.options = options
         self.buffer = buffer
         self.enabled = True
         self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
         self.summarise = bool(options.stats or options.extra_stats)
+        # anything to do with a call's output beyond closing it? (decided once: the post hook skips the call)
+        self.output_work = bool(
+            self.summarise
+            or options.function_on_output
+            or options.module_attributes
+            or options.capture_tensors
+            or (steps is not None and steps.backward)
+        )
         self.captured_bytes = 0
         self.skipped_captures = 0
-        self.steps: Any = None  # a StepTracker when forwards belong to training steps
+        self.steps = steps  # a StepTracker when forwards belong to training steps
         self.warned_compiled = False
         self._state = _ThreadState(options)
 
@@ -98,14 +105,12 @@ class HookRecorder:
             if not stack and not self._begin_forward(state, index):
                 return
             entries = state.entries
-            entry = [None] * _ENTRY_SIZE
-            entry[MODULE] = index
-            entry[PARENT] = stack[-1][POSITION] if stack else -1
-            entry[POSITION] = len(entries)
+            # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR (the exception the caller is handling,
+            # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
+            entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
+                     None, None, None, None]  # fmt: skip
             if wants_inputs:
                 self._summarise_inputs(entry, args, kwargs)
-            # The exception the caller is handling, if any: a None output seen with it still current is no error.
-            entry[ERROR] = exc_info()[1]
             entries.append(entry)
             stack.append(entry)
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
@@ -118,6 +123,7 @@ class HookRecorder:
         state = self._state
         perf_counter_ns = time.perf_counter_ns
         is_compiling = torch.compiler.is_compiling
+        output_work = self.output_work
 
         def post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if is_compiling():
@@ -143,10 +149,11 @@ class HookRecorder:
                 entry[ERROR] = error if error is not entry[ERROR] else None
             else:
                 entry[ERROR] = None
-            try:
-                self._summarise_output(entry, module, args, output)
-            except Exception as error:  # never let tracing break the user's forward
-                entry[OUTPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
+            if output_work:
+                try:
+                    self._summarise_output(entry, module, args, output)
+                except Exception as error:  # never let tracing break the user's forward
+                    entry[OUTPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
             if not stack:
                 self._end_forward(state)
 
