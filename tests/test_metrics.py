@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from metric_names import STATS_TO_METRICS
 from prometheus_client import REGISTRY, CollectorRegistry
 from torch import nn
 
@@ -22,12 +23,6 @@ from torchtrace._metrics import OVERFLOW_MODULE, MetricsSink
 from torchtrace._serve import metrics_from_env, serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-STATS_TO_METRICS = {
-    "mean": "torchtrace_output_mean",
-    "std": "torchtrace_output_std",
-    "abs_max": "torchtrace_output_abs_max",
-    "zero_fraction": "torchtrace_output_zero_ratio",
-}
 
 
 def tiny_model() -> nn.Module:

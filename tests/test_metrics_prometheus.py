@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from metric_names import STATS_TO_METRICS
 from prometheus_client import CollectorRegistry
 from prometheus_server import PrometheusServer, promtool, require_binary
 from torch import nn
@@ -23,12 +24,6 @@ from torchtrace._metrics import MetricsSink
 from torchtrace._serve import serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
-STATS_TO_METRICS = {
-    "mean": "torchtrace_output_mean",
-    "std": "torchtrace_output_std",
-    "abs_max": "torchtrace_output_abs_max",
-    "zero_fraction": "torchtrace_output_zero_ratio",
-}
 MODEL = "TinyNet"
 # dashboard variables: "All" for the regex ones, a concrete model; Grafana's own intervals as fixed windows
 VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".*",
