@@ -144,3 +144,38 @@ def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_me
         return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
 
     assert comm_seconds(scraped[1], 1) < comm_seconds(scraped[0], 0)  # the straggler panel's signal
+
+
+def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    import torchtrace
+
+    calls = []
+
+    def my_hook(state, bucket):  # the user's hook: fp16 compression, counted
+        calls.append(bucket.index())
+        return fp16_compress_hook(state, bucket)
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with torchtrace.instrument(
+            model, exporter="none", optimizer=optimizer, comm_hook=(my_hook, None), print_summary=False
+        ) as handle:
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            handle.flush()
+            names = [call.name for call in handle.records]
+        assert calls, "the user's hook still runs"
+        assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
+        assert names.count("rank 0") == 2 and names.count("train_step") == 2
+    finally:
+        dist.destroy_process_group()

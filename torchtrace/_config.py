@@ -77,6 +77,7 @@ class Options:
     optimizer: Any = None  # a torch.optim.Optimizer whose step() closes each training step
     param_stats: bool = False
     on_nonfinite: Any = None  # None, "raise" or callable(NonFiniteError)
+    comm_hook: Any = None  # (hook, state): a DDP comm hook of the user's, timed instead of the default all-reduce
 
 
 def _env(name: str) -> str | None:
@@ -201,6 +202,12 @@ def _nonfinite_option(value: Any) -> Any:
     raise ValueError(f"on_nonfinite must be None, 'raise' or a callable, got {value!r}")
 
 
+def _comm_hook_option(value: Any) -> Any:
+    if value is not None and not (isinstance(value, tuple) and len(value) == 2 and callable(value[0])):
+        raise TypeError(f"comm_hook must be a (hook, state) pair as for DDP.register_comm_hook, got {value!r}")
+    return value
+
+
 def _optional_bool(name: str, value: Any) -> bool | None:
     return None if value is None else _bool_option(name, value)
 
@@ -293,6 +300,7 @@ def resolve_options(**kwargs: Any) -> Options:
         optimizer=_optimizer_option(kwargs.get("optimizer")),
         param_stats=_bool_option("param_stats", pick("param_stats", ENV_PARAM_STATS, _parse_bool)),
         on_nonfinite=_nonfinite_option(kwargs.get("on_nonfinite")),
+        comm_hook=_comm_hook_option(kwargs.get("comm_hook")),
     )
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)

@@ -58,7 +58,8 @@ class TraceHandle:
         if callable(options.on_nonfinite):
             self._dispatcher.on_nonfinite = options.on_nonfinite
         if is_ddp(model):
-            watch_ddp(model, self._steps)
+            hook, state = options.comm_hook or (None, None)
+            watch_ddp(model, self._steps, hook, state)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
         self._hook_handles = []
@@ -328,6 +329,7 @@ def instrument(
     optimizer: torch.optim.Optimizer | None = None,
     param_stats: bool | None = None,
     on_nonfinite: str | Callable[[NonFiniteError], Any] | None = None,
+    comm_hook: tuple[Callable, Any] | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 
