@@ -321,3 +321,15 @@ def test_outputs_and_gradients_are_unchanged_by_backward_tracing():
     assert torch.equal(out, reference(x))
     for traced, plain in zip(model.parameters(), reference.parameters()):
         assert torch.equal(traced.grad, plain.grad)
+
+
+def test_a_step_that_is_never_closed_stays_bounded_and_counts_what_it_drops(caplog):
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=8) as handle:
+        with torch.no_grad():
+            for _ in range(5):  # 4 calls per forward: two fit, three are dropped
+                model(torch.randn(2, 4))
+        assert handle.dropped_calls == 12
+        assert "handle.step()" in caplog.text
+        handle.step()
+        assert len([call for call in handle.records if call.kind == "forward"]) == 8

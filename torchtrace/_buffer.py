@@ -32,17 +32,19 @@ class RecordBuffer:
                 self._forwards.append(forward)
                 self.pending_calls += call_count
                 return True
+        self.drop(call_count, "record buffer full: export is slower than the model (raise max_pending_calls or sample)")
+        return False
+
+    def drop(self, call_count: int, why: str) -> None:
+        """Counts calls lost before reaching the buffer; logs at most once per 20 s."""
+        with self._lock:
             self.dropped_calls += call_count
         now = time.monotonic()
         if now - self._last_drop_log > _DROP_LOG_INTERVAL_S:
             self._last_drop_log = now
             _logger.warning(
-                "torchtrace: record buffer full (%d calls pending); %d calls dropped so far. "
-                "Export is slower than the model: raise max_pending_calls or sample fewer forwards.",
-                self.pending_calls,
-                self.dropped_calls,
+                "torchtrace: %s; %d calls dropped so far, %d pending", why, self.dropped_calls, self.pending_calls
             )
-        return False
 
     def take_all(self) -> list:
         """Removes and returns every queued forward, oldest first."""

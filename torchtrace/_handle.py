@@ -153,7 +153,8 @@ class TraceHandle:
     def _close_step(self) -> StepRecord | None:
         record = self._steps.finish()
         if record is not None:
-            calls = sum(len(forward.entries) for forward in record.forwards) + len(record.backward_events) + 3
+            # module spans, forward and backward (two grad events each): the step and phase spans are not counted
+            calls = sum(len(forward.entries) for forward in record.forwards) + len(record.backward_events) // 2
             self.buffer.put(record, calls)
         return record
 

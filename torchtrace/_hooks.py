@@ -205,8 +205,13 @@ class HookRecorder:
         state.root_frame = None
         state.stats.finish_forward()
         forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns)
-        if self.steps is not None:
-            self.steps.forwards.append(forward)  # delivered with its step, after the step's root span
+        steps = self.steps
+        if steps is not None:  # delivered with its step, after the step's root span
+            if steps.pending_calls + len(entries) > self.options.max_pending_calls:
+                self.buffer.drop(len(entries), "training step never closed: call handle.step() each step")
+            else:
+                steps.forwards.append(forward)
+                steps.pending_calls += len(entries)
         else:
             self.buffer.put(forward, len(entries))
 

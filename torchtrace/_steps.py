@@ -75,6 +75,7 @@ class StepTracker:
         self.start_ns = time.time_ns()
         self.clock_offset_ns = self.start_ns - time.perf_counter_ns()
         self.forwards: list = []
+        self.pending_calls = 0  # calls in self.forwards: bounded by max_pending_calls like the buffer
         self.events: list = []
         self.hook_handles: list = []
         self.optimizer_ns: list[int] = []
