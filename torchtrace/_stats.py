@@ -49,9 +49,8 @@ class StatComputer:
     """Computes the chosen statistics of a tensor; keeps one result per tensor object while it is unchanged.
 
     Torch dispatch costs microseconds per op, so on CPU small tensors are not reduced one by one: the hook copies
-    them (one op; a later in-place op cannot change the copy) and ``finish_forward`` reduces all copies of a
-    forward with a handful of segmented ops. Larger tensors, where the data and not the dispatch dominates, are
-    reduced at once.
+    their values (a later in-place op cannot change the copy) and ``finish_forward`` reduces all copies of a
+    forward together in numpy. Larger tensors, where the data and not the dispatch dominates, are reduced at once.
     """
 
     __slots__ = ("wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names")
@@ -121,12 +120,7 @@ class StatComputer:
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
                 if is_cpu and n <= SMALL_TENSOR:
-                    if dtype is torch.float32 or dtype is torch.float64:
-                        copy = x.clone()  # a copy: a later in-place op must not change what we summarise
-                    else:
-                        real = _as_real_float(x)
-                        copy = real.clone() if real is x else real
-                    self._pending.append((copy, stats))
+                    self._pending.append((_numpy_copy(x), stats))
                 else:
                     numeric_stats(x, self.wanted, stats)
         except Exception as error:  # a statistic must never break the user's forward
@@ -139,79 +133,84 @@ _FLOAT_STATS = ("mean", "std", "min", "max", "abs_max", "norm", "zero_fraction")
 
 
 _COLUMN = {name: index for index, name in enumerate(_FLOAT_STATS)}
-_BATCH_AT_LEAST = 6  # tensors of one shape worth a batched reduction (measured break-even on CPU: ~5)
 
 
-def _one_count(names: list[str], counts: list[int]) -> list[tuple[str, int]]:
-    return [(names[0], counts[0] if names[0] == "nan_count" else counts[1])]
+_BATCH_AT_LEAST = 6  # tensors of one size worth the vectorised path (measured break-even: ~5)
 
 
-def _batched_stats(pending: list[tuple[torch.Tensor, dict]], wanted: frozenset) -> None:
-    """Reduces all small tensors of a forward with a few ops per distinct shape; Python only zips the results."""
-    groups: dict[tuple, list[tuple[torch.Tensor, dict]]] = {}
-    for item in pending:
-        copy = item[0]
-        groups.setdefault((copy.shape, copy.dtype), []).append(item)
-    keys = [key for key in _FLOAT_STATS if key in wanted]
-    pick = [_COLUMN[key] for key in keys]
-    with_counts = [key for key in ("nan_count", "inf_count") if key in wanted]
-    for (shape, _), items in groups.items():
-        if len(items) < _BATCH_AT_LEAST:  # a dozen batched ops cost more than a few tensors' own reductions
-            for copy, stats in items:
-                _small_stats(copy, wanted, stats)
-            continue
-        n = math.prod(shape)
-        values = torch.stack([copy for copy, _ in items]).reshape(len(items), n)
-        mean = values.mean(1)
-        centered = values - mean[:, None]
-        lows, highs = torch.aminmax(values, dim=1)
-        norms = torch.linalg.vector_norm(values, dim=1)
-        table = torch.stack(
-            [
-                mean,
-                torch.linalg.vector_norm(centered, dim=1) / math.sqrt(max(n - 1, 1)),  # torch.std; 0 for one element
-                lows,
-                highs,
-                torch.maximum(lows.abs(), highs.abs()),
-                norms,
-                1 - torch.count_nonzero(values, dim=1) / n,
-            ],
-            dim=1,
-        )
-        rows = table[:, pick].double().tolist()
-        if with_counts and not bool(torch.isfinite(norms).all()):  # a NaN or Inf anywhere makes its norm so
-            counts = torch.stack([torch.isnan(values).sum(1), torch.isinf(values).sum(1)], dim=1).tolist()
-        else:
-            counts = [[0, 0]] * len(items)
-        for (_, stats), row, count_row in zip(items, rows, counts):
-            stats.update(zip(keys, row))
-            if with_counts:
-                stats.update(
-                    zip(with_counts, count_row) if len(with_counts) == 2 else _one_count(with_counts, count_row)
-                )
-
-
-def _small_stats(copy: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """A small CPU copy, reduced with numpy: a few microseconds, where each torch op dispatch costs about as much."""
-    values = copy.numpy().reshape(-1).astype(np.float64)  # exact for every dtype _as_real_float leaves
+def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """One small copy, reduced with a few numpy calls."""
+    values = values.astype(np.float64)
     n = values.size
     with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
         total, squares = float(values.sum()), float(values @ values)
-    low, high = float(values.min()), float(values.max())
+        low, high = float(values.min()), float(values.max())
+        mean = total / n
+        centered = values - mean
+        # torch.std; for one element 0 (NaN if that element is not finite, as torch's correction=0 gives)
+        std = math.sqrt(float(centered @ centered) / (n - 1)) if n > 1 else (0.0 if math.isfinite(total) else math.nan)
     nan_count = inf_count = 0
-    if not (math.isfinite(squares) and math.isfinite(low) and math.isfinite(high)):
+    if not math.isfinite(squares):
         nan_count, inf_count = int(np.isnan(values).sum()), int(np.isinf(values).sum())
-    mean = total / n
-    centered_square = squares - total * mean
-    if n > 1 and math.isfinite(centered_square) and centered_square < 1e-3 * squares:  # cancellation: exact pass
-        with np.errstate(all="ignore"):
-            centered = values - mean
-            centered_square = float(centered @ centered)
-    std = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
-    if nan_count or inf_count:
-        std = math.nan  # as torch.std of data with NaN or Inf
-    norm = math.sqrt(squares)
-    _fill(stats, wanted, n, mean, std, low, high, norm, int(np.count_nonzero(values)), nan_count, inf_count)
+    _fill(
+        stats, wanted, n, mean, std, low, high, math.sqrt(squares), int(np.count_nonzero(values)), nan_count, inf_count
+    )
+
+
+def _numpy_copy(x: torch.Tensor) -> np.ndarray:
+    """A private flat copy of a small CPU tensor's values (a later in-place op must not change them)."""
+    real = _as_real_float(x)
+    try:
+        values = real.numpy()
+    except (RuntimeError, TypeError):  # conjugate / negative views
+        values = real.resolve_conj().resolve_neg().numpy()
+    return values.reshape(-1).copy() if real is x else values.reshape(-1)
+
+
+def _batched_stats(pending: list[tuple[np.ndarray, dict]], wanted: frozenset) -> None:
+    """Reduces the small tensors of a forward together, in numpy (a torch op's dispatch costs more than numpy's
+    whole reduction of a small array): a few vectorised reductions per size shared by several tensors."""
+    groups: dict[int, list[tuple[np.ndarray, dict]]] = {}
+    for item in pending:
+        groups.setdefault(item[0].size, []).append(item)
+    keys = [key for key in _FLOAT_STATS if key in wanted]
+    pick = [_COLUMN[key] for key in keys]
+    counts_wanted = any(key in wanted for key in ("nan_count", "inf_count"))
+    for n, items in groups.items():
+        if len(items) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
+            for values, stats in items:
+                _one_stats(values, wanted, stats)
+            continue
+        values = np.stack([values for values, _ in items]).astype(np.float64)  # exact for what _as_real_float leaves
+        with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
+            sums = values.sum(1)
+            squares = np.einsum("ij,ij->i", values, values)
+            lows, highs = values.min(1), values.max(1)
+            mean = sums / n
+            centered = values - mean[:, None]
+            table = np.stack(
+                [
+                    mean,
+                    np.sqrt(np.einsum("ij,ij->i", centered, centered) / max(n - 1, 1)),  # torch.std; 0 for one element
+                    lows,
+                    highs,
+                    np.maximum(np.abs(lows), np.abs(highs)),
+                    np.sqrt(squares),
+                    1 - np.count_nonzero(values, axis=1) / n,
+                ],
+                axis=1,
+            )
+        rows = table[:, pick].tolist()
+        if counts_wanted and not np.isfinite(squares).all():  # a NaN or Inf anywhere makes its sum of squares so
+            counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1).tolist()
+        else:
+            counts = [[0, 0]] * len(items)
+        for (_, stats), row, (nan_count, inf_count) in zip(items, rows, counts):
+            stats.update(zip(keys, row))
+            if "nan_count" in wanted:
+                stats["nan_count"] = nan_count
+            if "inf_count" in wanted:
+                stats["inf_count"] = inf_count
 
 
 def _as_real_float(x: torch.Tensor) -> torch.Tensor:
