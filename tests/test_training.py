@@ -333,3 +333,14 @@ def test_a_step_that_is_never_closed_stays_bounded_and_counts_what_it_drops(capl
         assert "handle.step()" in caplog.text
         handle.step()
         assert len([call for call in handle.records if call.kind == "forward"]) == 8
+
+
+def test_the_summary_shares_are_of_the_forward_even_with_step_and_backward_rows():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer) as handle:
+        train(model, optimizer, steps=2)
+        rows = {row.path: row for row in handle.summary_rows()}
+    assert rows["Sequential"].share == pytest.approx(1.0)
+    assert rows["Sequential"].calls == 2 and rows["0 backward"].calls == 2 and rows["train_step"].calls == 2
+    assert rows["0"].share < 1.0

@@ -22,45 +22,51 @@ class LayerSummary:
     share: float  # of the time spent in outermost (depth 0) calls
 
 
+class _Layer:
+    __slots__ = ("type_name", "calls", "total_ns", "recent")
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+        self.calls = 0
+        self.total_ns = 0
+        self.recent: collections.deque[int] = collections.deque(maxlen=_RESERVOIR)  # for the p95, bounded
+
+
 class SummarySink:
     """Aggregates durations per module path; ``rows()`` and ``table()`` read them."""
 
     def __init__(self) -> None:
-        self._calls: dict[str, int] = collections.Counter()
-        self._total_ns: dict[str, int] = collections.Counter()
-        self._recent: dict[str, collections.deque[int]] = {}
-        self._types: dict[str, str] = {}
-        self._root_ns = 0
+        self._layers: dict[str, _Layer] = {}
+        self._root_ns = 0  # time in outermost forward calls: the denominator of "share"
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        layers = self._layers
         for call in calls:
             duration = call.end_ns - call.start_ns
             name = call.name
-            self._calls[name] += 1
-            self._total_ns[name] += duration
-            recent = self._recent.get(name)
-            if recent is None:
-                recent = self._recent[name] = collections.deque(maxlen=_RESERVOIR)
-                self._types[name] = call.type_name
-            recent.append(duration)
-            if call.depth == 0:
+            layer = layers.get(name)
+            if layer is None:
+                layer = layers[name] = _Layer(call.type_name)
+            layer.calls += 1
+            layer.total_ns += duration
+            layer.recent.append(duration)
+            if call.depth == 0 and call.kind == "forward":
                 self._root_ns += duration
 
     def rows(self) -> list[LayerSummary]:
         rows = []
-        for name, count in self._calls.items():
-            ordered = sorted(self._recent[name])
+        for name, layer in self._layers.items():
+            ordered = sorted(layer.recent)
             p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
-            total = self._total_ns[name]
             rows.append(
                 LayerSummary(
                     path=name,
-                    type_name=self._types[name],
-                    calls=count,
-                    total_ms=total / 1e6,
-                    mean_ms=total / count / 1e6,
+                    type_name=layer.type_name,
+                    calls=layer.calls,
+                    total_ms=layer.total_ns / 1e6,
+                    mean_ms=layer.total_ns / layer.calls / 1e6,
                     p95_ms=p95 / 1e6,
-                    share=total / self._root_ns if self._root_ns else 0.0,
+                    share=layer.total_ns / self._root_ns if self._root_ns else 0.0,
                 )
             )
         return rows
@@ -83,4 +89,5 @@ class SummarySink:
         return "\n".join(lines)
 
     def clear(self) -> None:
-        self.__init__()
+        self._layers.clear()
+        self._root_ns = 0
