@@ -232,8 +232,9 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     mean = x.mean()
     low, high = torch.aminmax(x)
     norm = torch.linalg.vector_norm(x)
-    nonzero = torch.count_nonzero(x)
+    counted = "zero_fraction" in wanted  # the slowest pass on CPU (count_nonzero): only when asked for
     if not x.is_cpu:
+        nonzero = torch.count_nonzero(x) if counted else torch.full((), n, dtype=torch.int64, device=x.device)
         # No host read inside the hook: one small device tensor, read once per forward by resolve().
         std = torch.linalg.vector_norm(x - mean) / math.sqrt(max(n - 1, 1))
         counts = torch.stack([nonzero, torch.isnan(x).sum(), torch.isinf(x).sum()])
@@ -252,7 +253,8 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
     if nan_v or inf_v:
         std_v = math.nan  # as torch.std of data with NaN or Inf
-    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, int(nonzero), nan_v, inf_v)
+    nonzero = int(torch.count_nonzero(x)) if counted else n
+    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
 
 
 def _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count) -> None:
