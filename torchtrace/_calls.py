@@ -13,10 +13,6 @@ from typing import Any
 
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
-STATUS_UNSET = 0
-STATUS_OK = 1
-STATUS_ERROR = 2
-
 
 @dataclass(slots=True, eq=False)
 class ModuleCall:
@@ -55,10 +51,6 @@ class ModuleCall:
     @property
     def duration_ns(self) -> int:
         return self.end_ns - self.start_ns
-
-    @property
-    def status_code(self) -> int:
-        return STATUS_ERROR if self.error is not None else STATUS_UNSET
 
 
 class NonFiniteError(ArithmeticError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
@@ -134,13 +134,23 @@ def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None
     return None
 
 
+def _first_nonfinite(candidates: Iterable[tuple[int, Any, dict | None]]) -> tuple[Any, str, int, int] | None:
+    """Of (finish time, who, tensor summaries), the first to finish with NaN/Inf produced it (those finishing
+    later only pass it on): (who, tensor name, NaN count, Inf count)."""
+    first = None
+    for end, who, summaries in candidates:
+        found = _nonfinite(summaries)
+        if found and (first is None or end < first[0]):
+            first = (end, who, found)
+    return None if first is None else (first[1], *first[2])
+
+
 def _mark_first_nonfinite(calls: Sequence[ModuleCall], summaries: Sequence[dict | None], what: str) -> None:
-    """The first call to finish with NaN/Inf produced it (its ancestors only pass it on): mark it ERROR."""
-    found = [(call.end_ns, index) for index, (call, summary) in enumerate(zip(calls, summaries)) if _nonfinite(summary)]
-    if not found:
+    """Marks the call that first produced NaN/Inf ERROR, with a NonFiniteError naming the tensor."""
+    found = _first_nonfinite((call.end_ns, call, summary) for call, summary in zip(calls, summaries))
+    if found is None:
         return
-    call = calls[min(found)[1]]
-    name, nans, infs = _nonfinite(summaries[min(found)[1]])
+    call, name, nans, infs = found
     tensor = f"{what}.{name}" if name else what
     if call.error is None:
         call.error = NonFiniteError(f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}", call)
@@ -148,17 +158,24 @@ def _mark_first_nonfinite(calls: Sequence[ModuleCall], summaries: Sequence[dict 
 
 def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | None:
     """The verdict of a step without resolving it: which module first produced NaN/Inf, forward or backward."""
-    for forward in record.forwards:
-        for entry in sorted(forward.entries, key=lambda entry: entry[END] or 0):  # completion order
-            found = _nonfinite(entry[OUTPUTS] and {k: resolve(v) for k, v in entry[OUTPUTS].items()})
-            if found:
-                info = modules[entry[MODULE]]
-                return f"{info.path or info.type_name} produced NaN/Inf in output {found[0] or ''}".rstrip()
-    for entry, event, _, grads in sorted(record.backward_events, key=lambda event: event[2]):
-        found = event != BACKWARD_START and _nonfinite({k: resolve(v) for k, v in grads.items()})
-        if found:
-            info = modules[entry[MODULE]]
-            return f"{info.path or info.type_name} backward produced NaN/Inf in grad_input {found[0]}"
+
+    def resolved(summaries: dict | None) -> dict | None:
+        return summaries and {name: resolve(stats) for name, stats in summaries.items()}
+
+    forward = _first_nonfinite(
+        (entry[END] or 0, entry, resolved(entry[OUTPUTS])) for fw in record.forwards for entry in fw.entries
+    )
+    if forward is not None:
+        info = modules[forward[0][MODULE]]
+        return f"{info.path or info.type_name} produced NaN/Inf in output {forward[1]}".rstrip()
+    backward = _first_nonfinite(
+        (time_ns, entry, resolved(grads))
+        for entry, event, time_ns, grads in record.backward_events
+        if event != BACKWARD_START
+    )
+    if backward is not None:
+        info = modules[backward[0][MODULE]]
+        return f"{info.path or info.type_name} backward produced NaN/Inf in grad_input {backward[1]}"
     return None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from torchtrace._calls import ModuleCall
 
@@ -33,15 +33,6 @@ class RecordStore:
     def for_path(self, path: str, kind: str = "forward") -> list[ModuleCall]:
         return list(self._by_path.get((kind, path), ()))
 
-    def paths(self) -> list[str]:
-        return [path for (kind, path), calls in self._by_path.items() if calls and kind == "forward"]
-
     def clear(self) -> None:
         self._records.clear()
         self._by_path.clear()
-
-    def __iter__(self) -> Iterator[ModuleCall]:
-        return iter(list(self._records))
-
-    def __len__(self) -> int:
-        return len(self._records)
