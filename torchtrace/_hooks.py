@@ -116,7 +116,7 @@ class HookRecorder:
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
-        # model still gets its outermost span: region-level tracing, announced once by _warn_if_compiled.
+        # model still gets its outermost span: region-level tracing, announced once by warn_region_level.
         return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
 
     def forward_post_hook(self, index: int):
@@ -166,18 +166,7 @@ class HookRecorder:
         if not self.warned_compiled and self.modules[index].path == "" and called_from_compiled_code():
             self.warned_compiled = True
             warn_region_level(self.modules[index].type_name)
-        parent = None
-        steps = self.steps
-        if not self.enabled:
-            pass
-        elif steps is not None:
-            parent = steps.context if steps.traced else None  # the step's schedule decides
-        else:
-            parent = trace.get_current_span().get_span_context()
-            if parent.is_valid and not parent.trace_flags.sampled:
-                parent = None  # the caller's trace is not sampled: neither are we (ParentBased)
-            elif not self.sampler.should_trace():
-                parent = None
+        parent = self._parent_if_traced() if self.enabled else None
         if parent is None:
             state.skip_depth = 1
             state.skip_root = index
@@ -185,6 +174,16 @@ class HookRecorder:
         state.parent = parent
         state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
         return True
+
+    def _parent_if_traced(self) -> Any:
+        """The span context this forward's root goes under, or None when it is not traced."""
+        steps = self.steps
+        if steps is not None:
+            return steps.context if steps.traced else None  # the step's schedule decides
+        parent = trace.get_current_span().get_span_context()
+        if parent.is_valid and not parent.trace_flags.sampled:
+            return None  # the caller's trace is not sampled: neither are we (ParentBased)
+        return parent if self.sampler.should_trace() else None
 
     def _close_interrupted(self, state: _ThreadState) -> None:
         """The outermost module of the open forward is called again, and that call is no longer running.
