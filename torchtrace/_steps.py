@@ -9,6 +9,7 @@ these hooks on its own threads: they only append to the step's event list, never
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
-from torchtrace._stats import numeric_stats
+from torchtrace._stats import find_tensors, numeric_stats
 
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
 BACKWARD_START, BACKWARD_END = 0, 1
@@ -177,13 +178,8 @@ def _joint_norm(tensors: list[torch.Tensor]) -> float:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [item for item in value if isinstance(item, torch.Tensor)]
-    if isinstance(value, dict):
-        return [item for item in value.values() if isinstance(item, torch.Tensor)]
-    return []
+    """Every tensor in a module's inputs or outputs, nested containers included (as the statistics see them)."""
+    return [tensor for _, tensor in find_tensors(value, limit=sys.maxsize)[0]]
 
 
 def _grad_stats(grads: Any) -> dict[str, dict]:
