@@ -34,6 +34,7 @@ ENV_METRICS = "TORCHTRACE_METRICS"  # true: aggregate Prometheus metrics (set by
 ENV_BACKWARD = "TORCHTRACE_BACKWARD"  # true: a span per module backward, with gradient statistics
 ENV_STEP_EVERY = "TORCHTRACE_STEP_EVERY"  # trace every Nth training step (schedule=every(N))
 ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-gradient norms on backward spans
+ENV_CUDA_EVENTS = "TORCHTRACE_CUDA_EVENTS"  # true (default): CUDA module durations from events, not the host clock
 ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
@@ -78,6 +79,7 @@ class Options:
     param_stats: bool = False
     on_nonfinite: Any = None  # None, "raise" or callable(NonFiniteError)
     comm_hook: Any = None  # (hook, state): a DDP comm hook of the user's, timed instead of the default all-reduce
+    cuda_events: bool = True  # time CUDA forwards with events (execution) rather than the host clock (launch)
 
 
 def _env(name: str) -> str | None:
@@ -301,6 +303,7 @@ def resolve_options(**kwargs: Any) -> Options:
         param_stats=_bool_option("param_stats", pick("param_stats", ENV_PARAM_STATS, _parse_bool)),
         on_nonfinite=_nonfinite_option(kwargs.get("on_nonfinite")),
         comm_hook=_comm_hook_option(kwargs.get("comm_hook")),
+        cuda_events=_bool_option("cuda_events", pick("cuda_events", ENV_CUDA_EVENTS, _parse_bool)),
     )
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)

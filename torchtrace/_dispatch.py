@@ -16,7 +16,8 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, ModuleInfo, RawForward
+from torchtrace._device import elapsed_ns
+from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, START, START_EVENT, ModuleInfo, RawForward
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 
@@ -68,6 +69,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
     getrandbits = random.getrandbits
     calls: list[ModuleCall] = []
     append = calls.append
+    device = forward.device
+    # Device timing: each call's start is placed after the root's host start by the events' distance, so the
+    # spans show execution on the device, nested as the events were recorded on one stream.
+    origin = forward.entries[0][START_EVENT] if device is not None and device.timer is not None else None
+    origin_ns = forward.entries[0][START]
     for (
         module,
         start,
@@ -81,7 +87,13 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
         input_value,
         attrs,
         tensors,
+        start_event,
+        end_event,
     ) in forward.entries:
+        if origin is not None and start_event is not None:
+            host_duration = (end if end is not None else start) - start
+            start = origin_ns + elapsed_ns(origin, start_event)
+            end = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
         info = modules[module]
         attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
         if outputs:
@@ -122,6 +134,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
             )
         )
     _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in forward.entries], "output")
+    if device is not None:  # every statistic is read: rows and events go back to their pools
+        device.release(event for entry in forward.entries for event in entry[START_EVENT:])
     return calls
 
 
@@ -237,6 +251,8 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
         start, end = record.optimizer_ns
         calls.append(phase("optimizer.step", start + offset, end + offset))
     calls.extend(_backward_calls(record, forward_of, phase))
+    if record.device is not None:
+        record.device.release()
     return calls
 
 
@@ -270,7 +286,8 @@ def _backward_calls(record: StepRecord, forward_of: dict, phase: Any) -> list[Mo
         }
         _stat_attributes(attributes, GRAD_OUTPUT_PREFIX, grad_outputs)
         _stat_attributes(attributes, GRAD_INPUT_PREFIX, grad_inputs)
-        attributes.update(record.param_stats.get(key, {}))
+        for name, value in record.param_stats.get(key, {}).items():
+            attributes[name] = resolve(value)["norm"] if isinstance(value, dict) else value  # dict: on a device
         spans[key] = ModuleCall(
             forward_call.path,
             forward_call.type_name,
@@ -301,6 +318,23 @@ def _backward_calls(record: StepRecord, forward_of: dict, phase: Any) -> list[Mo
     return [backward, *backward_spans]
 
 
+def _device_works(item: RawForward | StepRecord) -> list:
+    forwards = item.forwards if isinstance(item, StepRecord) else [item]
+    works = [forward.device for forward in forwards if forward.device is not None]
+    if isinstance(item, StepRecord) and item.device is not None:
+        works.append(item.device)
+    return works
+
+
+def _device_done(item: RawForward | StepRecord) -> bool:
+    return all(work.ready() for work in _device_works(item))
+
+
+def _wait_for_device(item: RawForward | StepRecord) -> None:
+    for work in _device_works(item):
+        work.wait()
+
+
 class Dispatcher:
     """Drains the record buffer into the sinks, on a worker thread and on demand."""
 
@@ -314,6 +348,7 @@ class Dispatcher:
         self.sink_errors = 0
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
+        self._waiting: list = []  # taken from the buffer, device work not yet complete
         self._stop = threading.Event()
         self._worker: threading.Thread | None = None
 
@@ -329,7 +364,7 @@ class Dispatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.drain()
+            self.drain(wait=False)
 
     def _notify_nonfinite(self, error: NonFiniteError) -> None:
         try:
@@ -337,10 +372,22 @@ class Dispatcher:
         except Exception:
             _logger.exception("torchtrace: the on_nonfinite callback failed")
 
-    def drain(self) -> int:
-        """Processes everything buffered so far; returns the number of calls handed to the sinks."""
+    def drain(self, wait: bool = True) -> int:
+        """Processes everything buffered so far; returns the number of calls handed to the sinks.
+
+        Forwards whose device work is still running are read once it completes: waited for when ``wait``, else
+        kept (in order) for a later drain, so the worker never blocks on a GPU.
+        """
         with self._lock:
-            forwards = self.buffer.take_all()
+            items = self._waiting + self.buffer.take_all()
+            ready = len(items)
+            for position, item in enumerate(items):
+                if wait:
+                    _wait_for_device(item)
+                elif not _device_done(item):
+                    ready = position
+                    break
+            forwards, self._waiting = items[:ready], items[ready:]
             if not forwards:
                 return 0
             calls: list[ModuleCall] = []

@@ -331,6 +331,7 @@ def instrument(
     param_stats: bool | None = None,
     on_nonfinite: str | Callable[[NonFiniteError], Any] | None = None,
     comm_hook: tuple[Callable, Any] | None = None,
+    cuda_events: bool | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 

@@ -1,8 +1,9 @@
 """The hot path: forward pre/post hooks that append timestamps and statistics to a per-thread list.
 
-Nothing here creates OTel objects, takes a lock per call, or updates a metric. Per call: two clock reads, a list
-append, a stack push/pop, and (when statistics are on) a few torch reductions. Once per outermost forward: the
-sampling decision, the caller's span context, and one append to the record buffer.
+Nothing here creates OTel objects, takes a lock per call, updates a metric or waits for a device. Per call: two
+clock reads (plus two pooled timing events on CUDA), a list append, a stack push/pop, and (when statistics are on)
+a few torch reductions. Once per outermost forward: the sampling decision, the caller's span context, and one
+append to the record buffer.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from opentelemetry import trace
 
 from torchtrace._buffer import RecordBuffer
 from torchtrace._config import Options
+from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, find_tensors
 
 # Slots of one raw call entry (a list: the cheapest thing to create in a hook).
-MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS = range(12)
+(MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
+ START_EVENT, END_EVENT) = range(14)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +47,7 @@ class RawForward:
     parent: Any  # the caller's OTel SpanContext (may be invalid)
     thread_id: int
     clock_offset_ns: int  # epoch ns = perf_counter ns + offset
+    device: DeviceWork | None = None  # timing events and statistics rows still on the device
 
 
 class _ThreadState(threading.local):
@@ -56,6 +60,7 @@ class _ThreadState(threading.local):
         self.root_frame: Any = None  # frame of the outermost call: tells recursion from an interrupted forward
         self.parent: Any = None
         self.clock_offset_ns = 0
+        self.timer: Any = None  # the EventTimer of the current forward's device (CUDA), else None
 
 
 class HookRecorder:
@@ -102,17 +107,19 @@ class HookRecorder:
             stack = state.stack
             if stack and stack[0][MODULE] == index and not _on_call_stack(state.root_frame):
                 self._close_interrupted(state)
-            if not stack and not self._begin_forward(state, index):
+            if not stack and not self._begin_forward(state, index, module, args):
                 return
             entries = state.entries
             # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR (the exception the caller is handling,
             # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
             entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
-                     None, None, None, None]  # fmt: skip
+                     None, None, None, None, None, None]  # fmt: skip
             if wants_inputs:
                 self._summarise_inputs(entry, args, kwargs)
             entries.append(entry)
             stack.append(entry)
+            if state.timer is not None:
+                entry[START_EVENT] = state.timer.mark()
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
@@ -142,6 +149,8 @@ class HookRecorder:
                 entry[ERROR] = "interrupted"
                 entry = stack.pop()
             entry[END] = end
+            if state.timer is not None:  # before the statistics' kernels: they are not the module's work
+                entry[END_EVENT] = state.timer.mark()
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
                 # One the caller was already handling before the call (pre hook) is not this call's error.
@@ -161,7 +170,7 @@ class HookRecorder:
 
     # -- per forward ---------------------------------------------------------------------------------------------
 
-    def _begin_forward(self, state: _ThreadState, index: int) -> bool:
+    def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
         if not self.warned_compiled and self.modules[index].path == "" and called_from_compiled_code():
             self.warned_compiled = True
@@ -173,6 +182,7 @@ class HookRecorder:
             return False
         state.parent = parent
         state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
+        state.timer = event_timer(_device_of(module, args)) if self.options.cuda_events else None
         return True
 
     def _parent_if_traced(self) -> Any:
@@ -202,8 +212,13 @@ class HookRecorder:
         entries = state.entries
         state.entries = []
         state.root_frame = None
-        state.stats.finish_forward()
-        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns)
+        rows = state.stats.finish_forward()
+        device = None
+        if rows or state.timer is not None:
+            device = DeviceWork(rows, state.timer)
+            if state.timer is not None and entries[0][END_EVENT] is not None:
+                device.done.append(entries[0][END_EVENT])
+        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns, device)
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
             if steps.pending_calls + len(entries) > self.options.max_pending_calls:
@@ -260,6 +275,18 @@ class HookRecorder:
             copy = tensor.detach().to("cpu", copy=True)
             captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
         return captured
+
+
+def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:
+    """Where a forward runs: its module's first parameter or buffer, else its first tensor argument."""
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+    return None
 
 
 def _attribute_value(module: torch.nn.Module, name: str) -> Any:

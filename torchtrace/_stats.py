@@ -1,8 +1,8 @@
 """Tensor statistics, computed inside the post-hook: few torch ops, one host read on CPU, none on GPU.
 
 Each tensor found in a module's output (or input) is summarised into a flat dict of OTel-ready values. On CPU the
-values are read at once (a read, not a sync). On an accelerator they stay on the device in one small tensor and
-are read once per forward, off the hot path (see ``resolve``).
+values are read at once (a read, not a sync). On an accelerator they are reduced into a row of the forward's
+device buffer (``_device.StatRows``), copied to the host once per forward and read off the hot path (``resolve``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from torchtrace._device import ROW_POOL, StatRows, reduce_into
 
 _logger = logging.getLogger(__name__)
 
@@ -53,7 +55,9 @@ class StatComputer:
     forward together in numpy. Larger tensors, where the data and not the dispatch dominates, are reduced at once.
     """
 
-    __slots__ = ("wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names")
+    __slots__ = (
+        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names", "_rows"
+    )  # fmt: skip
 
     def __init__(self, wanted: Iterable[str], extra: Mapping[str, StatFunction]) -> None:
         self.wanted = frozenset(wanted)
@@ -67,9 +71,11 @@ class StatComputer:
         self._cache: dict[int, tuple[Any, int, dict]] = {}
         self._pending: list[tuple[torch.Tensor, dict]] = []  # (copy, stats to fill) until finish_forward
         self._dtype_names: dict[torch.dtype, str] = {}
+        self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
 
-    def finish_forward(self) -> None:
-        """Fills the statistics of every small tensor copied during this forward, then forgets the copies."""
+    def finish_forward(self) -> list[StatRows]:
+        """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
+        the copy of the device rows to the host and returns them (read by ``resolve`` once copied)."""
         pending, self._pending = self._pending, []
         self._cache.clear()
         if pending:
@@ -78,6 +84,13 @@ class StatComputer:
             except Exception as error:  # a statistic must never break the user's forward
                 for _, stats in pending:
                     stats["stats_error"] = f"{type(error).__name__}: {error}"
+        if not self._rows:
+            return []
+        rows = list(self._rows.values())
+        self._rows = {}
+        for device_rows in rows:
+            device_rows.seal()
+        return rows
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
         if tensor.is_inference():
@@ -119,7 +132,12 @@ class StatComputer:
                 stats[name] = _user_stat(function, tensor)
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
-                if is_cpu and n <= SMALL_TENSOR:
+                if reduced_on_device(x):
+                    rows = self._rows.get(x.device)
+                    if rows is None:
+                        rows = self._rows[x.device] = StatRows(x.device, ROW_POOL)
+                    device_stats(x, rows, self.wanted, stats)
+                elif n <= SMALL_TENSOR:
                     self._pending.append((_numpy_copy(x), stats))
                 else:
                     numeric_stats(x, self.wanted, stats)
@@ -225,21 +243,25 @@ def _as_real_float(x: torch.Tensor) -> torch.Tensor:
     return x.double()  # integers: float64 holds them exactly up to 2**53
 
 
+def reduced_on_device(tensor: torch.Tensor) -> bool:
+    """Whether a tensor's statistics stay on its device until the forward (or step) ends: all but CPU tensors."""
+    return not tensor.is_cpu
+
+
+def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """Reduces a tensor into a row of ``rows`` on its device; ``resolve`` reads the row once it is on the host."""
+    values, counts, index = rows.reserve()
+    reduce_into(_as_real_float(tensor), values, counts, "zero_fraction" in wanted)
+    stats["_pending"] = (rows, index, tensor.numel(), wanted)
+
+
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """One tensor, reduced where it lives. torch.std_mean is several times slower than these passes on CPU."""
+    """One CPU tensor, reduced at once. torch.std_mean is several times slower than these passes on CPU."""
     x = _as_real_float(tensor)
     n = x.numel()
     mean = x.mean()
     low, high = torch.aminmax(x)
     norm = torch.linalg.vector_norm(x)
-    counted = "zero_fraction" in wanted  # the slowest pass on CPU (count_nonzero): only when asked for
-    if not x.is_cpu:
-        nonzero = torch.count_nonzero(x) if counted else torch.full((), n, dtype=torch.int64, device=x.device)
-        # No host read inside the hook: one small device tensor, read once per forward by resolve().
-        std = torch.linalg.vector_norm(x - mean) / math.sqrt(max(n - 1, 1))
-        counts = torch.stack([nonzero, torch.isnan(x).sum(), torch.isinf(x).sum()])
-        stats["_pending"] = (torch.stack([mean, std, low, high, norm]).double(), counts, n, wanted)
-        return
     mean_v, low_v, high_v, norm_v = torch.stack([mean, low, high, norm]).double().tolist()
     nan_v = inf_v = 0
     if not math.isfinite(norm_v):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
@@ -253,7 +275,7 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
     if nan_v or inf_v:
         std_v = math.nan  # as torch.std of data with NaN or Inf
-    nonzero = int(torch.count_nonzero(x)) if counted else n
+    nonzero = int(torch.count_nonzero(x)) if "zero_fraction" in wanted else n  # the slowest pass: only if asked
     _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
 
 
@@ -275,12 +297,13 @@ def _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_
 
 
 def resolve(stats: dict[str, Any]) -> dict[str, Any]:
-    """Reads statistics left on an accelerator (one host read per tensor, off the hot path)."""
+    """Fills statistics reduced on an accelerator from their row, once copied to the host (off the hot path)."""
     pending = stats.pop("_pending", None)
     if pending is not None:
-        packed, counts, n, wanted = pending
-        mean, std, low, high, norm = packed.tolist()
-        nonzero, nan_count, inf_count = counts.tolist()
+        rows, index, n, wanted = pending
+        (mean, std, low, high, norm), (nan_count, inf_count, nonzero) = rows.row(index)
+        if "zero_fraction" not in wanted:
+            nonzero = n  # not counted on the device
         _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)
     return stats
 

@@ -19,11 +19,13 @@ import torch
 from opentelemetry.trace import SpanContext, TraceFlags
 from torch.autograd.graph import register_multi_grad_hook
 
+from torchtrace._device import ROW_POOL, DeviceWork, StatRows
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
-from torchtrace._stats import find_tensors, numeric_stats
+from torchtrace._stats import device_stats, find_tensors, numeric_stats, reduced_on_device
 
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
+NORM_ONLY = frozenset({"norm"})
 BACKWARD_START, BACKWARD_END = 0, 1
 
 
@@ -44,6 +46,7 @@ class StepRecord:
     rank: RankInfo | None = None
     root_span_id: int = 0  # the step's root shared by all ranks (distributed), emitted by rank 0; else 0
     comm: list = field(default_factory=list)  # (bucket index, bytes, perf start, perf end, is_last)
+    device: DeviceWork | None = None  # gradient and parameter statistics still on the device
 
 
 class StepTracker:
@@ -82,7 +85,8 @@ class StepTracker:
         self.optimizer_ns: list[int] = []
         self.comm: list = []
         self.parameter_owners: list = []  # (entry, module) whose parameter norms are read at the step's end
-        self._param_stats: dict[int, dict[str, float]] = {}
+        self._param_stats: dict[int, dict[str, Any]] = {}  # float, or statistics pending on a device
+        self._rows: dict[torch.device, StatRows] = {}  # gradient / parameter statistics reduced on devices
 
     # -- called from the forward hooks (only while this step is traced and backward tracing is on) ------------
 
@@ -97,7 +101,7 @@ class StepTracker:
         self.hook_handles.append(
             register_multi_grad_hook(
                 outputs,
-                lambda grad: events.append((entry, BACKWARD_START, time.perf_counter_ns(), _grad_stats([grad]))),
+                lambda grad: events.append((entry, BACKWARD_START, time.perf_counter_ns(), self._grad_stats([grad]))),
                 mode="any",
             )
         )
@@ -108,7 +112,7 @@ class StepTracker:
             self.hook_handles.append(
                 register_multi_grad_hook(
                     sources,
-                    lambda grads: events.append((entry, BACKWARD_END, time.perf_counter_ns(), _grad_stats(grads))),
+                    lambda grads: events.append((entry, BACKWARD_END, time.perf_counter_ns(), self._grad_stats(grads))),
                 )
             )
         if self.param_stats:
@@ -136,10 +140,43 @@ class StepTracker:
             grads = [p.grad for p in params if p.grad is not None]
             stats = self._param_stats.setdefault(id(entry), {})
             if params:
-                stats["torchtrace.param.norm"] = _joint_norm(params)
+                stats["torchtrace.param.norm"] = self._joint_norm(params)
             if grads:
-                stats["torchtrace.param_grad.norm"] = _joint_norm(grads)
+                stats["torchtrace.param_grad.norm"] = self._joint_norm(grads)
         self.parameter_owners = []
+
+    def _device_rows(self, device: torch.device) -> StatRows:
+        rows = self._rows.get(device)
+        if rows is None:  # autograd threads of several devices may get here at once: setdefault is atomic
+            rows = self._rows.setdefault(device, StatRows(device, ROW_POOL))
+        return rows
+
+    def _joint_norm(self, tensors: list[torch.Tensor]) -> float | dict:
+        """L2 norm of all the tensors together, as torch.nn.utils.clip_grad_norm_ computes it (pending on a
+        device: the norm of the per-tensor norms, read with the step's other device statistics)."""
+        norms = torch.stack([torch.linalg.vector_norm(t.detach()) for t in tensors])
+        if not reduced_on_device(norms):
+            return float(torch.linalg.vector_norm(norms))
+        stats: dict[str, Any] = {}
+        device_stats(norms, self._device_rows(norms.device), NORM_ONLY, stats)
+        return stats
+
+    def _grad_stats(self, grads: Any) -> dict[str, dict]:
+        summaries: dict[str, dict] = {}
+        for index, grad in enumerate(grads):
+            if grad is None:
+                continue
+            stats: dict[str, Any] = {}
+            try:
+                grad = grad.detach()
+                if reduced_on_device(grad):
+                    device_stats(grad, self._device_rows(grad.device), GRAD_STATS, stats)
+                else:
+                    numeric_stats(grad, GRAD_STATS, stats)
+            except Exception as error:  # a statistic must never break the user's backward
+                stats = {"stats_error": f"{type(error).__name__}: {error}"}
+            summaries[str(index)] = stats
+        return summaries
 
     # -- step boundary ------------------------------------------------------------------------------------------
 
@@ -153,6 +190,9 @@ class StepTracker:
             record = None
             if self.traced and (self.forwards or self.events or self.optimizer_ns or self.comm):
                 end_ns = time.time_ns()
+                rows = list(self._rows.values())
+                for device_rows in rows:
+                    device_rows.seal()
                 record = StepRecord(
                     self.number,
                     self.trace_id,
@@ -167,30 +207,12 @@ class StepTracker:
                     self.rank,
                     self.root_span_id,
                     self.comm,
+                    DeviceWork(rows) if rows else None,
                 )
             self._begin(self.number + 1)
             return record
 
 
-def _joint_norm(tensors: list[torch.Tensor]) -> float:
-    """L2 norm of all the tensors together, as torch.nn.utils.clip_grad_norm_ computes it."""
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.detach()) for t in tensors])))
-
-
 def _tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor in a module's inputs or outputs, nested containers included (as the statistics see them)."""
     return [tensor for _, tensor in find_tensors(value, limit=sys.maxsize)[0]]
-
-
-def _grad_stats(grads: Any) -> dict[str, dict]:
-    summaries: dict[str, dict] = {}
-    for index, grad in enumerate(grads):
-        if grad is None:
-            continue
-        stats: dict[str, Any] = {}
-        try:
-            numeric_stats(grad.detach(), GRAD_STATS, stats)
-        except Exception as error:  # a statistic must never break the user's backward
-            stats = {"stats_error": f"{type(error).__name__}: {error}"}
-        summaries[str(index)] = stats
-    return summaries

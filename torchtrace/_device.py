@@ -1,0 +1,209 @@
+"""Accelerator work started by the hooks and read back once the device has done it.
+
+Two things must not happen inside a hook on a GPU: waiting for the device (``.item()``, ``.tolist()``,
+``synchronize``), and timing with the host clock, which measures kernel launch, not execution. So:
+
+- ``EventTimer`` marks module boundaries with timing events taken from a pool; durations are read when the
+  events are complete, off the hot path, and the events go back to the pool.
+- ``StatRows`` gives each tensor's statistics a row in preallocated device buffers; ``seal()`` copies the used
+  rows to pinned host memory with one non-blocking copy per buffer and records an event; the values are read
+  once that event is complete, and the buffers go back to their pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")
+COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
+BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
+
+
+class EventTimer:
+    """Timing events on one device's current stream, recycled through a pool (creating one costs microseconds)."""
+
+    __slots__ = ("device", "_new_event", "_free", "_current_stream")
+
+    def __init__(self, device: torch.device, new_event: Callable[[], Any], current_stream: Callable) -> None:
+        self.device = device
+        self._new_event = new_event
+        self._current_stream = current_stream
+        self._free: deque = deque()  # append/pop are atomic: autograd threads and the worker share it
+
+    def mark(self) -> Any:
+        free = self._free
+        event = free.pop() if free else self._new_event()
+        event.record(self._current_stream(self.device))
+        return event
+
+    def recycle(self, events: list) -> None:
+        self._free.extend(events)
+
+
+_timers: dict[torch.device, EventTimer] = {}
+
+
+def event_timer(device: torch.device | None) -> EventTimer | None:
+    """The timer of a CUDA device (None elsewhere: the host clock is the device's clock there)."""
+    if device is None or device.type != "cuda":
+        return None
+    timer = _timers.get(device)
+    if timer is None:
+        timer = _timers[device] = EventTimer(
+            device, lambda: torch.cuda.Event(enable_timing=True), torch.cuda.current_stream
+        )
+    return timer
+
+
+def completion_event(device: torch.device) -> Any:
+    """An event recorded now on the device's current stream (None where work is synchronous: the CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def elapsed_ns(start: Any, end: Any) -> int:
+    return int(start.elapsed_time(end) * 1_000_000)  # milliseconds -> nanoseconds
+
+
+class _Block:
+    __slots__ = ("values", "counts", "host_values", "host_counts")
+
+    def __init__(self, device: torch.device) -> None:
+        self.values = torch.empty((BLOCK_ROWS, len(FLOAT_COLUMNS)), dtype=torch.float32, device=device)
+        self.counts = torch.empty((BLOCK_ROWS, len(COUNT_COLUMNS)), dtype=torch.int64, device=device)
+        pinned = device.type == "cuda"  # non_blocking copies need pinned host memory
+        self.host_values = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=pinned)
+        self.host_counts = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=pinned)
+
+
+class StatRows:
+    """Statistics rows of one forward (or of one step's gradients) on one device.
+
+    ``reserve`` may be called from several threads (autograd runs backward on one thread per device).
+    """
+
+    def __init__(self, device: torch.device, pool: RowPool) -> None:
+        self.device = device
+        self._pool = pool
+        self._blocks: list[_Block] = []
+        self._used = 0
+        self._lock = threading.Lock()
+        self.done: Any = None  # event after the copy to the host; None where copies are synchronous (CPU)
+        self.sealed = False
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
+
+    def reserve(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(float row, count row, index) to reduce one tensor into."""
+        with self._lock:
+            index = self._used
+            self._used += 1
+            block_index, row = divmod(index, BLOCK_ROWS)
+            if block_index == len(self._blocks):
+                self._blocks.append(self._pool.block(self.device))
+        block = self._blocks[block_index]
+        return block.values[row], block.counts[row], index
+
+    def seal(self) -> Any:
+        """Starts the copy of the used rows to the host; returns the event marking its completion (or None)."""
+        left = self._used
+        for block in self._blocks:
+            rows = min(left, BLOCK_ROWS)
+            if rows <= 0:
+                break
+            block.host_values[:rows].copy_(block.values[:rows], non_blocking=True)
+            block.host_counts[:rows].copy_(block.counts[:rows], non_blocking=True)
+            left -= rows
+        self.done = completion_event(self.device)
+        self.sealed = True
+        return self.done
+
+    def row(self, index: int) -> tuple[list[float], list[int]]:
+        """One row's values; waits for the copy if it is still running (the dispatcher waits for ``done`` first)."""
+        if self._host is None:
+            if not self.sealed:
+                raise RuntimeError("torchtrace: statistics rows read before their copy to the host was started")
+            if self.done is not None:
+                self.done.synchronize()
+            used = self._used
+            self._host = (
+                np.concatenate([block.host_values.numpy() for block in self._blocks])[:used],
+                np.concatenate([block.host_counts.numpy() for block in self._blocks])[:used],
+            )
+        values, counts = self._host
+        return values[index].tolist(), counts[index].tolist()
+
+    def release(self) -> None:
+        """Gives the buffers back once every row was read."""
+        blocks, self._blocks = self._blocks, []
+        self._pool.give_back(self.device, blocks)
+
+
+@dataclass(slots=True)
+class DeviceWork:
+    """What a forward (or a step's backward) left running on a device, and what goes back to the pools after."""
+
+    rows: list[StatRows]
+    timer: EventTimer | None = None
+    done: list = field(default_factory=list)  # events whose completion makes timings and statistics readable
+
+    def __post_init__(self) -> None:
+        self.done.extend(rows.done for rows in self.rows if rows.done is not None)
+
+    def ready(self) -> bool:
+        return all(event.query() for event in self.done)
+
+    def wait(self) -> None:
+        for event in self.done:
+            event.synchronize()
+
+    def release(self, timing_events: Iterable[Any] = ()) -> None:
+        for rows in self.rows:
+            rows.release()
+        self.rows = []
+        if self.timer is not None:
+            self.timer.recycle([event for event in timing_events if event is not None])
+
+
+class RowPool:
+    """Device and pinned host buffers, reused forward after forward."""
+
+    def __init__(self) -> None:
+        self._free: dict[torch.device, deque] = {}
+
+    def block(self, device: torch.device) -> _Block:
+        free = self._free.get(device)
+        return free.pop() if free else _Block(device)
+
+    def give_back(self, device: torch.device, blocks: list[_Block]) -> None:
+        self._free.setdefault(device, deque()).extend(blocks)
+
+
+ROW_POOL = RowPool()
+
+
+def reduce_into(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> None:
+    """Reduces a real floating tensor into one row, on its device, without reading anything back.
+
+    ``counted``: whether the non-zero count (for zero_fraction) is wanted; it costs two more passes. Derived values
+    (abs-max, zero fraction) are computed on the host from the row.
+    """
+    n = x.numel()
+    torch.mean(x, out=values[0])
+    torch.std(x, correction=1 if n > 1 else 0, out=values[1])  # one element: 0, as on the host path
+    torch.aminmax(x, out=(values[2], values[3]))
+    torch.linalg.vector_norm(x, out=values[4])
+    dims = tuple(range(x.dim()))
+    torch.sum(torch.isnan(x), dims, out=counts[0])
+    torch.sum(torch.isinf(x), dims, out=counts[1])
+    if counted:
+        torch.sum(x != 0, dims, out=counts[2])
