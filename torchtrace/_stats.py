@@ -251,7 +251,10 @@ def reduced_on_device(tensor: torch.Tensor) -> bool:
 def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any]) -> None:
     """Reduces a tensor into a row of ``rows`` on its device; ``resolve`` reads the row once it is on the host."""
     values, counts, index = rows.reserve()
-    reduce_into(_as_real_float(tensor), values, counts, "zero_fraction" in wanted)
+    x = _as_real_float(tensor)
+    if x.dtype != torch.float32:  # the rows are float32: float64 and integer data are summarised in float32
+        x = x.float()
+    reduce_into(x, values, counts, "zero_fraction" in wanted)
     stats["_pending"] = (rows, index, tensor.numel(), wanted)
 
 

@@ -1,0 +1,310 @@
+"""The accelerator path, run on any machine: statistics reduced into device rows and read once per forward (or
+step), and module durations from timing events read when complete, never from inside a hook.
+
+On a CPU-only machine the same code runs by routing CPU tensors through the device rows, and by timing with
+events of a simulated device clock; tests/test_cuda.py repeats the essentials on a real GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from opentelemetry.trace import StatusCode
+from test_statistics import assert_stats_match, output_attributes
+from torch import nn
+
+import torchtrace
+import torchtrace._device as device_module
+from torchtrace._device import EventTimer
+from torchtrace.testing import capture_spans
+
+
+@pytest.fixture
+def device_rows(monkeypatch):
+    """Every tensor's statistics take the device path (rows, one copy per forward, read at dispatch)."""
+    blocks = []
+    original = device_module._Block.__init__
+
+    def counting_init(self, device):
+        blocks.append(device)
+        original(self, device)
+
+    monkeypatch.setattr(device_module._Block, "__init__", counting_init)
+    monkeypatch.setattr(device_module, "ROW_POOL", device_module.RowPool())
+    for module in ("torchtrace._stats", "torchtrace._steps"):
+        monkeypatch.setattr(f"{module}.reduced_on_device", lambda tensor: True)
+        monkeypatch.setattr(f"{module}.ROW_POOL", device_module.ROW_POOL)
+    return blocks
+
+
+# -- statistics through device rows ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rel"),
+    [(torch.float32, 1e-5), (torch.float64, 1e-6), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)],
+)
+def test_device_rows_hold_torchs_statistics(device_rows, dtype, rel):
+    torch.manual_seed(0)
+    tensor = (torch.randn(4, 5, 6) * 3 + 1).to(dtype)
+    tensor[0, 0, :3] = 0
+    assert_stats_match(output_attributes(tensor), tensor, rel=rel)
+    assert device_rows, "the statistics did not go through device rows"
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([1.0, float("nan"), 3.0, float("inf")]),
+        torch.tensor([1.0, float("-inf"), 2.0]),
+        torch.tensor([7.0]),
+        torch.tensor(-2.5),
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        torch.tensor([[0, 3, 7], [100, 0, 1]], dtype=torch.int32),
+        torch.tensor([True, False, True]),
+    ],
+    ids=["nan-and-inf", "minus-inf", "one-element", "zero-dim", "transposed", "int32", "bool"],
+)
+def test_device_rows_match_torch_on_awkward_tensors(device_rows, tensor):
+    assert_stats_match(output_attributes(tensor), tensor)
+
+
+def test_zero_fraction_is_only_counted_on_the_device_when_asked_for(device_rows):
+    tensor = torch.tensor([0.0, 0.0, 1.0, 2.0])
+    assert output_attributes(tensor)["zero_fraction"] == 0.5
+    assert "zero_fraction" not in output_attributes(tensor, stats=["mean", "norm"])
+
+
+def test_a_later_in_place_op_does_not_change_statistics_taken_on_the_device(device_rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(inplace=True))
+    x = torch.randn(8, 4)
+    before_relu = model[0](x).detach().clone()
+    with capture_spans(model) as captured:
+        model(x)
+        got = {
+            key.removeprefix("torchtrace.output."): value
+            for key, value in captured.span("0").attributes.items()
+            if key.startswith("torchtrace.output.")
+        }
+    assert got["min"] < 0  # the Linear's own output, not what ReLU made of it in place
+    assert_stats_match(got, before_relu)
+
+
+def test_rows_are_reused_forward_after_forward_and_grow_past_one_block(device_rows):
+    layers = device_module.BLOCK_ROWS + 44  # more tensors in one forward than one block holds
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(layers)])
+    x = torch.randn(2, 3)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        for _ in range(5):
+            model(x)
+            handle.flush()
+        records = handle.records
+    assert len(device_rows) == 2  # two blocks for the first forward, reused by the four after it
+    last = [record for record in records if record.path == str(layers - 1)][-1]
+    expected = model(x)
+    assert last.attributes["torchtrace.output.norm"] == pytest.approx(float(expected.detach().norm()), rel=1e-5)
+
+
+# -- backward and parameter statistics through device rows ------------------------------------------------------
+
+
+def test_gradient_and_parameter_statistics_on_the_device_equal_autograds(device_rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    kept = {}
+
+    def keep_output(module, args, output):
+        output.retain_grad()
+        kept["out"] = output
+
+    model[2].register_forward_hook(keep_output)
+    seen = {}
+
+    def before_update(*_):
+        first = model[0]
+        seen["param"] = float(torch.linalg.vector_norm(torch.stack([p.detach().norm() for p in first.parameters()])))
+        seen["grad"] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in first.parameters()])))
+
+    optimizer.register_step_pre_hook(before_update)
+    with capture_spans(model, backward=True, optimizer=optimizer, param_stats=True) as captured:
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        optimizer.step()
+        grad = kept["out"].grad
+        last = captured.span("2 backward").attributes
+        assert last["torchtrace.grad_output.0.norm"] == pytest.approx(float(torch.linalg.vector_norm(grad)))
+        assert last["torchtrace.grad_output.0.mean"] == pytest.approx(float(grad.mean()), abs=1e-7)
+        assert last["torchtrace.grad_output.0.abs_max"] == pytest.approx(float(grad.abs().max()))
+        first = captured.span("0 backward").attributes
+        assert first["torchtrace.param.norm"] == pytest.approx(seen["param"])
+        assert first["torchtrace.param_grad.norm"] == pytest.approx(seen["grad"])
+
+
+class NaNGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+class BadBackward(nn.Module):
+    def forward(self, x):
+        return NaNGrad.apply(x)
+
+
+def test_nan_provenance_reads_the_device_verdict_once_per_step(device_rows):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(2, 4)).sum().backward()
+        captured.handle.step()
+        assert captured.span("1 backward").status.status_code is StatusCode.ERROR
+        assert captured.span("0 backward").status.status_code is StatusCode.UNSET
+
+
+class InjectNaN(nn.Module):
+    def forward(self, x):
+        return x * torch.tensor([1.0, float("nan"), 1.0, 1.0])
+
+
+def test_raise_mode_names_the_module_from_device_rows(device_rows):
+    model = nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 1))
+    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(torchtrace.NonFiniteError, match=r"^1 produced NaN/Inf in output"):
+            handle.step()
+
+
+# -- durations from timing events ------------------------------------------------------------------------------------
+
+
+class DeviceClock:
+    """A simulated device: kernels advance its clock; its events complete when the test says so."""
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.complete = True
+        self.events_created = 0
+
+
+class ClockEvent:
+    def __init__(self, clock: DeviceClock) -> None:
+        clock.events_created += 1
+        self.clock = clock
+        self.time_ms: float | None = None
+
+    def record(self, stream) -> None:
+        self.time_ms = self.clock.now_ms
+
+    def query(self) -> bool:
+        return self.clock.complete
+
+    def synchronize(self) -> None:
+        self.clock.complete = True  # waiting lets the device finish
+
+    def elapsed_time(self, end: ClockEvent) -> float:
+        assert self.clock.complete, "read an event before it completed"
+        return end.time_ms - self.time_ms
+
+
+class Kernel(nn.Module):
+    """Takes ``ms`` of simulated device time and almost no host time, like an asynchronous GPU launch."""
+
+    def __init__(self, clock: DeviceClock, ms: float) -> None:
+        super().__init__()
+        self.clock = clock
+        self.ms = ms
+
+    def forward(self, x):
+        self.clock.now_ms += self.ms
+        return x + 1
+
+
+@pytest.fixture
+def device_clock(monkeypatch):
+    clock = DeviceClock()
+    timer = EventTimer(torch.device("cpu"), lambda: ClockEvent(clock), lambda device: None)
+    monkeypatch.setattr("torchtrace._hooks.event_timer", lambda device: timer)
+    return clock
+
+
+def duration_ms(span) -> float:
+    return (span.end_time - span.start_time) / 1e6
+
+
+def test_spans_take_their_durations_from_device_events_not_the_host_clock(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 2.0), Kernel(device_clock, 3.0))
+    with capture_spans(model) as captured:
+        model(torch.zeros(2))
+        first, second, root = captured.span("0"), captured.span("1"), captured.span("Sequential")
+        assert duration_ms(first) == pytest.approx(2.0)
+        assert duration_ms(second) == pytest.approx(3.0)
+        assert duration_ms(root) == pytest.approx(5.0)
+        assert (second.start_time - root.start_time) / 1e6 == pytest.approx(2.0)  # placed on the device timeline
+        assert first.start_time == root.start_time
+
+
+def test_timing_events_are_pooled(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 1.0), Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        for _ in range(10):
+            model(torch.zeros(2))
+            handle.flush()
+    assert device_clock.events_created == 6  # two per call of the first forward, recycled by the nine after it
+
+
+def test_the_worker_reads_a_forward_only_once_its_device_work_completed(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        device_clock.complete = False
+        model(torch.zeros(2))
+        dispatcher = handle._dispatcher
+        assert dispatcher.drain(wait=False) == 0  # still running on the device: kept, in order
+        model(torch.zeros(2))
+        assert dispatcher.drain(wait=False) == 0
+        device_clock.complete = True
+        assert dispatcher.drain(wait=False) == 4
+        durations = [(record.end_ns - record.start_ns) / 1e6 for record in handle.records]
+    assert durations == pytest.approx([1.0] * 4)
+
+
+def test_flush_waits_for_the_device(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 1.5))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        device_clock.complete = False
+        model(torch.zeros(2))
+        records = handle.records  # reading records waits for the device
+    assert len(records) == 2
+    assert {record.path: (record.end_ns - record.start_ns) / 1e6 for record in records} == {
+        "": pytest.approx(1.5),
+        "0": pytest.approx(1.5),
+    }
+
+
+def test_a_raising_module_keeps_its_device_start_and_its_host_duration(device_clock):
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    model = nn.Sequential(Kernel(device_clock, 2.0), Boom())
+    with capture_spans(model) as captured:
+        with pytest.raises(ValueError):
+            model(torch.zeros(2))
+        span = captured.span("1")
+        assert span.status.status_code is StatusCode.ERROR
+        assert (span.start_time - captured.span("Sequential").start_time) / 1e6 == pytest.approx(2.0)
+        assert math.isfinite(duration_ms(span))
+
+
+def test_cuda_events_can_be_turned_off(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 2.0))
+    with capture_spans(model, cuda_events=False) as captured:
+        model(torch.zeros(2))
+        assert duration_ms(captured.span("0")) < 2.0  # the host clock: the simulated kernel took no host time
+    assert device_clock.events_created == 0
