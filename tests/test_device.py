@@ -308,3 +308,63 @@ def test_cuda_events_can_be_turned_off(device_clock):
         model(torch.zeros(2))
         assert duration_ms(captured.span("0")) < 2.0  # the host clock: the simulated kernel took no host time
     assert device_clock.events_created == 0
+
+
+class KernelFunction(torch.autograd.Function):
+    """Forward takes ``ms`` of simulated device time, backward twice that."""
+
+    @staticmethod
+    def forward(ctx, x, clock, ms):
+        clock.now_ms += ms
+        ctx.clock, ctx.ms = clock, ms
+        return x + 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.now_ms += 2 * ctx.ms
+        return grad, None, None
+
+
+class TrainableKernel(Kernel):
+    def forward(self, x):
+        return KernelFunction.apply(x, self.clock, self.ms)
+
+
+def test_backward_spans_take_their_durations_from_device_events(device_clock):
+    model = nn.Sequential(TrainableKernel(device_clock, 1.0), TrainableKernel(device_clock, 2.0))
+    with capture_spans(model, backward=True) as captured:
+        for _ in range(3):
+            model(torch.zeros(2, requires_grad=True)).sum().backward()
+            captured.handle.step()
+            captured.handle.flush()
+        created = device_clock.events_created
+        model(torch.zeros(2, requires_grad=True)).sum().backward()
+        captured.handle.step()
+        assert device_clock.events_created == created  # events of earlier steps were recycled
+        forward_root = captured.spans_named("Sequential")[-1]
+        first, second = captured.spans_named("0 backward")[-1], captured.spans_named("1 backward")[-1]
+        assert duration_ms(first) == pytest.approx(2.0)
+        assert duration_ms(second) == pytest.approx(4.0)
+        assert (second.start_time - forward_root.start_time) / 1e6 == pytest.approx(3.0)  # after the forward's 3 ms
+        assert first.start_time >= second.end_time
+
+
+def test_a_training_step_copies_its_device_rows_once(device_rows, monkeypatch):
+    seals = []
+    original = device_module.StatRows.seal
+
+    def counting_seal(self):
+        seals.append(self)
+        return original(self)
+
+    monkeypatch.setattr(device_module.StatRows, "seal", counting_seal)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with capture_spans(model, backward=True) as captured:
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            captured.handle.step()
+            captured.handle.flush()
+        assert len(seals) == 3  # forward outputs and gradients of a step share one set of rows
+        assert captured.spans_named("2 backward")[-1].attributes["torchtrace.grad_output.0.norm"] > 0
+    assert len(device_rows) == 1  # and they are reused step after step

@@ -24,6 +24,7 @@ import torch
 FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")
 COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
 BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
+MAX_ROWS = 1 << 16  # per forward or step: a step that is never closed must not grow pinned memory forever
 
 
 class EventTimer:
@@ -102,10 +103,12 @@ class StatRows:
         self.sealed = False
         self._host: tuple[np.ndarray, np.ndarray] | None = None
 
-    def reserve(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(float row, count row, index) to reduce one tensor into."""
+    def reserve(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(float row, count row, index) to reduce one tensor into; None when MAX_ROWS are used."""
         with self._lock:
             index = self._used
+            if index >= MAX_ROWS:
+                return None
             self._used += 1
             block_index, row = divmod(index, BLOCK_ROWS)
             if block_index == len(self._blocks):

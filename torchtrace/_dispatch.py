@@ -56,8 +56,11 @@ def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] |
         attributes.update(zip(keys, stats.values()))
 
 
-def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[ModuleCall]:
-    """One raw forward -> its calls, parents before children, ids assigned. Runs once per traced call: lean."""
+def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> list[ModuleCall]:
+    """One raw forward -> its calls, parents before children, ids assigned. Runs once per traced call: lean.
+
+    ``release``: give its device buffers and events back afterwards (a step keeps them for its backward).
+    """
     parent = forward.parent if forward.parent is not None else INVALID_SPAN_CONTEXT
     if parent.is_valid:
         trace_id, root_parent_id = parent.trace_id, parent.span_id
@@ -134,9 +137,15 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[
             )
         )
     _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in forward.entries], "output")
-    if device is not None:  # every statistic is read: rows and events go back to their pools
-        device.release(event for entry in forward.entries for event in entry[START_EVENT:])
+    if release:
+        _release(forward)
     return calls
+
+
+def _release(forward: RawForward) -> None:
+    """Every statistic and time of the forward is read: its rows and events go back to their pools."""
+    if forward.device is not None:
+        forward.device.release(event for entry in forward.entries for event in entry[START_EVENT:])
 
 
 def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None:
@@ -184,7 +193,7 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
         return f"{info.path or info.type_name} produced NaN/Inf in output {forward[1]}".rstrip()
     backward = _first_nonfinite(
         (time_ns, entry, resolved(grads))
-        for entry, event, time_ns, grads in record.backward_events
+        for entry, event, time_ns, grads, _ in record.backward_events
         if event != BACKWARD_START
     )
     if backward is not None:
@@ -243,7 +252,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
         )
     forward_of: dict[int, tuple[ModuleCall, list, list]] = {}  # id(entry) -> (forward call, entry, its forward)
     for forward in record.forwards:
-        resolved = resolve_forward(forward, modules)
+        resolved = resolve_forward(forward, modules, release=False)
         calls.extend(resolved)
         for entry, call in zip(forward.entries, resolved):
             forward_of[id(entry)] = (call, entry, forward.entries)
@@ -251,19 +260,26 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
         start, end = record.optimizer_ns
         calls.append(phase("optimizer.step", start + offset, end + offset))
     calls.extend(_backward_calls(record, forward_of, phase))
+    for forward in record.forwards:
+        _release(forward)
     if record.device is not None:
-        record.device.release()
+        record.device.release(event[4] for event in record.backward_events)
     return calls
 
 
 def _backward_calls(record: StepRecord, forward_of: dict, phase: Any) -> list[ModuleCall]:
     offset = record.clock_offset_ns
+    # CUDA: backward marks are placed by their distance from the step's first forward's start event
+    anchor = next((fw for fw in record.forwards if fw.entries[0][START_EVENT] is not None), None)
     starts: dict[int, tuple[int, dict]] = {}
     ends: dict[int, tuple[int, dict]] = {}
-    for entry, event, time_ns, grads in record.backward_events:
+    for entry, event, time_ns, grads, mark in record.backward_events:
         key = id(entry)
         if key not in forward_of:
             continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
+        if anchor is not None and mark is not None:  # on this step's clock offset, like the host times
+            root = anchor.entries[0]
+            time_ns = root[START] + anchor.clock_offset_ns - offset + elapsed_ns(root[START_EVENT], mark)
         if event == BACKWARD_START:
             starts.setdefault(key, (time_ns + offset, grads))
         else:

@@ -51,8 +51,9 @@ class RawForward:
 
 
 class _ThreadState(threading.local):
-    def __init__(self, options: Options) -> None:
-        self.stats = StatComputer(options.stats, options.extra_stats)  # per thread: it batches per forward
+    def __init__(self, options: Options, steps: Any) -> None:
+        # per thread: it batches per forward; in training, device statistics share the step's rows
+        self.stats = StatComputer(options.stats, options.extra_stats, steps.device_rows if steps else None)
         self.stack: list = []  # open entries, innermost last
         self.entries: list = []
         self.skip_depth = 0  # > 0 inside a forward that is not traced
@@ -85,7 +86,7 @@ class HookRecorder:
         self.skipped_captures = 0
         self.steps = steps  # a StepTracker when forwards belong to training steps
         self.warned_compiled = False
-        self._state = _ThreadState(options)
+        self._state = _ThreadState(options, steps)
 
     # -- hook factories -------------------------------------------------------------------------------------------
 
@@ -254,7 +255,7 @@ class HookRecorder:
             entry[TENSORS] = self._capture(output)
         steps = self.steps
         if steps is not None and steps.backward:
-            steps.watch_backward(entry, module, args, output)
+            steps.watch_backward(entry, module, args, output, self._state.timer)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)

@@ -56,10 +56,16 @@ class StatComputer:
     """
 
     __slots__ = (
-        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names", "_rows"
+        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names", "_rows",
+        "_rows_for",
     )  # fmt: skip
 
-    def __init__(self, wanted: Iterable[str], extra: Mapping[str, StatFunction]) -> None:
+    def __init__(
+        self,
+        wanted: Iterable[str],
+        extra: Mapping[str, StatFunction],
+        rows_for: Callable[[torch.device], StatRows] | None = None,
+    ) -> None:
         self.wanted = frozenset(wanted)
         self.numeric = any(name in self.wanted for name in _NUMERIC)
         self.extra = dict(extra)
@@ -72,6 +78,7 @@ class StatComputer:
         self._pending: list[tuple[torch.Tensor, dict]] = []  # (copy, stats to fill) until finish_forward
         self._dtype_names: dict[torch.dtype, str] = {}
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
+        self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
 
     def finish_forward(self) -> list[StatRows]:
         """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
@@ -90,6 +97,14 @@ class StatComputer:
         self._rows = {}
         for device_rows in rows:
             device_rows.seal()
+        return rows
+
+    def _device_rows(self, device: torch.device) -> StatRows:
+        if self._rows_for is not None:
+            return self._rows_for(device)
+        rows = self._rows.get(device)
+        if rows is None:
+            rows = self._rows[device] = StatRows(device, ROW_POOL)
         return rows
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
@@ -133,10 +148,7 @@ class StatComputer:
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
                 if reduced_on_device(x):
-                    rows = self._rows.get(x.device)
-                    if rows is None:
-                        rows = self._rows[x.device] = StatRows(x.device, ROW_POOL)
-                    device_stats(x, rows, self.wanted, stats)
+                    device_stats(x, self._device_rows(x.device), self.wanted, stats)
                 elif n <= SMALL_TENSOR:
                     self._pending.append((_numpy_copy(x), stats))
                 else:
@@ -250,7 +262,11 @@ def reduced_on_device(tensor: torch.Tensor) -> bool:
 
 def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any]) -> None:
     """Reduces a tensor into a row of ``rows`` on its device; ``resolve`` reads the row once it is on the host."""
-    values, counts, index = rows.reserve()
+    reserved = rows.reserve()
+    if reserved is None:
+        stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
+        return
+    values, counts, index = reserved
     x = _as_real_float(tensor)
     if x.dtype != torch.float32:  # the rows are float32: float64 and integer data are summarised in float32
         x = x.float()

@@ -19,7 +19,7 @@ import torch
 from opentelemetry.trace import SpanContext, TraceFlags
 from torch.autograd.graph import register_multi_grad_hook
 
-from torchtrace._device import ROW_POOL, DeviceWork, StatRows
+from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
 from torchtrace._stats import device_stats, find_tensors, numeric_stats, reduced_on_device
@@ -39,14 +39,15 @@ class StepRecord:
     start_ns: int  # epoch
     end_ns: int
     forwards: list  # RawForward, in completion order
-    backward_events: list  # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name)
+    # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name, CUDA timing event or None)
+    backward_events: list
     optimizer_ns: tuple[int, int] | None  # perf_counter start/end of optimizer.step()
     clock_offset_ns: int
     param_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # id(entry) -> parameter norms
     rank: RankInfo | None = None
     root_span_id: int = 0  # the step's root shared by all ranks (distributed), emitted by rank 0; else 0
     comm: list = field(default_factory=list)  # (bucket index, bytes, perf start, perf end, is_last)
-    device: DeviceWork | None = None  # gradient and parameter statistics still on the device
+    device: DeviceWork | None = None  # gradient and parameter statistics, backward timing events, on the device
 
 
 class StepTracker:
@@ -86,35 +87,44 @@ class StepTracker:
         self.comm: list = []
         self.parameter_owners: list = []  # (entry, module) whose parameter norms are read at the step's end
         self._param_stats: dict[int, dict[str, Any]] = {}  # float, or statistics pending on a device
-        self._rows: dict[torch.device, StatRows] = {}  # gradient / parameter statistics reduced on devices
+        self._rows: dict[torch.device, StatRows] = {}  # the step's statistics reduced on devices
+        self.timer: EventTimer | None = None  # the CUDA timer of the step's forwards, if any
 
     # -- called from the forward hooks (only while this step is traced and backward tracing is on) ------------
 
-    def watch_backward(self, entry: list, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        """Registers the grad hooks that time this call's backward and summarise its gradients."""
+    def watch_backward(
+        self, entry: list, module: torch.nn.Module, inputs: Any, output: Any, timer: EventTimer | None = None
+    ) -> None:
+        """Registers the grad hooks that time this call's backward and summarise its gradients.
+
+        With a ``timer`` (CUDA), each hook also marks the stream with a timing event, on autograd's thread for
+        that device: the backward span is then device time, read with the step's other device work.
+        """
         if not torch.is_grad_enabled():
             return
         outputs = [t for t in _tensors(output) if t.requires_grad]
         if not outputs:
             return
+        if timer is not None:
+            self.timer = timer
         events = self.events
-        self.hook_handles.append(
-            register_multi_grad_hook(
-                outputs,
-                lambda grad: events.append((entry, BACKWARD_START, time.perf_counter_ns(), self._grad_stats([grad]))),
-                mode="any",
-            )
-        )
+
+        def started(grad: torch.Tensor) -> None:
+            now = time.perf_counter_ns()
+            stats = self._grad_stats([grad])  # its kernels run before the mark: they are not the module's backward
+            events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None))
+
+        def finished(grads: Any) -> None:
+            now = time.perf_counter_ns()
+            mark = timer.mark() if timer is not None else None  # before the statistics' kernels
+            events.append((entry, BACKWARD_END, now, self._grad_stats(grads), mark))
+
+        self.hook_handles.append(register_multi_grad_hook(outputs, started, mode="any"))
         sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if sources:
-            self.hook_handles.append(
-                register_multi_grad_hook(
-                    sources,
-                    lambda grads: events.append((entry, BACKWARD_END, time.perf_counter_ns(), self._grad_stats(grads))),
-                )
-            )
+            self.hook_handles.append(register_multi_grad_hook(sources, finished))
         if self.param_stats:
             self.parameter_owners.append((entry, module))
 
@@ -145,7 +155,7 @@ class StepTracker:
                 stats["torchtrace.param_grad.norm"] = self._joint_norm(grads)
         self.parameter_owners = []
 
-    def _device_rows(self, device: torch.device) -> StatRows:
+    def device_rows(self, device: torch.device) -> StatRows:
         rows = self._rows.get(device)
         if rows is None:  # autograd threads of several devices may get here at once: setdefault is atomic
             rows = self._rows.setdefault(device, StatRows(device, ROW_POOL))
@@ -158,7 +168,7 @@ class StepTracker:
         if not reduced_on_device(norms):
             return float(torch.linalg.vector_norm(norms))
         stats: dict[str, Any] = {}
-        device_stats(norms, self._device_rows(norms.device), NORM_ONLY, stats)
+        device_stats(norms, self.device_rows(norms.device), NORM_ONLY, stats)
         return stats
 
     def _grad_stats(self, grads: Any) -> dict[str, dict]:
@@ -170,7 +180,7 @@ class StepTracker:
             try:
                 grad = grad.detach()
                 if reduced_on_device(grad):
-                    device_stats(grad, self._device_rows(grad.device), GRAD_STATS, stats)
+                    device_stats(grad, self.device_rows(grad.device), GRAD_STATS, stats)
                 else:
                     numeric_stats(grad, GRAD_STATS, stats)
             except Exception as error:  # a statistic must never break the user's backward
@@ -192,7 +202,7 @@ class StepTracker:
                 end_ns = time.time_ns()
                 rows = list(self._rows.values())
                 for device_rows in rows:
-                    device_rows.seal()
+                    device_rows.seal()  # one copy per device per step
                 record = StepRecord(
                     self.number,
                     self.trace_id,
@@ -207,10 +217,22 @@ class StepTracker:
                     self.rank,
                     self.root_span_id,
                     self.comm,
-                    DeviceWork(rows) if rows else None,
+                    self._device_work(rows),
                 )
             self._begin(self.number + 1)
             return record
+
+    def _device_work(self, rows: list[StatRows]) -> DeviceWork | None:
+        if not rows and self.timer is None:
+            return None
+        work = DeviceWork(rows, self.timer)
+        if self.timer is not None:
+            marks = [event[4] for event in self.events if event[4] is not None]
+            work.done.extend(marks[-1:])
+            finished = completion_event(self.timer.device)  # after backward: autograd joined its streams
+            if finished is not None:
+                work.done.append(finished)
+        return work
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
