@@ -6,8 +6,14 @@ import os
 import threading
 
 import pytest
+import torch
 
 from torchtrace._handle import _live_handles
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the statistics kernel on the CPU (tests/test_device.py). It must be chosen before
+    # triton is first imported; with a GPU the kernel is compiled and tested on it (tests/test_cuda.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _dispatch_threads() -> set[threading.Thread]:

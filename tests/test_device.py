@@ -7,7 +7,9 @@ events of a simulated device clock; tests/test_cuda.py repeats the essentials on
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 
 import pytest
 import torch
@@ -106,6 +108,63 @@ def test_rows_are_reused_forward_after_forward_and_grow_past_one_block(device_ro
     last = [record for record in records if record.path == str(layers - 1)][-1]
     expected = model(x)
     assert last.attributes["torchtrace.output.norm"] == pytest.approx(float(expected.detach().norm()), rel=1e-5)
+
+
+# -- the fused Triton kernel, run by Triton's interpreter on the CPU ---------------------------------------------
+
+
+@pytest.fixture
+def triton_kernel(device_rows, monkeypatch):
+    """Device statistics through the Triton kernel, interpreted (the same kernel a GPU compiles)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton compiles for the GPU here: tests/test_cuda.py runs the kernel")
+    pytest.importorskip("triton")
+    kernel = importlib.import_module("torchtrace._triton_stats")
+    launches = []
+
+    def fused_kernel(x):
+        if not kernel.applies(x):
+            return None
+        launches.append(x.numel())
+        return kernel
+
+    monkeypatch.setattr(device_module, "fused_kernel", fused_kernel)
+    monkeypatch.setattr("torchtrace._stats.reduce", device_module.reduce)
+    return launches
+
+
+@pytest.mark.parametrize(("dtype", "rel"), [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
+def test_the_triton_kernel_gives_torchs_statistics(triton_kernel, dtype, rel):
+    torch.manual_seed(0)
+    tensor = (torch.randn(4, 5, 6) * 3 + 1).to(dtype)
+    tensor[0, 0, :3] = 0
+    assert_stats_match(output_attributes(tensor), tensor, rel=rel)
+    assert triton_kernel == [120]  # one launch for the tensor
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([1.0, float("nan"), 3.0, float("inf")]),
+        torch.tensor([1.0, float("-inf"), 2.0]),
+        torch.tensor([float("inf"), float("-inf"), 2.0]),
+        torch.tensor([float("inf"), 1.0]),  # a non-finite first element is no shift
+        torch.tensor([7.0]),
+        torch.tensor(-2.5),
+        torch.randn(9000) * 0.01 + 1e4,  # several programs, several blocks each; a large mean
+    ],
+    ids=["nan-and-inf", "minus-inf", "both-infs", "inf-first", "one-element", "zero-dim", "large-mean"],
+)
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy, on Inf - Inf
+def test_the_triton_kernel_matches_torch_on_awkward_tensors(triton_kernel, tensor):
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+    assert triton_kernel
+
+
+def test_tensors_the_kernel_cannot_read_take_the_torch_path(triton_kernel):
+    tensor = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    assert_stats_match(output_attributes(tensor), tensor)
+    assert triton_kernel == []
 
 
 # -- backward and parameter statistics through device rows ------------------------------------------------------

@@ -12,6 +12,8 @@ Two things must not happen inside a hook on a GPU: waiting for the device (``.it
 
 from __future__ import annotations
 
+import importlib
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -21,7 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")
+FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")  # a row reduced with torch ops
+RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")  # a row summed by the Triton kernel
+RAW_START = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0)
 COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
 BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
 MAX_ROWS = 1 << 16  # per forward or step: a step that is never closed must not grow pinned memory forever
@@ -77,14 +81,20 @@ def elapsed_ns(start: Any, end: Any) -> int:
 
 
 class _Block:
-    __slots__ = ("values", "counts", "host_values", "host_counts")
+    __slots__ = ("values", "counts", "host_values", "host_counts", "start")
 
     def __init__(self, device: torch.device) -> None:
-        self.values = torch.empty((BLOCK_ROWS, len(FLOAT_COLUMNS)), dtype=torch.float32, device=device)
+        self.start = torch.tensor(RAW_START, device=device).expand(BLOCK_ROWS, len(RAW_COLUMNS))
+        self.values = torch.empty((BLOCK_ROWS, len(RAW_COLUMNS)), dtype=torch.float32, device=device)
         self.counts = torch.empty((BLOCK_ROWS, len(COUNT_COLUMNS)), dtype=torch.int64, device=device)
         pinned = device.type == "cuda"  # non_blocking copies need pinned host memory
         self.host_values = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=pinned)
         self.host_counts = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=pinned)
+
+    def reset(self) -> None:
+        """Two launches per block and forward: the Triton kernel adds into its row."""
+        self.values.copy_(self.start)
+        self.counts.zero_()
 
 
 class StatRows:
@@ -112,7 +122,9 @@ class StatRows:
             self._used += 1
             block_index, row = divmod(index, BLOCK_ROWS)
             if block_index == len(self._blocks):
-                self._blocks.append(self._pool.block(self.device))
+                block = self._pool.block(self.device)
+                block.reset()
+                self._blocks.append(block)
         block = self._blocks[block_index]
         return block.values[row], block.counts[row], index
 
@@ -194,8 +206,46 @@ class RowPool:
 ROW_POOL = RowPool()
 
 
+_triton: Any = None  # the _triton_stats module once imported; False when Triton is not installed
+
+
+def fused_kernel(x: torch.Tensor) -> Any:
+    """The Triton kernel's module when it can reduce ``x`` (a CUDA tensor, Triton installed), else None."""
+    global _triton
+    if not x.is_cuda:
+        return None
+    if _triton is None:
+        try:
+            _triton = importlib.import_module("torchtrace._triton_stats")
+        except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used
+            _triton = False
+    return _triton if _triton and _triton.applies(x) else None
+
+
+def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> bool:
+    """Reduces a real tensor into one row without reading anything back; True when the row holds raw sums."""
+    kernel = fused_kernel(x)
+    if kernel is not None:
+        kernel.reduce_row(x, values, counts, counted)
+        return True
+    reduce_into(x if x.dtype == torch.float32 else x.float(), values, counts, counted)
+    return False
+
+
+def finish_raw(values: list[float], n: int, nan_count: int, inf_count: int) -> tuple[float, float, float, float, float]:
+    """(mean, std, min, max, norm) of a row of raw sums, with torch's answers for data holding NaN or Inf."""
+    sum_d, squares_d, low, high, squares, shift = values
+    if nan_count:
+        return math.nan, math.nan, math.nan, math.nan, math.nan
+    mean = shift + sum_d / n  # Inf, or NaN for Infs of both signs, as torch.mean gives
+    if inf_count:
+        return mean, math.nan, low, high, math.inf
+    variance = (squares_d - sum_d * sum_d / n) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(max(variance, 0.0)), low, high, math.sqrt(squares)
+
+
 def reduce_into(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> None:
-    """Reduces a real floating tensor into one row, on its device, without reading anything back.
+    """Reduces a float32 tensor into one row with torch ops (about ten launches), without reading anything back.
 
     ``counted``: whether the non-zero count (for zero_fraction) is wanted; it costs two more passes. Derived values
     (abs-max, zero fraction) are computed on the host from the row.

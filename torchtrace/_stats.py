@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtrace._device import ROW_POOL, StatRows, reduce_into
+from torchtrace._device import ROW_POOL, StatRows, finish_raw, reduce
 
 _logger = logging.getLogger(__name__)
 
@@ -267,11 +267,16 @@ def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats:
         stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
         return
     values, counts, index = reserved
-    x = _as_real_float(tensor)
-    if x.dtype != torch.float32:  # the rows are float32: float64 and integer data are summarised in float32
+    x = tensor.dequantize() if tensor.is_quantized else tensor
+    if x.is_complex():
+        x = x.abs()
+    elif x.dtype not in _DEVICE_DTYPES:  # the rows are float32: float64 and integer data are summarised in float32
         x = x.float()
-    reduce_into(x, values, counts, "zero_fraction" in wanted)
-    stats["_pending"] = (rows, index, tensor.numel(), wanted)
+    raw = reduce(x, values, counts, "zero_fraction" in wanted)
+    stats["_pending"] = (rows, index, tensor.numel(), wanted, raw)
+
+
+_DEVICE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # read as they are on the device
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
@@ -319,8 +324,9 @@ def resolve(stats: dict[str, Any]) -> dict[str, Any]:
     """Fills statistics reduced on an accelerator from their row, once copied to the host (off the hot path)."""
     pending = stats.pop("_pending", None)
     if pending is not None:
-        rows, index, n, wanted = pending
-        (mean, std, low, high, norm), (nan_count, inf_count, nonzero) = rows.row(index)
+        rows, index, n, wanted, raw = pending
+        values, (nan_count, inf_count, nonzero) = rows.row(index)
+        mean, std, low, high, norm = finish_raw(values, n, nan_count, inf_count) if raw else values[:5]
         if "zero_fraction" not in wanted:
             nonzero = n  # not counted on the device
         _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)

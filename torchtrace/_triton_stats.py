@@ -1,0 +1,81 @@
+"""One Triton kernel reducing a tensor into its statistics row: one launch and one read of the data per tensor.
+
+The torch path (``_device.reduce_into``) costs about ten kernel launches and as many passes over the tensor; here
+every program reduces a strided share of the tensor in registers and adds its partial sums into the row with
+atomics, so the row holds raw sums that the host finishes (``_device.finish_raw``). Imported only when a CUDA tensor is
+summarised and Triton is installed (CUDA builds of torch ship it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+PROGRAMS_PER_SM = 4
+SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _row_kernel(x_ptr, values_ptr, counts_ptr, n, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr):
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    # Sums of x - shift, shift being the first element: the variance then does not cancel when |mean| >> std.
+    shift = tl.load(x_ptr).to(tl.float32)
+    shift = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)
+    sum_d = tl.zeros([BLOCK], dtype=tl.float32)
+    squares_d = tl.zeros([BLOCK], dtype=tl.float32)
+    squares = tl.zeros([BLOCK], dtype=tl.float32)
+    low = tl.full([BLOCK], float("inf"), dtype=tl.float32)
+    high = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    nans = tl.zeros([BLOCK], dtype=tl.int32)
+    infs = tl.zeros([BLOCK], dtype=tl.int32)
+    nonzero = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(program * BLOCK, n, programs * BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        inside = offsets < n
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        d = tl.where(inside, x - shift, 0.0)
+        sum_d += d
+        squares_d += d * d
+        squares += x * x
+        low = tl.minimum(low, tl.where(inside, x, float("inf")))
+        high = tl.maximum(high, tl.where(inside, x, float("-inf")))
+        nans += (inside & (x != x)).to(tl.int32)
+        infs += (inside & (tl.abs(x) == float("inf"))).to(tl.int32)
+        if COUNT_ZEROS:
+            nonzero += (inside & (x != 0.0)).to(tl.int32)
+    tl.atomic_add(values_ptr + 0, tl.sum(sum_d, axis=0))
+    tl.atomic_add(values_ptr + 1, tl.sum(squares_d, axis=0))
+    tl.atomic_min(values_ptr + 2, tl.min(low, axis=0))
+    tl.atomic_max(values_ptr + 3, tl.max(high, axis=0))
+    tl.atomic_add(values_ptr + 4, tl.sum(squares, axis=0))
+    if program == 0:
+        tl.store(values_ptr + 5, shift)
+    tl.atomic_add(counts_ptr + 0, tl.sum(nans, axis=0).to(tl.int64))
+    tl.atomic_add(counts_ptr + 1, tl.sum(infs, axis=0).to(tl.int64))
+    if COUNT_ZEROS:
+        tl.atomic_add(counts_ptr + 2, tl.sum(nonzero, axis=0).to(tl.int64))
+
+
+_programs: dict[torch.device, int] = {}
+
+
+def _max_programs(device: torch.device) -> int:
+    programs = _programs.get(device)
+    if programs is None:
+        cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        programs = _programs[device] = PROGRAMS_PER_SM * cores
+    return programs
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernel can read this tensor as it is: contiguous, of a dtype it loads, with int32 offsets."""
+    return x.dtype in SUPPORTED and x.is_contiguous() and x.numel() < 2**31 - BLOCK
+
+
+def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> None:
+    """Adds the raw sums of ``x`` into a row holding ``_device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
+    programs = min(triton.cdiv(x.numel(), BLOCK), _max_programs(x.device))
+    _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK)
