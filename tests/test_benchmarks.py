@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "overhead.py"
 BASE_VARIANTS = {
@@ -50,3 +52,31 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     assert report["cheap"]["calls_per_forward"] == 129
     assert "cheap: 129 module calls per forward" in result.stdout
     assert "torch.get_num_threads()" in result.stdout
+
+
+def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> None:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])["gpu"]
+    if not torch.cuda.is_available():
+        assert report == {"skipped": "no CUDA device"}
+        return
+    assert [(config["batch"], config["seq"]) for config in report["configs"]] == [(16, 512), (1, 128)]
+    for config in report["configs"]:
+        assert set(config["x_none"]) == {"none", "none_fastpath", "torchtrace", "torchtrace_torch_ops"}
+    assert set(report["timing"]["modules"]) == {
+        "layers.0.linear1",
+        "layers.0.self_attn",
+        "layers.0.norm1",
+        "layers.5",
+        "layers.11.linear2",
+    }
+    assert report["host_syncs"]["added"] == 0

@@ -84,7 +84,11 @@ class _Block:
     __slots__ = ("values", "counts", "host_values", "host_counts", "start")
 
     def __init__(self, device: torch.device) -> None:
-        self.start = torch.tensor(RAW_START, device=device).expand(BLOCK_ROWS, len(RAW_COLUMNS))
+        # filled on the device: torch.tensor(RAW_START, device=...) would be a synchronizing host-to-device copy
+        self.start = torch.zeros((BLOCK_ROWS, len(RAW_COLUMNS)), dtype=torch.float32, device=device)
+        for column, value in enumerate(RAW_START):
+            if value:
+                self.start[:, column] = value
         self.values = torch.empty((BLOCK_ROWS, len(RAW_COLUMNS)), dtype=torch.float32, device=device)
         self.counts = torch.empty((BLOCK_ROWS, len(COUNT_COLUMNS)), dtype=torch.int64, device=device)
         pinned = device.type == "cuda"  # non_blocking copies need pinned host memory

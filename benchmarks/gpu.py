@@ -1,0 +1,244 @@
+"""GPU overhead and timing accuracy of torchtrace on 12 x TransformerEncoderLayer(768) in bfloat16.
+
+Three questions, answered on one CUDA device in one run:
+
+1. Overhead. Variants, each on its own copy of the model, timed round-robin (the starting variant rotates every
+   round): `none` (no hooks), `torchtrace` (a span per module call, every statistic on every module's output,
+   CUDA-event timing, the embedded file exporter), and `torchtrace_torch_ops` (the same, with the statistics reduced
+   by torch ops instead of the fused Triton kernel). One timed repetition = N forwards under inference_mode, then
+   the variant's flush, then torch.cuda.synchronize(): device work and export are inside the window. Targets:
+   <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks disable torch's fused encoder fast path,
+   so all variants run with it off (same math); `none_fastpath` shows what the fast path alone is worth.
+2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
+   timed with CUDA events (median of many runs). Target: within 5%.
+3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
+   torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
+
+Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N]
+The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+import torchtrace  # noqa: E402
+from torchtrace import _device  # noqa: E402
+
+CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
+TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
+TIMING_TARGET = 0.05
+
+
+def encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(768, nhead=12, dim_feedforward=3072, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
+    return model.to("cuda", torch.bfloat16).eval()
+
+
+@dataclass
+class Variant:
+    name: str
+    model: nn.Module
+    flush: Callable[[], Any] = lambda: None
+    close: Callable[[], Any] = lambda: None
+    before: Callable[[], Any] = lambda: None  # set-up around each timed repetition (e.g. the stats path)
+    after: Callable[[], Any] = lambda: None
+
+
+def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
+    variants = [Variant("none", copy.deepcopy(base))]
+    fastpath = Variant("none_fastpath", copy.deepcopy(base))
+    fastpath.before = lambda: torch.backends.mha.set_fastpath_enabled(True)
+    fastpath.after = lambda: torch.backends.mha.set_fastpath_enabled(False)
+    variants.append(fastpath)
+    for name in ("torchtrace", "torchtrace_torch_ops"):
+        model = copy.deepcopy(base)
+        handle = torchtrace.instrument(
+            model, exporter="file", trace_file=os.path.join(trace_dir, f"{name}.jsonl"), print_summary=False
+        )
+        variant = Variant(name, model, flush=handle.flush, close=handle.remove)
+        if name == "torchtrace_torch_ops":
+            fused = _device.fused_kernel
+            variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)
+            variant.after = lambda fused=fused: setattr(_device, "fused_kernel", fused)
+        variants.append(variant)
+    return variants
+
+
+def timed(variant: Variant, x: torch.Tensor, forwards: int) -> float:
+    """Seconds per forward for one repetition: N forwards, the flush, and the device's completion."""
+    variant.before()
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(forwards):
+                variant.model(x)
+        variant.flush()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / forwards
+    finally:
+        variant.after()
+
+
+def overhead(base: nn.Module, batch: int, seq: int, forwards: int, repeats: int) -> dict[str, Any]:
+    x = torch.randn(batch, seq, 768, device="cuda", dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        variants = make_variants(base, trace_dir)
+        try:
+            for variant in variants:  # warm-up: allocator, Triton compilation, event and row pools
+                timed(variant, x, 3)
+            samples: dict[str, list[float]] = {variant.name: [] for variant in variants}
+            for round_number in range(repeats):
+                shift = round_number % len(variants)
+                for variant in variants[shift:] + variants[:shift]:
+                    samples[variant.name].append(timed(variant, x, forwards))
+        finally:
+            for variant in variants:
+                variant.close()
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    none = medians["none"]
+    return {
+        "ms_per_forward": {name: round(value * 1e3, 4) for name, value in medians.items()},
+        "x_none": {name: round(value / none, 4) for name, value in medians.items()},
+        "iqr_pct": {name: round(_iqr(values) / statistics.median(values) * 100, 1) for name, values in samples.items()},
+    }
+
+
+def _iqr(values: Sequence[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]
+
+
+def timing_accuracy(base: nn.Module, runs: int) -> dict[str, Any]:
+    """Median span duration per module vs the module alone on the same input, timed with CUDA events."""
+    model = copy.deepcopy(base)
+    x = torch.randn(16, 512, 768, device="cuda", dtype=torch.bfloat16)
+    modules = dict(model.named_modules())
+    inputs: dict[str, tuple] = {}
+
+    def keep(path: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs.setdefault(path, (args, kwargs))
+
+        return hook
+
+    keepers = [modules[path].register_forward_pre_hook(keep(path), with_kwargs=True) for path in TIMED_MODULES]
+    with torch.inference_mode():
+        model(x)
+    for keeper in keepers:
+        keeper.remove()
+    with torchtrace.instrument(model, exporter="none", max_records=runs * 200) as handle:
+        with torch.inference_mode():
+            for _ in range(runs):
+                model(x)
+        records = handle.records
+    result = {}
+    for path in TIMED_MODULES:
+        spans = [(r.end_ns - r.start_ns) / 1e6 for r in records if r.path == path and r.kind == "forward"]
+        alone = _alone_ms(modules[path], *inputs[path], runs)
+        span_ms = statistics.median(spans)
+        result[path] = {
+            "span_ms": round(span_ms, 4),
+            "alone_ms": round(alone, 4),
+            "error": round(abs(span_ms - alone) / alone, 4),
+        }
+    return result
+
+
+def _alone_ms(module: nn.Module, args: tuple, kwargs: dict, runs: int) -> float:
+    times = []
+    with torch.inference_mode():
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            module(*args, **kwargs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_syncs(base: nn.Module) -> dict[str, int]:
+    """Synchronizing CUDA calls in one forward (after warm-up), untraced and traced."""
+    x = torch.randn(1, 128, 768, device="cuda", dtype=torch.bfloat16)
+
+    def count(model: nn.Module) -> int:
+        with torch.inference_mode():
+            model(x)  # warm-up: first-use allocations and compilations may synchronize
+            torch.cuda.synchronize()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    model(x)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(warning.message) for warning in caught)
+
+    untraced = count(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    with torchtrace.instrument(model, exporter="none"):
+        traced = count(model)
+    return {"untraced": untraced, "traced": traced, "added": traced - untraced}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
+    parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"gpu": {"skipped": "no CUDA device"}}))
+        return 0
+    repeats = args.repeats or (3 if args.quick else 15)
+    forwards = args.forwards or (2 if args.quick else 10)
+    torch.backends.mha.set_fastpath_enabled(False)  # hooks disable it anyway: same math for every variant
+    base = encoder()
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "fused_kernel": _device.fused_kernel(torch.empty(1, device="cuda", dtype=torch.bfloat16)) is not None,
+        "configs": [],
+    }
+    for config in CONFIGS:
+        result = overhead(base, config["batch"], config["seq"], forwards, repeats)
+        ratio = result["x_none"]["torchtrace"]
+        result.update(config, met=ratio <= config["target"])
+        report["configs"].append(result)
+        print(json.dumps(result), flush=True)
+    accuracy = timing_accuracy(base, runs=5 if args.quick else 30)
+    report["timing"] = {
+        "modules": accuracy,
+        "max_error": max(entry["error"] for entry in accuracy.values()),
+        "target": TIMING_TARGET,
+    }
+    report["timing"]["met"] = report["timing"]["max_error"] <= TIMING_TARGET
+    report["host_syncs"] = host_syncs(base)
+    print(json.dumps({"gpu": report}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

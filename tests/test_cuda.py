@@ -1,0 +1,135 @@
+"""On a real CUDA device: statistics from the Triton kernel and from torch ops equal torch's, module durations come
+from CUDA events, and a traced forward, backward and step make no synchronizing call. Skipped without a GPU
+(tests/test_device.py runs the same code paths on the CPU)."""
+
+from __future__ import annotations
+
+import statistics
+import warnings
+
+import pytest
+import torch
+from opentelemetry.trace import StatusCode
+from test_statistics import assert_stats_match, output_attributes
+from torch import nn
+
+import torchtrace
+from torchtrace import _device
+from torchtrace.testing import capture_spans
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(params=["triton", "torch_ops"])
+def stats_path(request, monkeypatch):
+    if request.param == "torch_ops":
+        monkeypatch.setattr(_device, "fused_kernel", lambda x: None)
+    elif _device.fused_kernel(torch.empty(1, device="cuda")) is None:
+        pytest.skip("Triton is not installed")
+    return request.param
+
+
+@pytest.mark.parametrize(("dtype", "rel"), [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
+def test_cuda_statistics_equal_torchs(stats_path, dtype, rel):
+    torch.manual_seed(0)
+    tensor = (torch.randn(64, 1000) * 3 + 1).to("cuda", dtype)
+    tensor[0, :100] = 0
+    got = output_attributes(tensor)
+    assert got["device"] == "cuda:0"
+    got["device"] = "cpu"
+    assert_stats_match(got, tensor.cpu(), rel=rel)
+
+
+def test_cuda_statistics_of_nan_and_inf(stats_path):
+    tensor = torch.tensor([1.0, float("nan"), float("inf"), 3.0], device="cuda")
+    got = output_attributes(tensor)
+    assert (got["nan_count"], got["inf_count"]) == (1, 1)
+
+
+def test_a_traced_training_step_makes_no_synchronizing_call(stats_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 8)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 64, device="cuda")
+    with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True, optimizer=optimizer):
+
+        def step() -> None:
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()  # warm-up: pools, Triton compilation
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(3):
+                    step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(warning.message) for warning in caught if "synchroniz" in str(warning.message)]
+    assert syncs == []
+
+
+class Sleep(nn.Module):
+    """Occupies the GPU for a fixed number of cycles; the host only launches it."""
+
+    def forward(self, x):
+        torch.cuda._sleep(2_000_000)
+        return x + 1
+
+
+def _alone_ms(module: nn.Module, x: torch.Tensor, runs: int = 10) -> float:
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        module(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def test_module_durations_are_device_time_within_five_percent():
+    model = nn.Sequential(Sleep(), nn.Linear(8, 8)).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    alone = _alone_ms(model[0], x)
+    with capture_spans(model) as captured:
+        for _ in range(10):
+            model(x)
+        spans = captured.spans_named("0")
+        durations = [(span.end_time - span.start_time) / 1e6 for span in spans]
+        assert statistics.median(durations) == pytest.approx(alone, rel=0.05)
+        root = captured.spans_named("Sequential")[-1]
+        assert root.attributes["torchtrace.module.type"] == "Sequential"
+    # the host clock would have measured the launch: microseconds, not the GPU's milliseconds
+    with capture_spans(model, cuda_events=False) as captured:
+        model(x)
+        span = captured.spans_named("0")[-1]
+        assert (span.end_time - span.start_time) / 1e6 < alone / 2
+
+
+def test_backward_spans_on_cuda_hold_gradient_statistics_and_nan_provenance():
+    class NaNGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.full_like(grad, float("nan"))
+
+    class BadBackward(nn.Module):
+        def forward(self, x):
+            return NaNGrad.apply(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1)).cuda()
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(2, 4, device="cuda")).sum().backward()
+        captured.handle.step()
+        assert captured.span("1 backward").status.status_code is StatusCode.ERROR
+        last = captured.span("2 backward").attributes
+        assert last["torchtrace.grad_output.0.norm"] == pytest.approx(2**0.5)  # d(sum)/d(out) is all ones
