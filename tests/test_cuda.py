@@ -133,3 +133,19 @@ def test_backward_spans_on_cuda_hold_gradient_statistics_and_nan_provenance():
         assert captured.span("1 backward").status.status_code is StatusCode.ERROR
         last = captured.span("2 backward").attributes
         assert last["torchtrace.grad_output.0.norm"] == pytest.approx(2**0.5)  # d(sum)/d(out) is all ones
+
+
+def test_cuda_graph_capture_of_a_traced_model_is_not_traced_and_replays():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU()).cuda()
+    static_input = torch.randn(4, 16, device="cuda")
+    with capture_spans(model) as captured:
+        model(static_input)  # traced, and warms up before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_output = model(static_input)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(static_output, model(static_input))
+        assert len(captured.spans_named("Sequential")) == 2  # the warm-up and the last eager call, not the capture

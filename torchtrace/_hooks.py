@@ -177,13 +177,16 @@ class HookRecorder:
             self.warned_compiled = True
             warn_region_level(self.modules[index].type_name)
         parent = self._parent_if_traced() if self.enabled else None
-        if parent is None:
+        device = _device_of(module, args) if parent is not None else None
+        if parent is None or (device is not None and device.type == "cuda" and _capturing_graph()):
+            # Not traced; or being captured into a CUDA graph, where timing events are not allowed and statistics
+            # kernels would be replayed into rows long since read: graph capture and replay are not traced.
             state.skip_depth = 1
             state.skip_root = index
             return False
         state.parent = parent
         state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
-        state.timer = event_timer(_device_of(module, args)) if self.options.cuda_events else None
+        state.timer = event_timer(device) if self.options.cuda_events else None
         return True
 
     def _parent_if_traced(self) -> Any:
@@ -276,6 +279,10 @@ class HookRecorder:
             copy = tensor.detach().to("cpu", copy=True)
             captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
         return captured
+
+
+def _capturing_graph() -> bool:
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:

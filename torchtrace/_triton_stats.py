@@ -78,4 +78,8 @@ def applies(x: torch.Tensor) -> bool:
 def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> None:
     """Adds the raw sums of ``x`` into a row holding ``_device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
     programs = min(triton.cdiv(x.numel(), BLOCK), _max_programs(x.device))
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # Triton launches on the current device, torch ops on the tensor's
+            _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK)
+        return
     _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK)
