@@ -185,6 +185,27 @@ def test_watch_reports_buffer_drops_and_exported_spans(tmp_path: Path):
     assert registry.get_sample_value("torchtrace_spans_recorded_total", base) == 4
 
 
+def test_a_raising_sink_is_counted_on_the_handle_and_as_a_metric(caplog):
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry)
+    model = tiny_model()
+
+    def broken_sink(calls):
+        raise RuntimeError("my sink is broken")
+
+    with torchtrace.instrument(model, exporter="none", metrics=sink, sinks=[broken_sink]) as handle:
+        model(torch.randn(1, 4))
+        handle.flush()
+        model(torch.randn(1, 4))
+        handle.flush()
+        assert handle.sink_errors == 2
+        assert len(handle.records) == 8  # the other sinks still got every call
+    base = {"model": "Sequential", "rank": "0"}
+    assert registry.get_sample_value("torchtrace_sink_errors_total", base) == 2
+    assert registry.get_sample_value("torchtrace_spans_recorded_total", base) == 8
+    assert "my sink is broken" in caplog.text
+
+
 def test_a_second_sink_on_the_same_registry_is_refused():
     registry = CollectorRegistry()
     MetricsSink(registry)

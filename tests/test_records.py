@@ -289,8 +289,10 @@ def test_captured_tensors_stay_within_capture_max_bytes():
         model(x)
         # outputs are captured as modules return: "0" (16 bytes) and "1" (32) fit, "2" and the model (48) do not
         assert {call.path: sorted(call.tensors) for call in handle.records} == {"": [], "0": [""], "1": [""], "2": []}
+        assert handle.skipped_captures == 2
         model(x)
         assert all(call.tensors == {} for call in handle.records[4:])  # the budget is spent
+        assert handle.skipped_captures == 6
         handle.clear_recorded_data()  # ... until the recorded data is cleared
         model(x)
         assert sorted(call.path for call in handle.records if call.tensors) == ["0", "1"]

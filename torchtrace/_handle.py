@@ -203,6 +203,16 @@ class TraceHandle:
         return self.buffer.dropped_calls
 
     @property
+    def sink_errors(self) -> int:
+        """Batches of calls a sink (exporter, records, summary, metrics, your own) raised on; each is logged."""
+        return self._dispatcher.sink_errors
+
+    @property
+    def skipped_captures(self) -> int:
+        """Tensors not captured (``capture_tensors``) because ``capture_max_bytes`` was reached."""
+        return self._recorder.skipped_captures
+
+    @property
     def exported_spans(self) -> int | None:
         """Spans the OTLP / file exporter delivered; None with the "sdk" exporter (its processors deliver)."""
         sink = self._counting_exporter()

@@ -343,9 +343,14 @@ class MetricsSink(Collector):
             "Spans lost: buffer_full (export fell behind the model), export_failed (the backend refused or was down).",
             labels=[*base, "reason"],
         )
+        sink_errors = CounterMetricFamily(
+            f"{ns}_sink_errors",
+            "Batches of calls a sink (exporter, records, metrics, user sink) raised on; logged with the traceback.",
+            labels=base,
+        )
         families: list[Metric] = [
             duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped,
-            step_duration, grad_norm, nonfinite, comm_wait,
+            sink_errors, step_duration, grad_norm, nonfinite, comm_wait,
         ]  # fmt: skip
         if snapshot is None:
             return families
@@ -370,11 +375,12 @@ class MetricsSink(Collector):
                 gauges[stat].add_metric(labels, value)
         overflowed.add_metric(model_rank, snapshot.overflowed_paths)
         recorded.add_metric(model_rank, snapshot.recorded)
-        buffer_dropped = export_failed = 0
+        buffer_dropped = export_failed = failed_batches = 0
         exported_by: dict[str, int] = {}
         for watched in snapshot.watched:
             counts = watched.read()
             buffer_dropped += counts.dropped
+            failed_batches += counts.sink_errors
             if counts.exported is not None:
                 exported_by[watched.exporter] = exported_by.get(watched.exporter, 0) + counts.exported
                 export_failed += counts.failed
@@ -383,6 +389,7 @@ class MetricsSink(Collector):
         # always present (0 included) so "no drops" is a value, not missing data, and an alert can see it
         dropped.add_metric([*model_rank, "buffer_full"], buffer_dropped)
         dropped.add_metric([*model_rank, "export_failed"], export_failed)
+        sink_errors.add_metric(model_rank, failed_batches)
         return families
 
 
@@ -409,6 +416,7 @@ class _Counts:
     dropped: int = 0
     exported: int | None = None  # None: the exporter keeps no count (sdk: the SDK's processor owns delivery)
     failed: int = 0
+    sink_errors: int = 0
 
 
 @dataclass(slots=True)
@@ -421,7 +429,7 @@ class _Watched:
         """Current counts of the handle, or its last ones once it is gone."""
         handle = self.handle()
         if handle is not None:
-            self.last = _Counts(handle.dropped_calls, handle.exported_spans, handle.failed_spans)
+            self.last = _Counts(handle.dropped_calls, handle.exported_spans, handle.failed_spans, handle.sink_errors)
         return self.last
 
 
