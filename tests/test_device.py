@@ -8,8 +8,11 @@ events of a simulated device clock; tests/test_cuda.py repeats the essentials on
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -427,3 +430,41 @@ def test_a_training_step_copies_its_device_rows_once(device_rows, monkeypatch):
         assert len(seals) == 3  # forward outputs and gradients of a step share one set of rows
         assert captured.spans_named("2 backward")[-1].attributes["torchtrace.grad_output.0.norm"] > 0
     assert len(device_rows) == 1  # and they are reused step after step
+
+
+COMPILE_FOR_GPUS = """
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchtrace import _triton_stats as kernel
+
+built = []
+for arch in (80, 90):
+    for dtype in ("fp32", "bf16", "fp16"):
+        for zeros in (True, False):
+            source = ASTSource(
+                fn=kernel._row_kernel,
+                signature={"x_ptr": "*" + dtype, "values_ptr": "*fp32", "counts_ptr": "*i64", "n": "i32",
+                           "COUNT_ZEROS": "constexpr", "BLOCK": "constexpr"},
+                constexprs={"COUNT_ZEROS": zeros, "BLOCK": kernel.BLOCK},
+            )
+            compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=kernel.OPTIONS)
+            built.append([arch, dtype, zeros, len(compiled.asm["cubin"]) > 0])
+print(json.dumps(built))
+"""
+
+
+def test_the_triton_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
+    """Triton's ahead-of-time compiler builds the real (not interpreted) kernel down to a cubin."""
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("TRITON_")}
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_GPUS], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Warning" not in result.stderr, result.stderr  # nothing for the user's log either
+    built = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(built) == 12
+    assert all(cubin for *_, cubin in built)

@@ -15,6 +15,7 @@ import triton.language as tl
 BLOCK = 1024
 PROGRAMS_PER_SM = 4
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the user's process that it is unset
 
 
 @triton.jit
@@ -80,6 +81,6 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
     programs = min(triton.cdiv(x.numel(), BLOCK), _max_programs(x.device))
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # Triton launches on the current device, torch ops on the tensor's
-            _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK)
+            _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
         return
-    _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK)
+    _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
