@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from nan_models import bad_backward_model
 from opentelemetry.trace import StatusCode
 from test_statistics import assert_stats_match, output_attributes
 from torch import nn
@@ -112,21 +113,7 @@ def test_module_durations_are_device_time_within_five_percent():
 
 
 def test_backward_spans_on_cuda_hold_gradient_statistics_and_nan_provenance():
-    class NaNGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return torch.full_like(grad, float("nan"))
-
-    class BadBackward(nn.Module):
-        def forward(self, x):
-            return NaNGrad.apply(x)
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1)).cuda()
+    model = bad_backward_model().cuda()
     with capture_spans(model, backward=True) as captured:
         model(torch.randn(2, 4, device="cuda")).sum().backward()
         captured.handle.step()

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from nan_models import bad_backward_model, nan_model
 from opentelemetry.trace import StatusCode
 from test_statistics import assert_stats_match, output_attributes
 from torch import nn
@@ -205,24 +206,8 @@ def test_gradient_and_parameter_statistics_on_the_device_equal_autograds(device_
         assert first["torchtrace.param_grad.norm"] == pytest.approx(seen["grad"])
 
 
-class NaNGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("nan"))
-
-
-class BadBackward(nn.Module):
-    def forward(self, x):
-        return NaNGrad.apply(x)
-
-
 def test_nan_provenance_reads_the_device_verdict_once_per_step(device_rows):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
+    model = bad_backward_model()
     with capture_spans(model, backward=True) as captured:
         model(torch.randn(2, 4)).sum().backward()
         captured.handle.step()
@@ -230,13 +215,8 @@ def test_nan_provenance_reads_the_device_verdict_once_per_step(device_rows):
         assert captured.span("0 backward").status.status_code is StatusCode.UNSET
 
 
-class InjectNaN(nn.Module):
-    def forward(self, x):
-        return x * torch.tensor([1.0, float("nan"), 1.0, 1.0])
-
-
 def test_raise_mode_names_the_module_from_device_rows(device_rows):
-    model = nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 1))
+    model = nan_model()
     with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
         model(torch.randn(2, 4)).sum().backward()
         with pytest.raises(torchtrace.NonFiniteError, match=r"^1 produced NaN/Inf in output"):

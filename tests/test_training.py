@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+from nan_models import bad_backward_model, nan_model
 from opentelemetry.trace import StatusCode
 from torch import nn
 
@@ -180,23 +181,6 @@ def test_step_without_step_tracing_is_a_clear_error():
         handle.step()
 
 
-class InjectNaN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.armed = True
-
-    def forward(self, x):
-        if self.armed:
-            x = x.clone()
-            x[0, 0] = float("nan")
-        return x
-
-
-def nan_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), InjectNaN(), nn.Linear(4, 4), nn.ReLU())
-
-
 def test_the_first_module_to_produce_nan_in_a_forward_is_marked():
     model = nan_model()
     with capture_spans(model) as captured:
@@ -212,24 +196,8 @@ def test_the_first_module_to_produce_nan_in_a_forward_is_marked():
             assert captured.span(name).status.status_code is StatusCode.UNSET, name
 
 
-class NaNGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.full_like(grad, float("nan"))
-
-
-class BadBackward(nn.Module):
-    def forward(self, x):
-        return NaNGrad.apply(x)
-
-
 def test_the_first_module_whose_backward_produces_nan_is_marked():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), BadBackward(), nn.Linear(4, 1))
+    model = bad_backward_model()
     with capture_spans(model, backward=True) as captured:
         model(torch.randn(2, 4)).sum().backward()
         captured.handle.step()
