@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
+import test_training
 import torch
-from nan_models import bad_backward_model, nan_model
 from opentelemetry.trace import StatusCode
 from test_statistics import assert_stats_match, output_attributes
 from torch import nn
@@ -174,53 +174,23 @@ def test_tensors_the_kernel_cannot_read_take_the_torch_path(triton_kernel):
 # -- backward and parameter statistics through device rows ------------------------------------------------------
 
 
-def test_gradient_and_parameter_statistics_on_the_device_equal_autograds(device_rows):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    kept = {}
-
-    def keep_output(module, args, output):
-        output.retain_grad()
-        kept["out"] = output
-
-    model[2].register_forward_hook(keep_output)
-    seen = {}
-
-    def before_update(*_):
-        first = model[0]
-        seen["param"] = float(torch.linalg.vector_norm(torch.stack([p.detach().norm() for p in first.parameters()])))
-        seen["grad"] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in first.parameters()])))
-
-    optimizer.register_step_pre_hook(before_update)
-    with capture_spans(model, backward=True, optimizer=optimizer, param_stats=True) as captured:
-        model(torch.randn(3, 4)).pow(2).sum().backward()
-        optimizer.step()
-        grad = kept["out"].grad
-        last = captured.span("2 backward").attributes
-        assert last["torchtrace.grad_output.0.norm"] == pytest.approx(float(torch.linalg.vector_norm(grad)))
-        assert last["torchtrace.grad_output.0.mean"] == pytest.approx(float(grad.mean()), abs=1e-7)
-        assert last["torchtrace.grad_output.0.abs_max"] == pytest.approx(float(grad.abs().max()))
-        first = captured.span("0 backward").attributes
-        assert first["torchtrace.param.norm"] == pytest.approx(seen["param"])
-        assert first["torchtrace.param_grad.norm"] == pytest.approx(seen["grad"])
-
-
-def test_nan_provenance_reads_the_device_verdict_once_per_step(device_rows):
-    model = bad_backward_model()
-    with capture_spans(model, backward=True) as captured:
-        model(torch.randn(2, 4)).sum().backward()
-        captured.handle.step()
-        assert captured.span("1 backward").status.status_code is StatusCode.ERROR
-        assert captured.span("0 backward").status.status_code is StatusCode.UNSET
-
-
-def test_raise_mode_names_the_module_from_device_rows(device_rows):
-    model = nan_model()
-    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
-        model(torch.randn(2, 4)).sum().backward()
-        with pytest.raises(torchtrace.NonFiniteError, match=r"^1 produced NaN/Inf in output"):
-            handle.step()
+@pytest.mark.parametrize(
+    "training_test",
+    [
+        test_training.test_gradient_statistics_equal_autograd_results,
+        test_training.test_parameter_and_parameter_gradient_norms_are_read_before_the_update,
+        test_training.test_in_place_modules_and_in_place_ops_do_not_break_backward_tracing,
+        test_training.test_the_first_module_to_produce_nan_in_a_forward_is_marked,
+        test_training.test_the_first_module_whose_backward_produces_nan_is_marked,
+        test_training.test_raise_mode_stops_training_at_the_step_naming_the_module,
+        test_training.test_callback_mode_receives_the_verdict_off_the_hot_path,
+    ],
+    ids=lambda test: test.__name__.removeprefix("test_"),
+)
+def test_training_behaves_the_same_with_statistics_on_the_device(device_rows, training_test):
+    """Gradient and parameter statistics and NaN provenance, read from device rows once per step."""
+    training_test()
+    assert device_rows, "the statistics did not go through device rows"
 
 
 # -- durations from timing events ------------------------------------------------------------------------------------
