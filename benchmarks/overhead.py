@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -203,14 +204,6 @@ def _make_naive_otel(model: nn.Module, stats: bool) -> Variant:
     return Variant("naive_otel_stats" if stats else "naive_otel", model, flush=provider.force_flush, close=close)
 
 
-def make_naive_otel(model: nn.Module) -> Variant:
-    return _make_naive_otel(model, stats=False)
-
-
-def make_naive_otel_stats(model: nn.Module) -> Variant:
-    return _make_naive_otel(model, stats=True)
-
-
 def make_torch_profiler(model: nn.Module) -> Variant:
     def window():
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -227,14 +220,6 @@ def _make_torchtrace(model: nn.Module, stats: bool) -> Variant:
         provider.shutdown()
 
     return Variant("torchtrace_stats" if stats else "torchtrace_spans", model, flush=handle.flush, close=close)
-
-
-def make_torchtrace_spans(model: nn.Module) -> Variant:
-    return _make_torchtrace(model, stats=False)
-
-
-def make_torchtrace_stats(model: nn.Module) -> Variant:
-    return _make_torchtrace(model, stats=True)
 
 
 def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
@@ -264,14 +249,6 @@ def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
     return Variant(name, model, flush=flush, close=close)
 
 
-def make_torchtrace_spans_otlp(model: nn.Module) -> Variant:
-    return _make_torchtrace_otlp(model, stats=False)
-
-
-def make_torchtrace_stats_otlp(model: nn.Module) -> Variant:
-    return _make_torchtrace_otlp(model, stats=True)
-
-
 def make_none_fastpath(model: nn.Module) -> Variant:
     @contextlib.contextmanager
     def window():
@@ -287,13 +264,13 @@ def make_none_fastpath(model: nn.Module) -> Variant:
 BASE_VARIANTS: list[Callable[[nn.Module], Variant]] = [
     make_none,
     make_empty_hooks,
-    make_naive_otel,
-    make_naive_otel_stats,
+    partial(_make_naive_otel, stats=False),
+    partial(_make_naive_otel, stats=True),
     make_torch_profiler,
-    make_torchtrace_spans,
-    make_torchtrace_stats,
+    partial(_make_torchtrace, stats=False),
+    partial(_make_torchtrace, stats=True),
 ]
-OTLP_VARIANTS = [make_torchtrace_spans_otlp, make_torchtrace_stats_otlp]
+OTLP_VARIANTS = [partial(_make_torchtrace_otlp, stats=False), partial(_make_torchtrace_otlp, stats=True)]
 
 
 # -- the local OTLP discard receiver (a separate process: it must not take the benchmark's GIL) ---------------------
