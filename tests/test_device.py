@@ -133,7 +133,6 @@ def triton_kernel(device_rows, monkeypatch):
         return kernel
 
     monkeypatch.setattr(device_module, "fused_kernel", fused_kernel)
-    monkeypatch.setattr("torchtrace._stats.reduce", device_module.reduce)
     return launches
 
 
@@ -169,6 +168,24 @@ def test_tensors_the_kernel_cannot_read_take_the_torch_path(triton_kernel):
     tensor = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
     assert_stats_match(output_attributes(tensor), tensor)
     assert triton_kernel == []
+
+
+def test_a_failing_triton_kernel_falls_back_to_torch_ops_once_and_for_all(device_rows, monkeypatch, caplog):
+    class BrokenKernel:  # e.g. a Triton too old for the kernel, or a GPU it cannot compile for
+        launches = 0
+
+        @classmethod
+        def reduce_row(cls, *args):
+            cls.launches += 1
+            raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(device_module, "_triton", BrokenKernel)
+    monkeypatch.setattr(device_module, "fused_kernel", lambda x: device_module._triton or None)
+    tensor = torch.randn(4, 5)
+    assert_stats_match(output_attributes(tensor), tensor)
+    assert_stats_match(output_attributes(tensor * 2), tensor * 2)
+    assert BrokenKernel.launches == 1
+    assert caplog.text.count("the Triton statistics kernel failed (no kernel for this GPU)") == 1
 
 
 # -- backward and parameter statistics through device rows ------------------------------------------------------

@@ -13,6 +13,7 @@ Two things must not happen inside a hook on a GPU: waiting for the device (``.it
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import threading
 from collections import deque
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+_logger = logging.getLogger(__name__)
 
 FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")  # a row reduced with torch ops
 RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")  # a row summed by the Triton kernel
@@ -228,10 +231,15 @@ def fused_kernel(x: torch.Tensor) -> Any:
 
 def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> bool:
     """Reduces a real tensor into one row without reading anything back; True when the row holds raw sums."""
+    global _triton
     kernel = fused_kernel(x)
     if kernel is not None:
-        kernel.reduce_row(x, values, counts, counted)
-        return True
+        try:
+            kernel.reduce_row(x, values, counts, counted)
+            return True
+        except Exception as error:  # Triton too old for the kernel, an unsupported GPU: compile or launch failed
+            _triton = False
+            _logger.warning("torchtrace: the Triton statistics kernel failed (%s); using torch ops from now on", error)
     reduce_into(x if x.dtype == torch.float32 else x.float(), values, counts, counted)
     return False
 
