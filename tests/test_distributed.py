@@ -6,6 +6,7 @@ made slow is the one that waits least in all-reduce; each rank serves its own me
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -146,36 +147,52 @@ def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_me
     assert comm_seconds(scraped[1], 1) < comm_seconds(scraped[0], 0)  # the straggler panel's signal
 
 
+USER_COMM_HOOK_JOB = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtrace
+
+calls = []
+
+def my_hook(state, bucket):  # the user's hook: fp16 compression, counted
+    calls.append(bucket.index())
+    return fp16_compress_hook(state, bucket)
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with torchtrace.instrument(model, exporter="none", optimizer=optimizer, comm_hook=(my_hook, None)) as handle:
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.flush()
+    names = [call.name for call in handle.records]
+print(json.dumps({"calls": calls, "names": names}), flush=True)
+# Tearing down a gloo group whose threads still release Python future callbacks can deadlock inside torch
+# (the Reducer's destructor joins them holding the GIL): the job ends without running destructors.
+os._exit(0)
+"""
+
+
 def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
-    from torch.nn.parallel import DistributedDataParallel
-
-    import torchtrace
-
-    calls = []
-
-    def my_hook(state, bucket):  # the user's hook: fp16 compression, counted
-        calls.append(bucket.index())
-        return fp16_compress_hook(state, bucket)
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with torchtrace.instrument(
-            model, exporter="none", optimizer=optimizer, comm_hook=(my_hook, None), print_summary=False
-        ) as handle:
-            for _ in range(2):
-                model(torch.randn(4, 8)).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            handle.flush()
-            names = [call.name for call in handle.records]
-        assert calls, "the user's hook still runs"
-        assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
-        assert names.count("rank 0") == 2 and names.count("train_step") == 2
-    finally:
-        dist.destroy_process_group()
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", USER_COMM_HOOK_JOB, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["calls"], "the user's hook still runs"
+    names = report["names"]
+    assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
+    assert names.count("rank 0") == 2 and names.count("train_step") == 2
