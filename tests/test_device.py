@@ -23,6 +23,7 @@ from torch import nn
 
 import torchtrace
 import torchtrace._device as device_module
+from torchtrace._comm import timed_comm_hook
 from torchtrace._device import EventTimer
 from torchtrace.testing import capture_spans
 
@@ -435,3 +436,41 @@ def test_the_triton_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
     built = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(built) == 12
     assert all(cubin for *_, cubin in built)
+
+
+class Bucket:
+    """What DDP hands a comm hook: one bucket of gradients."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+    def is_last(self) -> bool:
+        return True
+
+
+def test_all_reduce_spans_take_their_durations_from_device_events(device_clock):
+    """On CUDA the comm hook's future completes before the kernels do: the span is timed with events."""
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    all_reduce = torch.futures.Future()
+
+    def inner(state, bucket):  # an all-reduce that takes 7 ms of device time once launched
+        return all_reduce
+
+    with capture_spans(model, schedule=torchtrace.every(1)) as captured:
+        hook, state = timed_comm_hook(captured.handle._steps, inner)
+        model(torch.zeros(2))
+        result = hook(state, Bucket(torch.ones(3)))
+        device_clock.now_ms += 7.0
+        all_reduce.set_result(torch.ones(3))
+        assert torch.equal(result.wait(), torch.ones(3))
+        captured.handle.step()
+        span = captured.span("allreduce bucket 0")
+        assert duration_ms(span) == pytest.approx(7.0)
+        forward = captured.span("Sequential")
+        assert (span.start_time - forward.start_time) / 1e6 == pytest.approx(1.0)  # after the forward's kernel

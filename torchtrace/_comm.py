@@ -2,8 +2,9 @@
 
 DDP calls its comm hook when a bucket of gradients is ready and waits on the returned future. Timing from the
 call to the future's completion is this rank's wait for that bucket: a rank that arrives late (the straggler)
-finds the others ready and waits least. With NCCL, the future completes after a stream sync, not on GPU
-completion: the time includes the launch queue.
+finds the others ready and waits least. On CUDA the future completes before the kernels do, so the span is timed
+with events instead: one on the gradients' stream before the all-reduce is launched, one recorded from the
+future's callback, on a stream that waits for the all-reduce's kernels.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any 
         inner, inner_state = allreduce_hook, None  # None: the default process group
 
     def hook(state, bucket):  # noqa: ANN001 -- DDP rejects annotations other than the real classes
+        timer = steps.timer  # CUDA: the step's event timer
         start = time.perf_counter_ns()
+        start_mark = timer.mark() if timer is not None else None  # on the stream that produced the gradients
         future = inner(state, bucket)
         index, size, is_last = (
             bucket.index(),
@@ -57,7 +60,9 @@ def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any 
         )
 
         def finished(done: torch.futures.Future) -> Any:
-            steps.record_comm(index, size, start, time.perf_counter_ns(), is_last)
+            # CUDA futures run this on a stream that waits for the all-reduce kernels: the mark is their end
+            end_mark = timer.mark() if timer is not None else None
+            steps.record_comm(index, size, start, time.perf_counter_ns(), is_last, (start_mark, end_mark))
             return done.value()
 
         return future.then(finished)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
@@ -228,20 +228,25 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
             kind="phase",
         )
 
+    on_step_clock = _device_clock(record)
+    comm = [  # (bucket, bytes, start, end, is_last) on the step's clock; CUDA: from the all-reduce's events
+        (bucket, size, on_step_clock(marks[0], start), on_step_clock(marks[1], end), is_last)
+        for bucket, size, start, end, is_last, marks in record.comm
+    ]
     attributes = {"torchtrace.step": record.number}
     rank = record.rank
     if rank is None:
         calls = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
     else:  # one root for all ranks (rank 0 sends it), each rank's step under it: Jaeger shows them side by side
         attributes["torchtrace.rank"] = rank.rank
-        if record.comm:
-            attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in record.comm) / 1e9
+        if comm:
+            attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in comm) / 1e9
         root = record.root_span_id
         calls = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
         if rank.rank == 0:
             root_attributes = {"torchtrace.step": record.number, "torchtrace.world_size": rank.world_size}
             calls.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
-    for bucket, size, start, end, is_last in record.comm:
+    for bucket, size, start, end, is_last in comm:
         calls.append(
             phase(
                 f"allreduce bucket {bucket}",
@@ -259,27 +264,41 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
     if record.optimizer_ns:
         start, end = record.optimizer_ns
         calls.append(phase("optimizer.step", start + offset, end + offset))
-    calls.extend(_backward_calls(record, forward_of, phase))
+    calls.extend(_backward_calls(record, forward_of, phase, on_step_clock))
     for forward in record.forwards:
         _release(forward)
     if record.device is not None:
-        record.device.release(event[4] for event in record.backward_events)
+        marks = [event[4] for event in record.backward_events]
+        record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
     return calls
 
 
-def _backward_calls(record: StepRecord, forward_of: dict, phase: Any) -> list[ModuleCall]:
+def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
+    """(CUDA event or None, host perf_counter ns) -> ns on the step's clock. Events are placed by their distance
+    from the start event of the step's first forward (at that forward's host start), as its module calls are."""
+    origin = next((fw for fw in record.forwards if fw.entries[0][START_EVENT] is not None), None)
+    if origin is None:
+        return lambda mark, host_ns: host_ns
+    root = origin.entries[0]
+    origin_event, origin_ns = root[START_EVENT], root[START] + origin.clock_offset_ns - record.clock_offset_ns
+
+    def on_step_clock(mark: Any, host_ns: int) -> int:
+        return host_ns if mark is None else origin_ns + elapsed_ns(origin_event, mark)
+
+    return on_step_clock
+
+
+def _backward_calls(
+    record: StepRecord, forward_of: dict, phase: Any, on_step_clock: Callable[[Any, int], int]
+) -> list[ModuleCall]:
     offset = record.clock_offset_ns
-    # CUDA: backward marks are placed by their distance from the step's first forward's start event
-    anchor = next((fw for fw in record.forwards if fw.entries[0][START_EVENT] is not None), None)
     starts: dict[int, tuple[int, dict]] = {}
     ends: dict[int, tuple[int, dict]] = {}
     for entry, event, time_ns, grads, mark in record.backward_events:
         key = id(entry)
         if key not in forward_of:
             continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
-        if anchor is not None and mark is not None:  # on this step's clock offset, like the host times
-            root = anchor.entries[0]
-            time_ns = root[START] + anchor.clock_offset_ns - offset + elapsed_ns(root[START_EVENT], mark)
+        time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
         if event == BACKWARD_START:
             starts.setdefault(key, (time_ns + offset, grads))
         else:

@@ -225,6 +225,8 @@ class HookRecorder:
         forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns, device)
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
+            if state.timer is not None:
+                steps.timer = state.timer  # the step's backward and all-reduce marks use it too
             if steps.pending_calls + len(entries) > self.options.max_pending_calls:
                 self.buffer.drop(len(entries), "training step never closed: call handle.step() each step")
             else:

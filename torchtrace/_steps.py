@@ -46,7 +46,7 @@ class StepRecord:
     param_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # id(entry) -> parameter norms
     rank: RankInfo | None = None
     root_span_id: int = 0  # the step's root shared by all ranks (distributed), emitted by rank 0; else 0
-    comm: list = field(default_factory=list)  # (bucket index, bytes, perf start, perf end, is_last)
+    comm: list = field(default_factory=list)  # (bucket, bytes, perf start, perf end, is_last, (start, end events))
     device: DeviceWork | None = None  # gradient and parameter statistics, backward timing events, on the device
 
 
@@ -128,10 +128,13 @@ class StepTracker:
         if self.param_stats:
             self.parameter_owners.append((entry, module))
 
-    def record_comm(self, bucket: int, size: int, start: int, end: int, is_last: bool) -> None:
-        """One gradient bucket's all-reduce (from DDP's comm hook; may run on a comm thread)."""
+    def record_comm(
+        self, bucket: int, size: int, start: int, end: int, is_last: bool, marks: tuple = (None, None)
+    ) -> None:
+        """One gradient bucket's all-reduce (from DDP's comm hook; may run on a comm thread); ``marks``: its CUDA
+        start and end events, if any."""
         if self.traced:
-            self.comm.append((bucket, size, start, end, is_last))
+            self.comm.append((bucket, size, start, end, is_last, marks))
 
     # -- optimizer hooks ----------------------------------------------------------------------------------------
 
@@ -229,6 +232,7 @@ class StepTracker:
         if self.timer is not None:
             marks = [event[4] for event in self.events if event[4] is not None]
             work.done.extend(marks[-1:])
+            work.done.extend(end for *_, (_, end) in self.comm if end is not None)  # recorded on side streams
             finished = completion_event(self.timer.device)  # after backward: autograd joined its streams
             if finished is not None:
                 work.done.append(finished)
