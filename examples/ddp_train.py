@@ -30,9 +30,11 @@ def main() -> None:
     parser.add_argument("--linger", type=float, default=0.0, help="seconds to keep serving metrics after training")
     args = parser.parse_args()
 
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.backend == "nccl" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator and every kernel of this rank on its own GPU
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.backend == "nccl" else "cpu")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)  # small buckets: several all-reduce spans per step
