@@ -4,7 +4,11 @@ from CUDA events, and a traced forward, backward and step make no synchronizing 
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -136,3 +140,45 @@ def test_cuda_graph_capture_of_a_traced_model_is_not_traced_and_replays():
         torch.cuda.synchronize()
         assert torch.allclose(static_output, model(static_input))
         assert len(captured.spans_named("Sequential")) == 2  # the warm-up and the last eager call, not the capture
+
+
+ONE_RANK_NCCL_JOB = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtrace
+
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 8)).cuda())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+with torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer) as handle:
+    for _ in range(3):
+        model(torch.randn(64, 256, device="cuda")).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    handle.flush()
+    spans = [(call.name, call.end_ns - call.start_ns) for call in handle.records]
+print(json.dumps(spans), flush=True)
+os._exit(0)  # no process-group teardown: not what this checks
+"""
+
+
+def test_nccl_all_reduce_spans_are_timed_on_the_device(tmp_path):
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    result = subprocess.run(
+        [sys.executable, "-c", ONE_RANK_NCCL_JOB, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MASTER_ADDR": "127.0.0.1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    spans = json.loads(result.stdout.strip().splitlines()[-1])
+    all_reduces = [duration for name, duration in spans if name.startswith("allreduce bucket")]
+    assert len(all_reduces) >= 3 and all(duration > 0 for duration in all_reduces)
+    assert sum(name == "train_step" for name, _ in spans) == 3
