@@ -3,6 +3,8 @@ and the example inference server, whose request spans parent the model spans."""
 
 from __future__ import annotations
 
+import gc
+import io
 import json
 import os
 import subprocess
@@ -19,7 +21,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from otlp_receiver import OtlpHttpReceiver
 from torch import nn
 
+import torchtrace
 from torchtrace import _handle
+from torchtrace._run import _print_summaries
 from torchtrace.cli import main
 from torchtrace.instrumentation import TorchInstrumentor
 
@@ -223,3 +227,15 @@ def test_config_reports_an_invalid_variable_like_instrument_would(monkeypatch, c
 def test_run_refuses_a_missing_script(capsys) -> None:
     assert main(["run", "no_such_script.py"]) == 2
     assert "no such script" in capsys.readouterr().err
+
+
+def test_the_exit_summary_names_a_model_that_is_already_gone():
+    model = nn.Sequential(nn.Linear(2, 2))
+    handle = torchtrace.instrument(model, exporter="none")
+    model(torch.randn(1, 2))
+    handle.remove()
+    del model
+    gc.collect()  # a script's globals are gone by the time `torchtrace run` prints its summaries
+    err = io.StringIO()
+    _print_summaries([handle], err)
+    assert "torchtrace: Sequential (none exporter)" in err.getvalue()

@@ -69,6 +69,7 @@ class TraceHandle:
             post = self._recorder.forward_post_hook(index)
             self._hook_handles.append(module.register_forward_hook(post, always_call=True))
         self._model_ref = weakref.ref(model)
+        self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
         self._removed = False
         _instrumented[model] = self
         _live_handles.add(self)

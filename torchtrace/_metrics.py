@@ -252,9 +252,7 @@ class MetricsSink(Collector):
         """
         with self._lock:
             if self.model is None:
-                model = handle.model
-                if model is not None:
-                    self.model = type(model).__name__
+                self.model = getattr(handle, "model_name", None)
             self._watched.append(_Watched(weakref.ref(handle), str(getattr(handle, "exporter", "unknown"))))
 
     # -- the collector: runs on the scraping thread ---------------------------------------------------------------

@@ -138,7 +138,10 @@ def _auto_exporter() -> str:
     return "file: no endpoint set"
 
 
-def print_config(keywords: Mapping[str, Any] | None = None, *, as_json: bool = False, out: TextIO = sys.stdout) -> None:
+def print_config(
+    keywords: Mapping[str, Any] | None = None, *, as_json: bool = False, out: TextIO | None = None
+) -> None:
+    out = out or sys.stdout  # looked up at call time: redirections made after import are honoured
     rows = effective_config(keywords)
     if as_json:
         import json
@@ -237,10 +240,8 @@ def _print_summaries(handles: Sequence[Any], err: TextIO) -> None:
         print("torchtrace: no model was called", file=err)
         return
     for handle in handles:
-        model = handle.model
-        name = type(model).__name__ if model is not None else "model"
         dropped = f", {handle.dropped_calls} calls dropped" if handle.dropped_calls else ""
         failed = f", {handle.failed_spans} spans failed to export" if handle.failed_spans else ""
-        print(f"\ntorchtrace: {name} ({handle.exporter} exporter{dropped}{failed})", file=err)
+        print(f"\ntorchtrace: {handle.model_name} ({handle.exporter} exporter{dropped}{failed})", file=err)
         print(handle.summary(limit=30), file=err)
     err.flush()
