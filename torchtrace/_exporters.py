@@ -44,6 +44,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torchtrace import _fork  # noqa: F401 - re-arms live handles in a forked child (new worker, new senders)
 from torchtrace._calls import ModuleCall
 from torchtrace._otlp_encoding import encode_export_request
+from torchtrace._otlp_json import encode_otlp_json
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -102,9 +103,10 @@ for _name in _SDK_EXPORTER_LOGGERS:
 
 @dataclass(frozen=True, slots=True)
 class EncodedSpans:
-    """One serialized ExportTraceServiceRequest and how many spans it holds."""
+    """One serialized ExportTraceServiceRequest and how many spans it holds: protobuf bytes, or OTLP/JSON text for
+    a sender whose ``encode_request`` makes JSON."""
 
-    payload: bytes
+    payload: bytes | str
     span_count: int
 
 
@@ -284,9 +286,11 @@ def request_to_otlp_json(payload: bytes) -> str:
 class JsonFileSender:
     """Appends one OTLP/JSON line per request to ``path`` (the OTLP file exporter format). Thread-safe.
 
-    Converting to JSON goes through protobuf objects, so it costs what the SDK encoder costs: meant for debugging
-    and offline collection, not for the hot path.
+    ``OtlpSink`` encodes straight to JSON for it (``encode_request``); protobuf bytes (the SDK exporter's) are
+    converted through protobuf objects, which costs what the SDK encoder costs.
     """
+
+    encode_request = staticmethod(encode_otlp_json)
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -295,7 +299,8 @@ class JsonFileSender:
         self._closed = False
 
     def send(self, spans: EncodedSpans) -> bool:
-        line = request_to_otlp_json(spans.payload) + "\n"
+        payload = spans.payload
+        line = (payload if isinstance(payload, str) else request_to_otlp_json(payload)) + "\n"
         with self._lock:
             if self._closed:
                 return False
@@ -361,6 +366,7 @@ class OtlpSink:
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
     ) -> None:
         self.sender = sender
+        self._encode = getattr(sender, "encode_request", encode_export_request)  # protobuf unless it wants JSON
         self.resource = resource if resource is not None else default_resource()
         self.scope_name = scope_name
         self.scope_version = scope_version
@@ -384,7 +390,7 @@ class OtlpSink:
             if not self._shut_down and not (self._failing and time.monotonic() < self._retry_at):
                 _send_state.active, _send_state.last = True, None
                 try:
-                    payload = encode_export_request(chunk, self.resource, self.scope_name, self.scope_version)
+                    payload = self._encode(chunk, self.resource, self.scope_name, self.scope_version)
                     ok = self.sender.send(EncodedSpans(payload, len(chunk)))
                 except Exception as e:  # a sink must not break the traced program
                     reason = f"{type(e).__name__}: {e}"

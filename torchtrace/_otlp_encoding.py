@@ -161,8 +161,9 @@ def _bounded(attributes: Mapping[str, Any], count: int | None, length: int | Non
     return dict(bounded), bounded.dropped
 
 
-def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None = None) -> bytes:
-    """Span.events entry like SDK ``record_exception`` (without the deprecated ``exception.escaped``)."""
+def exception_attributes(error: BaseException, limits: _Limits | None = None) -> tuple[dict[str, str], int]:
+    """The attributes of SDK ``record_exception``'s event (without the deprecated ``exception.escaped``), bounded
+    by the event limits, and how many were dropped."""
     etype = type(error)
     module, qualname = etype.__module__, etype.__qualname__
     attrs = {
@@ -170,9 +171,18 @@ def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None 
         "exception.message": str(error),
         "exception.stacktrace": "".join(traceback.format_exception(error)),
     }
-    dropped = 0
-    if limits is not None:
-        attrs, dropped = _bounded(attrs, limits.event_attributes, limits.event_value_length)
+    if limits is None:
+        return attrs, 0
+    return _bounded(attrs, limits.event_attributes, limits.event_value_length)
+
+
+def status_message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None = None) -> bytes:
+    """Span.events entry like SDK ``record_exception``."""
+    attrs, dropped = exception_attributes(error, limits)
     body = b"\x09" + _PACK_Q(time_ns) + _ld(b"\x12", b"exception") + _attributes(b"\x1a", attrs)
     if dropped:
         body += b"\x20" + _varint(dropped)  # Event.dropped_attributes_count
@@ -244,7 +254,7 @@ def _build(
         put(b"\x50" + _varint(dropped))  # Span.dropped_attributes_count
     if call.error is not None:
         put(_exception_event(call.error, call.end_ns, limits))
-        message = f"{type(call.error).__name__}: {call.error}".encode()
+        message = status_message(call.error).encode()
         put(_ld(b"\x7a", _ld(b"\x12", message) + b"\x18\x02"))  # Status{message, code=ERROR}
     else:
         put(_STATUS_UNSET)

@@ -1,0 +1,105 @@
+"""The file exporter's OTLP/JSON, written straight from the calls, equals protobuf's own JSON mapping of the bytes
+the OTLP exporters send (``json_format`` on ``encode_export_request``'s output, ids in hex), value for value."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_otlp_encoding import RESOURCE, SCOPE, T0, TRACE_ID, call, remote_child, sample_calls
+
+from torchtrace._calls import ModuleCall
+from torchtrace._exporters import request_to_otlp_json
+from torchtrace._otlp_encoding import encode_export_request
+from torchtrace._otlp_json import encode_otlp_json
+
+
+def through_protobuf(calls: list[ModuleCall]) -> dict:
+    return json.loads(request_to_otlp_json(encode_export_request(calls, RESOURCE, *SCOPE)))
+
+
+def direct(calls: list[ModuleCall]) -> dict:
+    return json.loads(encode_otlp_json(calls, RESOURCE, *SCOPE))
+
+
+def test_same_json_as_protobufs_mapping():
+    calls = [*sample_calls(), remote_child()]
+    assert direct(calls) == through_protobuf(calls)
+
+
+def test_ids_are_hex_and_times_strings_as_otlp_json_has_them():
+    span = direct([call("layers.0", 0xAB, 0x10, 5, 9, {"mean": 0.5})])["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    assert span["traceId"] == f"{TRACE_ID:032x}"
+    assert (span["spanId"], span["parentSpanId"]) == ("00000000000000ab", "0000000000000010")
+    assert (span["startTimeUnixNano"], span["endTimeUnixNano"]) == (str(T0 + 5), str(T0 + 9))
+    assert span["attributes"] == [{"key": "mean", "value": {"doubleValue": 0.5}}]
+
+
+def test_cached_templates_never_carry_values_from_one_call_to_the_next():
+    first = call("m", 1, 0, 0, 1, {"shape": [2, 3], "mean": 0.5, "note": "100%"})
+    second = call("m", 2, 0, 2, 3, {"shape": [2, 3], "mean": -1.25, "note": "100%"})
+    other_shape = call("m", 3, 0, 4, 5, {"shape": [4, 3], "mean": float("nan"), "note": "%s %d"})
+    for calls in ([first], [second, other_shape], [first, second, other_shape]):
+        assert direct(calls) == through_protobuf(calls)
+
+
+def test_unusual_values_take_the_per_span_path_and_still_agree():
+    calls = [
+        ModuleCall("m", "M", 0, TRACE_ID, 5, 0, T0, T0 + 1, {"i": np.int64(7), "f": np.float32(0.5), "x": 2.0}),
+        ModuleCall("m", "M", 0, TRACE_ID, 6, 5, T0, T0 + 1, {"big": 2**70, "ok": 1, "b": b"\x00\xff", "n": None}),
+        ModuleCall("m", "M", 0, TRACE_ID, 7, 0, T0, T0 + 1, {"s": 3, "k": 2.5}),
+        ModuleCall("m", "M", 0, TRACE_ID, 8, 0, T0, T0 + 1, {"s": 4.5, "k": 7}),
+        ModuleCall("m", "M", 0, TRACE_ID, 9, 0, T0, T0 + 1, {"map": {"a": 1, "b": [1.5, None]}, "e": [], "": "x"}),
+    ]
+    assert direct(calls) == through_protobuf(calls)
+
+
+def test_span_limits_apply_as_on_the_protobuf_path(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "3")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "4")
+    calls = [call("m", 1, 0, 0, 1, {f"k{i}": float(i) for i in range(6)}), call("m", 2, 0, 0, 1, {"s": "long text"})]
+    result = direct(calls)
+    assert result == through_protobuf(calls)
+    spans = result["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert spans[0]["droppedAttributesCount"] == 3
+    assert spans[1]["attributes"] == [{"key": "s", "value": {"stringValue": "long"}}]
+
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+)
+values = scalars | st.lists(scalars, max_size=3) | st.tuples(st.integers(), st.integers())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.text(max_size=6), values, max_size=6), min_size=1, max_size=4))
+def test_any_attributes_encode_as_protobufs_mapping_does(attribute_sets):
+    calls = [call("m", index + 1, 0, index, index + 1, attributes) for index, attributes in enumerate(attribute_sets)]
+    assert direct(calls) == through_protobuf(calls)
+
+
+def test_the_file_exporter_writes_it(tmp_path):
+    import torch
+
+    import torchtrace
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
+    path = tmp_path / "traces.jsonl"
+    with torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle:
+        model(torch.randn(2, 3))
+        handle.flush()
+        records = {record.name: record for record in handle.records}
+    (line,) = path.read_text().splitlines()
+    spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert [span["name"] for span in spans] == ["Sequential", "0", "1"]
+    linear = next(span for span in spans if span["name"] == "0")
+    assert linear["spanId"] == f"{records['0'].span_id:016x}"
+    mean = next(a for a in linear["attributes"] if a["key"] == "torchtrace.output.mean")["value"]["doubleValue"]
+    assert math.isclose(mean, records["0"].attributes["torchtrace.output.mean"])
