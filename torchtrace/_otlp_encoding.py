@@ -299,7 +299,7 @@ class _Shape:
         self.float_positions = frozenset(i for i, v in enumerate(values) if type(v) is float)
         self.floats = _getter(sorted(self.float_positions))
         self.others = _getter([i for i in range(len(values)) if i not in self.float_positions])
-        self.variants: dict[bytes, _Template] = {}  # marshal(non-float values) -> template
+        self.variants: dict[bytes, Any] = {}  # marshal(non-float values) -> template (protobuf or JSON)
 
 
 def _getter(indices: list[int]) -> Any:

@@ -30,9 +30,9 @@ from torchtrace._otlp_encoding import (
     _INT64_MAX,
     _INT64_MIN,
     _bounded,
-    _getter,
     _Limits,
     _over_limits,
+    _Shape,
     _trace_state_str,
     exception_attributes,
     status_message,
@@ -146,7 +146,7 @@ def _dumps(value: Any) -> str:
 class _Template:
     """A span's JSON text as a ``%`` format: slots for ids, times and float attribute values, in that order."""
 
-    __slots__ = ("text", "has_parent", "floats")
+    __slots__ = ("text", "has_parent")
 
     def __init__(self, call: ModuleCall, trace_state: str | None, float_positions: frozenset[int]) -> None:
         pieces: list[str] = []  # static text, with "%s" where a value goes
@@ -176,22 +176,9 @@ class _Template:
         remote = call.parent_span_id and call.parent_is_remote
         static(',"status":{},"flags":' + str(_FLAG_HAS_IS_REMOTE | (_FLAG_IS_REMOTE if remote else 0)) + "}")
         self.text = "".join(pieces)
-        self.floats = float_positions
 
 
-class _Shape:
-    """What is fixed per (name, parent kind, trace state, keys): where the float values are; its templates."""
-
-    __slots__ = ("float_positions", "floats", "others", "variants")
-
-    def __init__(self, values: tuple) -> None:
-        self.float_positions = frozenset(i for i, v in enumerate(values) if type(v) is float)
-        self.floats = _getter(sorted(self.float_positions))
-        self.others = _getter([i for i in range(len(values)) if i not in self.float_positions])
-        self.variants: dict[bytes, _Template] = {}  # marshal(non-float values) -> template
-
-
-_shapes: dict[tuple, _Shape] = {}
+_shapes: dict[tuple, _Shape] = {}  # as _otlp_encoding's cache, its variants holding JSON templates
 _MAX_SHAPES, _MAX_VARIANTS = 4096, 64
 _FLOAT = frozenset((float,))
 
