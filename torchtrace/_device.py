@@ -154,7 +154,7 @@ class StatRows:
         if self._host is None:
             if not self.sealed:
                 raise RuntimeError("torchtrace: statistics rows read before their copy to the host was started")
-            if self.done is not None:
+            if self.done is not None and not self.done.query():  # query: no sync when done (the worker's case)
                 self.done.synchronize()
             used = self._used
             self._host = (
@@ -186,7 +186,8 @@ class DeviceWork:
 
     def wait(self) -> None:
         for event in self.done:
-            event.synchronize()
+            if not event.query():
+                event.synchronize()
 
     def release(self, timing_events: Iterable[Any] = ()) -> None:
         for rows in self.rows:
