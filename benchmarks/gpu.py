@@ -11,6 +11,8 @@ Three questions, answered on one CUDA device in one run:
    so all variants run with it off (same math); `none_fastpath` shows what the fast path alone is worth.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
    timed with CUDA events (median of many runs). Target: within 5%.
+   Also reported: the host's time per forward until the loop returned, to tell a host-bound variant (hooks and
+   launches slower than the device) from a device-bound one.
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
    torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
 
@@ -83,8 +85,9 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
     return variants
 
 
-def timed(variant: Variant, x: torch.Tensor, forwards: int) -> float:
-    """Seconds per forward for one repetition: N forwards, the flush, and the device's completion."""
+def timed(variant: Variant, x: torch.Tensor, forwards: int) -> tuple[float, float]:
+    """Seconds per forward for one repetition: N forwards, the flush, and the device's completion; and the host's
+    share: seconds per forward until the last forward returned (launches and hooks; the device may still run)."""
     variant.before()
     try:
         torch.cuda.synchronize()
@@ -92,9 +95,10 @@ def timed(variant: Variant, x: torch.Tensor, forwards: int) -> float:
         with torch.inference_mode():
             for _ in range(forwards):
                 variant.model(x)
+        launched = time.perf_counter()
         variant.flush()
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) / forwards
+        return (time.perf_counter() - start) / forwards, (launched - start) / forwards
     finally:
         variant.after()
 
@@ -107,10 +111,13 @@ def overhead(base: nn.Module, batch: int, seq: int, forwards: int, repeats: int)
             for variant in variants:  # warm-up: allocator, Triton compilation, event and row pools
                 timed(variant, x, 3)
             samples: dict[str, list[float]] = {variant.name: [] for variant in variants}
+            host: dict[str, list[float]] = {variant.name: [] for variant in variants}
             for round_number in range(repeats):
                 shift = round_number % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
-                    samples[variant.name].append(timed(variant, x, forwards))
+                    total, launched = timed(variant, x, forwards)
+                    samples[variant.name].append(total)
+                    host[variant.name].append(launched)
         finally:
             for variant in variants:
                 variant.close()
@@ -118,6 +125,8 @@ def overhead(base: nn.Module, batch: int, seq: int, forwards: int, repeats: int)
     none = medians["none"]
     return {
         "ms_per_forward": {name: round(value * 1e3, 4) for name, value in medians.items()},
+        # host time per forward until the loop ended: above ms_per_forward's device share, the host is the bound
+        "host_ms_per_forward": {name: round(statistics.median(values) * 1e3, 4) for name, values in host.items()},
         "x_none": {name: round(value / none, 4) for name, value in medians.items()},
         "iqr_pct": {name: round(_iqr(values) / statistics.median(values) * 100, 1) for name, values in samples.items()},
     }
