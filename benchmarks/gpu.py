@@ -10,7 +10,9 @@ Three questions, answered on one CUDA device in one run:
    <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks disable torch's fused encoder fast path,
    so all variants run with it off (same math); `none_fastpath` shows what the fast path alone is worth.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
-   timed with CUDA events (median of many runs). Target: within 5%.
+   timed with CUDA events (median of many runs). Target: within 5%. Measured with spans only ("timing": the
+   fidelity of event timing) and with every statistic on ("timing_with_stats": a container's span then also
+   holds its children's statistics kernels).
    Also reported: the host's time per forward until the loop returned, to tell a host-bound variant (hooks and
    launches slower than the device) from a device-bound one.
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
@@ -139,8 +141,9 @@ def _iqr(values: Sequence[float]) -> float:
     return quartiles[2] - quartiles[0]
 
 
-def timing_accuracy(base: nn.Module, runs: int) -> dict[str, Any]:
-    """Median span duration per module vs the module alone on the same input, timed with CUDA events."""
+def timing_accuracy(base: nn.Module, runs: int, stats: bool) -> dict[str, Any]:
+    """Median span duration per module vs the module alone on the same input, timed with CUDA events. With
+    statistics on, a container's span also holds its children's statistics kernels (work tracing adds)."""
     model = copy.deepcopy(base)
     x = torch.randn(16, 512, 768, device="cuda", dtype=torch.bfloat16)
     modules = dict(model.named_modules())
@@ -157,7 +160,7 @@ def timing_accuracy(base: nn.Module, runs: int) -> dict[str, Any]:
         model(x)
     for keeper in keepers:
         keeper.remove()
-    with torchtrace.instrument(model, exporter="none", max_records=runs * 200) as handle:
+    with torchtrace.instrument(model, exporter="none", max_records=runs * 200, stats=stats) as handle:
         with torch.inference_mode():
             for _ in range(runs):
                 model(x)
@@ -237,13 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.update(config, met=ratio <= config["target"])
         report["configs"].append(result)
         print(json.dumps(result), flush=True)
-    accuracy = timing_accuracy(base, runs=5 if args.quick else 30)
-    report["timing"] = {
-        "modules": accuracy,
-        "max_error": max(entry["error"] for entry in accuracy.values()),
-        "target": TIMING_TARGET,
-    }
-    report["timing"]["met"] = report["timing"]["max_error"] <= TIMING_TARGET
+    runs = 5 if args.quick else 30
+    for name, stats in (("timing", False), ("timing_with_stats", True)):
+        accuracy = timing_accuracy(base, runs, stats)
+        worst = max(entry["error"] for entry in accuracy.values())
+        report[name] = {"modules": accuracy, "max_error": worst, "target": TIMING_TARGET, "met": worst <= TIMING_TARGET}
     report["host_syncs"] = host_syncs(base)
     print(json.dumps({"gpu": report}))
     return 0

@@ -67,13 +67,17 @@ def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> Non
     assert [(config["batch"], config["seq"]) for config in report["configs"]] == [(16, 512), (1, 128)]
     for config in report["configs"]:
         assert set(config["x_none"]) == {"none", "none_fastpath", "torchtrace", "torchtrace_torch_ops"}
-    assert set(report["timing"]["modules"]) == {
-        "layers.0.linear1",
-        "layers.0.self_attn",
-        "layers.0.norm1",
-        "layers.5",
-        "layers.11.linear2",
-    }
+    assert (
+        set(report["timing_with_stats"]["modules"])
+        == set(report["timing"]["modules"])
+        == {
+            "layers.0.linear1",
+            "layers.0.self_attn",
+            "layers.0.norm1",
+            "layers.5",
+            "layers.11.linear2",
+        }
+    )
     assert report["host_syncs"]["added"] == 0
 
 
