@@ -5,8 +5,8 @@ Three questions, answered on one CUDA device in one run:
 1. Overhead. Variants, each on its own copy of the model, timed round-robin (the starting variant rotates every
    round): `none` (no hooks), `torchtrace` (a span per module call, every statistic on every module's output,
    CUDA-event timing, the embedded file exporter), and `torchtrace_torch_ops` (the same, with the statistics reduced
-   by torch ops instead of the fused Triton kernel). One timed repetition = N forwards under inference_mode, then
-   the variant's flush, then torch.cuda.synchronize(): device work and export are inside the window. Targets:
+   by torch ops instead of the fused Triton kernel). One timed repetition = N forwards under inference_mode (or
+   no_grad), then the variant's flush, then torch.cuda.synchronize(): device work and export are in the window. Targets:
    <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks disable torch's fused encoder fast path,
    so all variants run with it off (same math); `none_fastpath` shows what the fast path alone is worth.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
@@ -48,6 +48,8 @@ from torchtrace import _device  # noqa: E402
 CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
+GRAD_MODE: Callable[[], Any] = torch.inference_mode  # --grad-mode no_grad: tensors keep version counters, so a
+# container returning its child's tensor reuses the child's statistics (inference tensors are summarised again)
 
 
 def encoder() -> nn.Module:
@@ -94,7 +96,7 @@ def timed(variant: Variant, x: torch.Tensor, forwards: int) -> tuple[float, floa
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.inference_mode():
+        with GRAD_MODE():
             for _ in range(forwards):
                 variant.model(x)
         launched = time.perf_counter()
@@ -156,12 +158,12 @@ def timing_accuracy(base: nn.Module, runs: int, stats: bool) -> dict[str, Any]:
         return hook
 
     keepers = [modules[path].register_forward_pre_hook(keep(path), with_kwargs=True) for path in TIMED_MODULES]
-    with torch.inference_mode():
+    with GRAD_MODE():
         model(x)
     for keeper in keepers:
         keeper.remove()
     with torchtrace.instrument(model, exporter="none", max_records=runs * 200, stats=stats) as handle:
-        with torch.inference_mode():
+        with GRAD_MODE():
             for _ in range(runs):
                 model(x)
         records = handle.records
@@ -180,7 +182,7 @@ def timing_accuracy(base: nn.Module, runs: int, stats: bool) -> dict[str, Any]:
 
 def _alone_ms(module: nn.Module, args: tuple, kwargs: dict, runs: int) -> float:
     times = []
-    with torch.inference_mode():
+    with GRAD_MODE():
         for _ in range(runs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -196,7 +198,7 @@ def host_syncs(base: nn.Module) -> dict[str, int]:
     x = torch.randn(1, 128, 768, device="cuda", dtype=torch.bfloat16)
 
     def count(model: nn.Module) -> int:
-        with torch.inference_mode():
+        with GRAD_MODE():
             model(x)  # warm-up: first-use allocations and compilations may synchronize
             torch.cuda.synchronize()
             with warnings.catch_warnings(record=True) as caught:
@@ -220,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
+    parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
     args = parser.parse_args(argv)
+    global GRAD_MODE
+    GRAD_MODE = torch.no_grad if args.grad_mode == "no_grad" else torch.inference_mode
     if not torch.cuda.is_available():
         print(json.dumps({"gpu": {"skipped": "no CUDA device"}}))
         return 0
@@ -231,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "grad_mode": args.grad_mode,
         "fused_kernel": _device.fused_kernel(torch.empty(1, device="cuda", dtype=torch.bfloat16)) is not None,
         "configs": [],
     }
