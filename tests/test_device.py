@@ -156,8 +156,9 @@ def test_the_triton_kernel_gives_torchs_statistics(triton_kernel, dtype, rel):
         torch.tensor([7.0]),
         torch.tensor(-2.5),
         torch.randn(9000) * 0.01 + 1e4,  # several programs, several blocks each; a large mean
+        torch.cat([torch.tensor([-50.0]), torch.randn(8999) * 0.01 + 1e3]),  # the first element far from the rest
     ],
-    ids=["nan-and-inf", "minus-inf", "both-infs", "inf-first", "one-element", "zero-dim", "large-mean"],
+    ids=["nan-and-inf", "minus-inf", "both-infs", "inf-first", "one", "zero-dim", "large-mean", "outlier-first"],
 )
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy, on Inf - Inf
 def test_the_triton_kernel_matches_torch_on_awkward_tensors(triton_kernel, tensor):

@@ -2,7 +2,8 @@
 
 The torch path (``_device.reduce_into``) costs about ten kernel launches and as many passes over the tensor; here
 every program reduces a strided share of the tensor in registers and adds its partial sums into the row with
-atomics, so the row holds raw sums that the host finishes (``_device.finish_raw``). Imported only when a CUDA tensor is
+atomics, so the row holds raw sums that the host finishes (``_device.finish_raw``). Float sums accumulate in
+float32 per lane, then across lanes and programs. Imported only when a CUDA tensor is
 summarised and Triton is installed (CUDA builds of torch ship it).
 """
 
@@ -22,9 +23,12 @@ OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the u
 def _row_kernel(x_ptr, values_ptr, counts_ptr, n, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
-    # Sums of x - shift, shift being the first element: the variance then does not cancel when |mean| >> std.
-    shift = tl.load(x_ptr).to(tl.float32)
-    shift = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)
+    # Sums of x - shift, shift being the mean of the finite values among the first BLOCK: the variance then does
+    # not cancel when |mean| >> std. Every program computes the same shift from the same (cached) block.
+    head = tl.arange(0, BLOCK)
+    first = tl.load(x_ptr + head, mask=head < n, other=0.0).to(tl.float32)
+    finite = (head < n) & (first == first) & (tl.abs(first) < float("inf"))
+    shift = tl.sum(tl.where(finite, first, 0.0), axis=0) / tl.maximum(tl.sum(finite.to(tl.float32), axis=0), 1.0)
     sum_d = tl.zeros([BLOCK], dtype=tl.float32)
     squares_d = tl.zeros([BLOCK], dtype=tl.float32)
     squares = tl.zeros([BLOCK], dtype=tl.float32)
