@@ -26,8 +26,9 @@ import torch
 
 _logger = logging.getLogger(__name__)
 
-FLOAT_COLUMNS = ("mean", "std", "min", "max", "norm")  # a row reduced with torch ops
-RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")  # a row summed by the Triton kernel
+# A row summed by the Triton kernel holds RAW_COLUMNS; one reduced with torch ops holds mean, std, min, max, norm
+# in its first five columns (``finish_raw`` turns the first kind into the second).
+RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")
 RAW_START = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0)
 COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
 BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
