@@ -139,12 +139,15 @@ class StatRows:
     def seal(self) -> Any:
         """Starts the copy of the used rows to the host; returns the event marking its completion (or None)."""
         left = self._used
+        # Only CUDA has the event that says when a non-blocking copy is done: other accelerators (MPS, XPU) copy
+        # synchronously, once per forward or step.
+        non_blocking = self.device.type == "cuda"
         for block in self._blocks:
             rows = min(left, BLOCK_ROWS)
             if rows <= 0:
                 break
-            block.host_values[:rows].copy_(block.values[:rows], non_blocking=True)
-            block.host_counts[:rows].copy_(block.counts[:rows], non_blocking=True)
+            block.host_values[:rows].copy_(block.values[:rows], non_blocking=non_blocking)
+            block.host_counts[:rows].copy_(block.counts[:rows], non_blocking=non_blocking)
             left -= rows
         self.done = completion_event(self.device)
         self.sealed = True
