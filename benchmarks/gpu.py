@@ -4,17 +4,17 @@ Three questions, answered on one CUDA device in one run:
 
 1. Overhead. Variants, each on its own copy of the model, timed round-robin (the starting variant rotates every
    round): `none` (no hooks), `torchtrace` (a span per module call, every statistic on every module's output,
-   CUDA-event timing, the embedded file exporter), and `torchtrace_torch_ops` (the same, with the statistics reduced
-   by torch ops instead of the fused Triton kernel). One timed repetition = N forwards under inference_mode (or
-   no_grad), then the variant's flush, then torch.cuda.synchronize(): device work and export are in the window. Targets:
-   <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks disable torch's fused encoder fast path,
-   so all variants run with it off (same math); `none_fastpath` shows what the fast path alone is worth.
+   CUDA-event timing, the embedded file exporter), `torchtrace_torch_ops` (the same, statistics reduced by torch
+   ops instead of the fused Triton kernel) and `torchtrace_sampled` (stats_sample=65536). One timed repetition =
+   N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
+   and export are in the window. Targets: <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks
+   disable torch's fused encoder fast path, so all variants run with it off (same math); `none_fastpath` shows
+   what the fast path alone is worth. Also reported: the host's time per forward until the loop returned, which
+   tells a host-bound variant (hooks and launches slower than the device) from a device-bound one.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
    timed with CUDA events (median of many runs). Target: within 5%. Measured with spans only ("timing": the
    fidelity of event timing) and with every statistic on ("timing_with_stats": a container's span then also
    holds its children's statistics kernels).
-   Also reported: the host's time per forward until the loop returned, to tell a host-bound variant (hooks and
-   launches slower than the device) from a device-bound one.
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
    torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
 
@@ -48,6 +48,7 @@ from torchtrace import _device  # noqa: E402
 CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
+SAMPLE = 65536  # the torchtrace_sampled variant's stats_sample
 GRAD_MODE: Callable[[], Any] = torch.inference_mode  # --grad-mode no_grad: tensors keep version counters, so a
 # container returning its child's tensor reuses the child's statistics (inference tensors are summarised again)
 
@@ -75,10 +76,14 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
     fastpath.before = lambda: torch.backends.mha.set_fastpath_enabled(True)
     fastpath.after = lambda: torch.backends.mha.set_fastpath_enabled(False)
     variants.append(fastpath)
-    for name in ("torchtrace", "torchtrace_torch_ops"):
+    for name in ("torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"):
         model = copy.deepcopy(base)
         handle = torchtrace.instrument(
-            model, exporter="file", trace_file=os.path.join(trace_dir, f"{name}.jsonl"), print_summary=False
+            model,
+            exporter="file",
+            trace_file=os.path.join(trace_dir, f"{name}.jsonl"),
+            print_summary=False,
+            stats_sample=SAMPLE if name == "torchtrace_sampled" else None,
         )
         variant = Variant(name, model, flush=handle.flush, close=handle.remove)
         if name == "torchtrace_torch_ops":

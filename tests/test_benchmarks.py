@@ -66,7 +66,13 @@ def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> Non
         return
     assert [(config["batch"], config["seq"]) for config in report["configs"]] == [(16, 512), (1, 128)]
     for config in report["configs"]:
-        assert set(config["x_none"]) == {"none", "none_fastpath", "torchtrace", "torchtrace_torch_ops"}
+        assert set(config["x_none"]) == {
+            "none",
+            "none_fastpath",
+            "torchtrace",
+            "torchtrace_torch_ops",
+            "torchtrace_sampled",
+        }
     assert (
         set(report["timing_with_stats"]["modules"])
         == set(report["timing"]["modules"])

@@ -166,6 +166,26 @@ def test_the_triton_kernel_matches_torch_on_awkward_tensors(triton_kernel, tenso
     assert triton_kernel
 
 
+@pytest.mark.parametrize("shape", [(300, 301), (7, 4099)], ids=["many-blocks", "ragged"])
+def test_the_triton_kernel_reads_an_evenly_spaced_sample(triton_kernel, shape):
+    torch.manual_seed(0)
+    tensor = torch.randn(*shape) * 2 + 3
+    got = output_attributes(tensor, stats_sample=1000)
+    sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)]
+    assert got["sampled"] == sample.numel()
+    assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
+    assert triton_kernel == [tensor.numel()]
+
+
+def test_device_rows_read_an_evenly_spaced_sample(device_rows):
+    torch.manual_seed(0)
+    tensor = torch.randn(300, 301)
+    got = output_attributes(tensor, stats_sample=1000)
+    sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)]
+    assert got["sampled"] == sample.numel()
+    assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
+
+
 def test_tensors_the_kernel_cannot_read_take_the_torch_path(triton_kernel):
     tensor = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
     assert_stats_match(output_attributes(tensor), tensor)
@@ -416,7 +436,7 @@ for arch in (80, 90):
             source = ASTSource(
                 fn=kernel._row_kernel,
                 signature={"x_ptr": "*" + dtype, "values_ptr": "*fp32", "counts_ptr": "*i64", "n": "i32",
-                           "COUNT_ZEROS": "constexpr", "BLOCK": "constexpr"},
+                           "stride": "i32", "COUNT_ZEROS": "constexpr", "BLOCK": "constexpr"},
                 constexprs={"COUNT_ZEROS": zeros, "BLOCK": kernel.BLOCK},
             )
             compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=kernel.OPTIONS)

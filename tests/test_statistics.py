@@ -456,3 +456,43 @@ def test_user_hooks_survive_remove():
     assert seen == ["user", "user"]
     assert len(model[0]._forward_hooks) == 1
     user_hook.remove()
+
+
+# -- sampled statistics (opt-in) ----------------------------------------------------------------------------------
+
+
+def test_a_tensor_larger_than_stats_sample_is_summarised_from_an_evenly_spaced_sample():
+    torch.manual_seed(0)
+    tensor = torch.randn(300, 301)
+    got = output_attributes(tensor, stats_sample=1000)
+    stride = -(-tensor.numel() // 1000)  # 91: every 91st element
+    sample = tensor.reshape(-1)[::stride]
+    assert got["sampled"] == sample.numel() <= 1000
+    assert got["shape"] == (300, 301)  # the tensor's own shape, not the sample's
+    assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
+
+
+def test_tensors_within_stats_sample_are_summarised_whole():
+    tensor = torch.randn(10, 10)
+    got = output_attributes(tensor, stats_sample=100)
+    assert "sampled" not in got
+    assert_stats_match(got, tensor)
+
+
+def test_gradients_are_sampled_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    kept = {}
+
+    def keep_output(module, args, output):
+        output.retain_grad()
+        kept["out"] = output
+
+    model[1].register_forward_hook(keep_output)
+    with capture_spans(model, backward=True, stats_sample=100) as captured:
+        model(torch.randn(8, 64)).pow(2).sum().backward()
+        captured.handle.step()
+        attributes = captured.span("1 backward").attributes
+    sample = kept["out"].grad.reshape(-1)[::6]  # 512 elements, at most 100: every 6th
+    assert attributes["torchtrace.grad_output.0.sampled"] == sample.numel() == 86
+    assert attributes["torchtrace.grad_output.0.norm"] == pytest.approx(float(sample.norm()), rel=1e-5)

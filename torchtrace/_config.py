@@ -28,6 +28,7 @@ ENV_SAMPLE_EVERY = "TORCHTRACE_SAMPLE_EVERY"  # trace every Nth outermost forwar
 ENV_SAMPLE_RATIO = "TORCHTRACE_SAMPLE_RATIO"  # trace this fraction of outermost forwards
 ENV_MAX_RECORDS = "TORCHTRACE_MAX_RECORDS"  # in-memory records kept (oldest dropped first)
 ENV_MAX_TENSORS = "TORCHTRACE_MAX_TENSORS"  # tensors summarised per module output (and per input)
+ENV_STATS_SAMPLE = "TORCHTRACE_STATS_SAMPLE"  # summarise larger tensors from an evenly spaced sample of this many
 ENV_EXPORT_INTERVAL = "TORCHTRACE_EXPORT_INTERVAL_MS"  # how often the background worker drains the buffer
 ENV_MAX_PENDING = "TORCHTRACE_MAX_PENDING_CALLS"  # calls buffered before whole forwards are dropped (counted)
 ENV_METRICS = "TORCHTRACE_METRICS"  # true: aggregate Prometheus metrics (set by TORCHTRACE_METRICS_PORT too)
@@ -59,6 +60,7 @@ class Options:
     extra_stats: Mapping[str, StatFunction] = field(default_factory=dict)
     inputs: bool = False
     max_tensors: int = 8
+    stats_sample: int | None = None  # None: every element; else at most about this many per tensor (strided)
     sample_every: int = 1
     sample_ratio: float = 1.0
     max_records: int = 10_000
@@ -283,6 +285,7 @@ def resolve_options(**kwargs: Any) -> Options:
         extra_stats=extra_stats,
         inputs=_bool_option("inputs", pick("inputs", ENV_INPUTS, _parse_bool)),
         max_tensors=pick("max_tensors", ENV_MAX_TENSORS, _parse_int),
+        stats_sample=pick("stats_sample", ENV_STATS_SAMPLE, _parse_int),
         sample_every=sample_every,
         sample_ratio=float(sample_ratio),
         max_records=pick("max_records", ENV_MAX_RECORDS, _parse_int),
@@ -308,6 +311,11 @@ def resolve_options(**kwargs: Any) -> Options:
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)
         _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    sample = options.stats_sample
+    _require(
+        sample is None or (isinstance(sample, int) and not isinstance(sample, bool) and sample >= 1),
+        f"stats_sample must be None or an integer >= 1, got {sample!r}",
+    )
     if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
         raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
     return options

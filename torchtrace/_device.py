@@ -234,17 +234,20 @@ def fused_kernel(x: torch.Tensor) -> Any:
     return _triton if _triton and _triton.applies(x) else None
 
 
-def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> bool:
-    """Reduces a real tensor into one row without reading anything back; True when the row holds raw sums."""
+def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> bool:
+    """Reduces a real tensor (every ``stride``-th element) into one row without reading anything back; True when
+    the row holds raw sums."""
     global _triton
     kernel = fused_kernel(x)
     if kernel is not None:
         try:
-            kernel.reduce_row(x, values, counts, counted)
+            kernel.reduce_row(x, values, counts, counted, stride)
             return True
         except Exception as error:  # Triton too old for the kernel, an unsupported GPU: compile or launch failed
             _triton = False
             _logger.warning("torchtrace: the Triton statistics kernel failed (%s); using torch ops from now on", error)
+    if stride > 1:
+        x = x.reshape(-1)[::stride]
     reduce_into(x if x.dtype == torch.float32 else x.float(), values, counts, counted)
     return False
 

@@ -242,7 +242,11 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
     if not (options.backward or options.schedule is not None or options.optimizer is not None or is_ddp(model)):
         return None
     return StepTracker(
-        options.schedule or always, backward=options.backward, param_stats=options.param_stats, rank=rank_info()
+        options.schedule or always,
+        backward=options.backward,
+        param_stats=options.param_stats,
+        rank=rank_info(),
+        stats_sample=options.stats_sample,
     )
 
 
@@ -322,6 +326,7 @@ def instrument(
     extra_stats: Mapping[str, StatFunction] | None = None,
     inputs: bool | None = None,
     max_tensors: int | None = None,
+    stats_sample: int | None = None,
     sample_every: int | None = None,
     sample_ratio: float | None = None,
     max_records: int | None = None,

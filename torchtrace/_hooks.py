@@ -53,7 +53,9 @@ class RawForward:
 class _ThreadState(threading.local):
     def __init__(self, options: Options, steps: Any) -> None:
         # per thread: it batches per forward; in training, device statistics share the step's rows
-        self.stats = StatComputer(options.stats, options.extra_stats, steps.device_rows if steps else None)
+        self.stats = StatComputer(
+            options.stats, options.extra_stats, steps.device_rows if steps else None, options.stats_sample
+        )
         self.stack: list = []  # open entries, innermost last
         self.entries: list = []
         self.skip_depth = 0  # > 0 inside a forward that is not traced

@@ -57,7 +57,7 @@ class StatComputer:
 
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names", "_rows",
-        "_rows_for",
+        "_rows_for", "sample",
     )  # fmt: skip
 
     def __init__(
@@ -65,6 +65,7 @@ class StatComputer:
         wanted: Iterable[str],
         extra: Mapping[str, StatFunction],
         rows_for: Callable[[torch.device], StatRows] | None = None,
+        sample: int | None = None,
     ) -> None:
         self.wanted = frozenset(wanted)
         self.numeric = any(name in self.wanted for name in _NUMERIC)
@@ -79,6 +80,7 @@ class StatComputer:
         self._dtype_names: dict[torch.dtype, str] = {}
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
+        self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
 
     def finish_forward(self) -> list[StatRows]:
         """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
@@ -147,8 +149,11 @@ class StatComputer:
                 stats[name] = _user_stat(function, tensor)
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
+                stride = sampling_stride(n, self.sample, stats)
                 if reduced_on_device(x):
-                    device_stats(x, self._device_rows(x.device), self.wanted, stats)
+                    device_stats(x, self._device_rows(x.device), self.wanted, stats, stride)
+                elif stride > 1:
+                    numeric_stats(x.reshape(-1)[::stride], self.wanted, stats)
                 elif n <= SMALL_TENSOR:
                     self._pending.append((_numpy_copy(x), stats))
                 else:
@@ -260,8 +265,21 @@ def reduced_on_device(tensor: torch.Tensor) -> bool:
     return not tensor.is_cpu
 
 
-def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """Reduces a tensor into a row of ``rows`` on its device; ``resolve`` reads the row once it is on the host."""
+def sampling_stride(n: int, sample: int | None, stats: dict[str, Any]) -> int:
+    """1, or the stride of an evenly spaced sample of at most ``sample`` of the ``n`` elements; a sampled tensor's
+    statistics say how many elements they are of ("sampled")."""
+    if sample is None or n <= sample:
+        return 1
+    stride = -(-n // sample)
+    stats["sampled"] = -(-n // stride)
+    return stride
+
+
+def device_stats(
+    tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any], stride: int = 1
+) -> None:
+    """Reduces a tensor (every ``stride``-th element) into a row of ``rows`` on its device; ``resolve`` reads the
+    row once it is on the host."""
     reserved = rows.reserve()
     if reserved is None:
         stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
@@ -272,8 +290,8 @@ def device_stats(tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats:
         x = x.abs()
     elif x.dtype not in _DEVICE_DTYPES:  # the rows are float32: float64 and integer data are summarised in float32
         x = x.float()
-    raw = reduce(x, values, counts, "zero_fraction" in wanted)
-    stats["_pending"] = (rows, index, tensor.numel(), wanted, raw)
+    raw = reduce(x, values, counts, "zero_fraction" in wanted, stride)
+    stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw)
 
 
 _DEVICE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # read as they are on the device

@@ -22,7 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
-from torchtrace._stats import device_stats, find_tensors, numeric_stats, reduced_on_device
+from torchtrace._stats import device_stats, find_tensors, numeric_stats, reduced_on_device, sampling_stride
 
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
 NORM_ONLY = frozenset({"norm"})
@@ -54,11 +54,18 @@ class StepTracker:
     """The current step: its number, whether the schedule traces it, its ids, and what it collected."""
 
     def __init__(
-        self, schedule: StepSchedule, *, backward: bool, param_stats: bool, rank: RankInfo | None = None
+        self,
+        schedule: StepSchedule,
+        *,
+        backward: bool,
+        param_stats: bool,
+        rank: RankInfo | None = None,
+        stats_sample: int | None = None,
     ) -> None:
         self.schedule = schedule
         self.backward = backward
         self.param_stats = param_stats
+        self.stats_sample = stats_sample
         self.rank = rank
         self.number = 0
         self._lock = threading.Lock()
@@ -182,10 +189,11 @@ class StepTracker:
             stats: dict[str, Any] = {}
             try:
                 grad = grad.detach()
+                stride = sampling_stride(grad.numel(), self.stats_sample, stats)
                 if reduced_on_device(grad):
-                    device_stats(grad, self.device_rows(grad.device), GRAD_STATS, stats)
+                    device_stats(grad, self.device_rows(grad.device), GRAD_STATS, stats, stride)
                 else:
-                    numeric_stats(grad, GRAD_STATS, stats)
+                    numeric_stats(grad.reshape(-1)[::stride] if stride > 1 else grad, GRAD_STATS, stats)
             except Exception as error:  # a statistic must never break the user's backward
                 stats = {"stats_error": f"{type(error).__name__}: {error}"}
             summaries[str(index)] = stats

@@ -20,13 +20,13 @@ OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the u
 
 
 @triton.jit
-def _row_kernel(x_ptr, values_ptr, counts_ptr, n, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr):
+def _row_kernel(x_ptr, values_ptr, counts_ptr, n, stride, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     # Sums of x - shift, shift being the mean of the finite values among the first BLOCK: the variance then does
     # not cancel when |mean| >> std. Every program computes the same shift from the same (cached) block.
     head = tl.arange(0, BLOCK)
-    first = tl.load(x_ptr + head, mask=head < n, other=0.0).to(tl.float32)
+    first = tl.load(x_ptr + head * stride, mask=head < n, other=0.0).to(tl.float32)
     finite = (head < n) & (first == first) & (tl.abs(first) < float("inf"))
     shift = tl.sum(tl.where(finite, first, 0.0), axis=0) / tl.maximum(tl.sum(finite.to(tl.float32), axis=0), 1.0)
     sum_d = tl.zeros([BLOCK], dtype=tl.float32)
@@ -40,7 +40,7 @@ def _row_kernel(x_ptr, values_ptr, counts_ptr, n, COUNT_ZEROS: tl.constexpr, BLO
     for start in range(program * BLOCK, n, programs * BLOCK):
         offsets = start + tl.arange(0, BLOCK)
         inside = offsets < n
-        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offsets * stride, mask=inside, other=0.0).to(tl.float32)
         d = tl.where(inside, x - shift, 0.0)
         sum_d += d
         squares_d += d * d
@@ -80,11 +80,13 @@ def applies(x: torch.Tensor) -> bool:
     return x.dtype in SUPPORTED and x.is_contiguous() and x.numel() < 2**31 - BLOCK
 
 
-def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool) -> None:
-    """Adds the raw sums of ``x`` into a row holding ``_device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
-    programs = min(triton.cdiv(x.numel(), BLOCK), _max_programs(x.device))
+def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> None:
+    """Adds the raw sums of every ``stride``-th element of ``x`` into a row holding ``_device.RAW_START`` (columns:
+    _device.RAW_COLUMNS)."""
+    n = -(-x.numel() // stride)
+    programs = min(triton.cdiv(n, BLOCK), _max_programs(x.device))
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         with torch.cuda.device(x.device):  # Triton launches on the current device, torch ops on the tensor's
-            _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
+            _row_kernel[(programs,)](x, values, counts, n, stride, COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
         return
-    _row_kernel[(programs,)](x, values, counts, x.numel(), COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
+    _row_kernel[(programs,)](x, values, counts, n, stride, COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS)
