@@ -213,6 +213,7 @@ def test_config_shows_each_value_and_where_it_came_from(monkeypatch, capsys) -> 
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["sample_every"] == {"name": "sample_every", "value": "4", "source": "env TORCHTRACE_SAMPLE_EVERY"}
     assert rows["stats"] == {"name": "stats", "value": "mean,max", "source": "keyword"}
+    assert rows["stats_sample"] == {"name": "stats_sample", "value": "(unset)", "source": "default"}
     assert rows["max_pending_calls"]["source"] == "default"
     assert rows["OTEL_EXPORTER_OTLP_HEADERS"]["value"] == "(set, hidden)"
     assert "secret" not in json.dumps(rows)

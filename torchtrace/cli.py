@@ -88,6 +88,7 @@ def _add_option_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--exclude", action="append", metavar="GLOB", help="module paths not to trace (repeatable)")
     group.add_argument("--max-depth", type=_non_negative_int, metavar="N", help="0: the model only, 1: children...")
     group.add_argument("--stats", metavar="NAMES", help="comma-separated statistics, 'all' or 'none'")
+    group.add_argument("--stats-sample", type=_positive_int, metavar="N", help="larger tensors: N sampled elements")
     group.add_argument("--sample-every", type=_positive_int, metavar="N", help="trace every Nth outermost forward")
     group.add_argument("--sample-ratio", type=_ratio, metavar="R", help="trace this fraction of outermost forwards")
 
@@ -100,6 +101,7 @@ def _option_keywords(args: argparse.Namespace) -> dict:
         "exclude": tuple(args.exclude) if args.exclude else None,
         "max_depth": args.max_depth,
         "stats": args.stats,
+        "stats_sample": args.stats_sample,
         "sample_every": args.sample_every,
         "sample_ratio": args.sample_ratio,
     }
