@@ -495,3 +495,22 @@ def test_all_reduce_spans_take_their_durations_from_device_events(device_clock):
         assert duration_ms(span) == pytest.approx(7.0)
         forward = captured.span("Sequential")
         assert (span.start_time - forward.start_time) / 1e6 == pytest.approx(1.0)  # after the forward's kernel
+
+
+class ElsewhereKernel(Kernel):
+    """A module whose parameters live on another device than the forward's timer (a model split over GPUs)."""
+
+    def __init__(self, clock: DeviceClock, ms: float) -> None:
+        super().__init__(clock, ms)
+        self.weight = nn.Parameter(torch.empty(1, device="meta"))
+
+
+def test_calls_on_another_device_keep_host_times_instead_of_foreign_events(device_clock):
+    model = nn.Sequential(Kernel(device_clock, 2.0), ElsewhereKernel(device_clock, 3.0))
+    created = device_clock.events_created
+    with capture_spans(model) as captured:
+        model(torch.zeros(2))
+        assert duration_ms(captured.span("0")) == pytest.approx(2.0)  # events: on the timer's device
+        assert duration_ms(captured.span("1")) < 1.0  # host clock: its kernels are not on that stream
+        assert duration_ms(captured.span("Sequential")) == pytest.approx(5.0)
+    assert device_clock.events_created - created == 4  # the root's and "0"'s start and end

@@ -25,6 +25,8 @@ from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, find_tensors
 
+_UNKNOWN = object()
+
 # Slots of one raw call entry (a list: the cheapest thing to create in a hook).
 (MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
  START_EVENT, END_EVENT) = range(14)  # fmt: skip
@@ -88,6 +90,7 @@ class HookRecorder:
         self.skipped_captures = 0
         self.steps = steps  # a StepTracker when forwards belong to training steps
         self.warned_compiled = False
+        self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
         self._state = _ThreadState(options, steps)
 
     # -- hook factories -------------------------------------------------------------------------------------------
@@ -121,8 +124,9 @@ class HookRecorder:
                 self._summarise_inputs(entry, args, kwargs)
             entries.append(entry)
             stack.append(entry)
-            if state.timer is not None:
-                entry[START_EVENT] = state.timer.mark()
+            timer = state.timer  # the root always marks: its events are the forward's origin and completion
+            if timer is not None and (len(stack) == 1 or self._on_timer_device(index, module, args, timer)):
+                entry[START_EVENT] = timer.mark()
             entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
@@ -152,7 +156,7 @@ class HookRecorder:
                 entry[ERROR] = "interrupted"
                 entry = stack.pop()
             entry[END] = end
-            if state.timer is not None:  # before the statistics' kernels: they are not the module's work
+            if entry[START_EVENT] is not None:  # before the statistics' kernels: they are not the module's work
                 entry[END_EVENT] = state.timer.mark()
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
@@ -172,6 +176,20 @@ class HookRecorder:
         return torch.compiler.disable(post_hook) if self.modules[index].path == "" else post_hook
 
     # -- per forward ---------------------------------------------------------------------------------------------
+
+    def _on_timer_device(self, index: int, module: torch.nn.Module, args: tuple, timer: Any) -> bool:
+        """Whether this call runs where the forward's timer records (a model split over GPUs has calls elsewhere:
+        those keep host times rather than events on another device's stream). Its own first parameter says,
+        else its first tensor argument; a module with neither is taken to run there."""
+        parameter = self._first_parameter.get(index, _UNKNOWN)
+        if parameter is _UNKNOWN:  # looked up once: .to() keeps the Parameter objects, only their data moves
+            parameter = self._first_parameter[index] = next(module.parameters(recurse=False), None)
+        if parameter is not None:
+            return parameter.device == timer.device
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                return arg.device == timer.device
+        return True
 
     def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
@@ -262,7 +280,8 @@ class HookRecorder:
             entry[TENSORS] = self._capture(output)
         steps = self.steps
         if steps is not None and steps.backward:
-            steps.watch_backward(entry, module, args, output, self._state.timer)
+            timer = self._state.timer if entry[START_EVENT] is not None else None  # on the timer's device only
+            steps.watch_backward(entry, module, args, output, timer)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
