@@ -17,8 +17,10 @@ import sys
 import pytest
 import test_training
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from opentelemetry.trace import StatusCode
-from test_statistics import assert_stats_match, output_attributes
+from test_statistics import assert_stats_match, output_attributes, torch_stats
 from torch import nn
 
 import torchtrace
@@ -514,3 +516,44 @@ def test_calls_on_another_device_keep_host_times_instead_of_foreign_events(devic
         assert duration_ms(captured.span("1")) < 1.0  # host clock: its kernels are not on that stream
         assert duration_ms(captured.span("Sequential")) == pytest.approx(5.0)
     assert device_clock.events_created - created == 4  # the root's and "0"'s start and end
+
+
+# -- any float tensor: the device paths agree with torch -------------------------------------------------------------
+
+finite_or_special = st.sampled_from([math.nan, math.inf, -math.inf, 0.0, -0.0]) | st.floats(-1e6, 1e6)
+
+
+@st.composite
+def float_tensors(draw: st.DrawFn) -> torch.Tensor:
+    shape = tuple(draw(st.lists(st.integers(1, 40), min_size=0, max_size=3)))
+    values = draw(st.lists(finite_or_special, min_size=1, max_size=12))
+    count = math.prod(shape)
+    base = torch.tensor(values, dtype=torch.float64).repeat(count)[:count].reshape(shape)
+    tensor = base.to(draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])))
+    return tensor.t() if tensor.dim() == 2 and draw(st.booleans()) else tensor  # sometimes not contiguous
+
+
+def assert_device_path_agrees(tensor: torch.Tensor) -> None:
+    got = output_attributes(tensor)
+    expected = torch_stats(tensor)
+    for name in ("min", "max", "abs_max", "nan_count", "inf_count", "zero_fraction"):
+        assert got[name] == pytest.approx(expected[name], nan_ok=True), name
+    for name in ("mean", "std", "norm"):  # float32 sums on the device against torch's float64
+        assert got[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-2, nan_ok=True), name
+
+
+HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@HYPOTHESIS
+@given(tensor=float_tensors())
+def test_device_rows_agree_with_torch_on_any_float_tensor(device_rows, tensor):
+    assert_device_path_agrees(tensor)
+
+
+@HYPOTHESIS
+@given(tensor=float_tensors())
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy, on Inf - Inf
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+def test_the_triton_kernel_agrees_with_torch_on_any_float_tensor(triton_kernel, tensor):
+    assert_device_path_agrees(tensor)
