@@ -149,7 +149,7 @@ class _Template:
     __slots__ = ("text", "has_parent")
 
     def __init__(self, call: ModuleCall, trace_state: str | None, float_positions: frozenset[int]) -> None:
-        pieces: list[str] = []  # static text, with "%s" where a value goes
+        pieces: list[str] = []  # static text (its "%" escaped) and the conversions that take the values
 
         def static(text: str) -> None:
             pieces.append(text.replace("%", "%%"))
