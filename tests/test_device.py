@@ -17,7 +17,7 @@ import sys
 import pytest
 import test_training
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import StatusCode
 from test_statistics import assert_stats_match, output_attributes, torch_stats
@@ -538,8 +538,11 @@ def assert_device_path_agrees(tensor: torch.Tensor) -> None:
     expected = torch_stats(tensor)
     for name in ("min", "max", "abs_max", "nan_count", "inf_count", "zero_fraction"):
         assert got[name] == pytest.approx(expected[name], nan_ok=True), name
-    for name in ("mean", "std", "norm"):  # float32 sums on the device against torch's float64
-        assert got[name] == pytest.approx(expected[name], rel=2e-3, abs=1e-2, nan_ok=True), name
+    finite = tensor.double()[torch.isfinite(tensor.double())]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    for name in ("mean", "std", "norm"):  # float32 sums on the device against torch's float64: float32's precision
+        tolerance = 1e-2 + 4e-6 * scale  # of the data's magnitude (the std of 27 equal values 1.5e5 comes out 0.016)
+        assert got[name] == pytest.approx(expected[name], rel=2e-3, abs=tolerance, nan_ok=True), name
 
 
 HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -547,6 +550,7 @@ HYPOTHESIS = settings(max_examples=60, deadline=None, suppress_health_check=[Hea
 
 @HYPOTHESIS
 @given(tensor=float_tensors())
+@example(tensor=torch.full((27,), 155345.25))  # torch.std in float32 says 0.016
 def test_device_rows_agree_with_torch_on_any_float_tensor(device_rows, tensor):
     assert_device_path_agrees(tensor)
 
@@ -555,5 +559,6 @@ def test_device_rows_agree_with_torch_on_any_float_tensor(device_rows, tensor):
 @given(tensor=float_tensors())
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the interpreter's numpy, on Inf - Inf
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
 def test_the_triton_kernel_agrees_with_torch_on_any_float_tensor(triton_kernel, tensor):
     assert_device_path_agrees(tensor)

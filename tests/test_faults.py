@@ -31,6 +31,9 @@ from torch import nn
 import torchtrace
 from torchtrace import _exporters, _handle
 
+# The fork tests fork a process that runs torchtrace's worker thread on purpose; Python 3.12+ warns about that.
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 1.0
 CALLS = 4  # Sequential + 3 children
