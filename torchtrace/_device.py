@@ -246,10 +246,14 @@ def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted:
         except Exception as error:  # Triton too old for the kernel, an unsupported GPU: compile or launch failed
             _triton = False
             _logger.warning("torchtrace: the Triton statistics kernel failed (%s); using torch ops from now on", error)
-    if stride > 1:
-        x = x.reshape(-1)[::stride]
+    x = every_nth(x, stride)
     reduce_into(x if x.dtype == torch.float32 else x.float(), values, counts, counted)
     return False
+
+
+def every_nth(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """The evenly spaced sample of a sampled tensor (a view of contiguous data), or the tensor itself."""
+    return x.reshape(-1)[::stride] if stride > 1 else x
 
 
 def finish_raw(values: list[float], n: int, nan_count: int, inf_count: int) -> tuple[float, float, float, float, float]:

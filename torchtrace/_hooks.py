@@ -184,12 +184,8 @@ class HookRecorder:
         parameter = self._first_parameter.get(index, _UNKNOWN)
         if parameter is _UNKNOWN:  # looked up once: .to() keeps the Parameter objects, only their data moves
             parameter = self._first_parameter[index] = next(module.parameters(recurse=False), None)
-        if parameter is not None:
-            return parameter.device == timer.device
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                return arg.device == timer.device
-        return True
+        device = parameter.device if parameter is not None else _argument_device(args)
+        return device is None or device == timer.device
 
     def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
@@ -314,6 +310,11 @@ def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:
         return tensor.device
     for tensor in module.buffers():
         return tensor.device
+    return _argument_device(args)
+
+
+def _argument_device(args: tuple) -> torch.device | None:
+    """The device of a call's first tensor argument, if it has one."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return arg.device

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtrace._device import ROW_POOL, StatRows, finish_raw, reduce
+from torchtrace._device import ROW_POOL, StatRows, every_nth, finish_raw, reduce
 
 _logger = logging.getLogger(__name__)
 
@@ -150,14 +150,10 @@ class StatComputer:
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
                 stride = sampling_stride(n, self.sample, stats)
-                if reduced_on_device(x):
-                    device_stats(x, self._device_rows(x.device), self.wanted, stats, stride)
-                elif stride > 1:
-                    numeric_stats(x.reshape(-1)[::stride], self.wanted, stats)
-                elif n <= SMALL_TENSOR:
+                if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(x):
                     self._pending.append((_numpy_copy(x), stats))
                 else:
-                    numeric_stats(x, self.wanted, stats)
+                    reduce_now(x, self.wanted, stats, stride, self._device_rows)
         except Exception as error:  # a statistic must never break the user's forward
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
             stats["stats_error"] = f"{type(error).__name__}: {error}"
@@ -273,6 +269,21 @@ def sampling_stride(n: int, sample: int | None, stats: dict[str, Any]) -> int:
     stride = -(-n // sample)
     stats["sampled"] = -(-n // stride)
     return stride
+
+
+def reduce_now(
+    x: torch.Tensor,
+    wanted: frozenset,
+    stats: dict[str, Any],
+    stride: int,
+    device_rows: Callable[[torch.device], StatRows],
+) -> None:
+    """One tensor (every ``stride``-th element), reduced where it lives: into a row of ``device_rows`` on an
+    accelerator, with torch passes on the CPU."""
+    if reduced_on_device(x):
+        device_stats(x, device_rows(x.device), wanted, stats, stride)
+    else:
+        numeric_stats(every_nth(x, stride), wanted, stats)
 
 
 def device_stats(

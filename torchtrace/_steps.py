@@ -22,7 +22,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
-from torchtrace._stats import device_stats, find_tensors, numeric_stats, reduced_on_device, sampling_stride
+from torchtrace._stats import device_stats, find_tensors, reduce_now, reduced_on_device, sampling_stride
 
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
 NORM_ONLY = frozenset({"norm"})
@@ -188,12 +188,8 @@ class StepTracker:
                 continue
             stats: dict[str, Any] = {}
             try:
-                grad = grad.detach()
                 stride = sampling_stride(grad.numel(), self.stats_sample, stats)
-                if reduced_on_device(grad):
-                    device_stats(grad, self.device_rows(grad.device), GRAD_STATS, stats, stride)
-                else:
-                    numeric_stats(grad.reshape(-1)[::stride] if stride > 1 else grad, GRAD_STATS, stats)
+                reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
             except Exception as error:  # a statistic must never break the user's backward
                 stats = {"stats_error": f"{type(error).__name__}: {error}"}
             summaries[str(index)] = stats
