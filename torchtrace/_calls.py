@@ -14,6 +14,11 @@ from typing import Any
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
 
+def error_text(error: BaseException) -> str:
+    """How an error reads in a span's status, a ``stats_error`` attribute or a log line: "ValueError: message"."""
+    return f"{type(error).__name__}: {error}"
+
+
 @dataclass(slots=True, eq=False)
 class ModuleCall:
     """One finished call of one module: what a span and a record are made of."""

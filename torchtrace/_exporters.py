@@ -42,7 +42,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from torchtrace import _fork  # noqa: F401 - re-arms live handles in a forked child (new worker, new senders)
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, error_text
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json
 
@@ -393,7 +393,7 @@ class OtlpSink:
                     payload = self._encode(chunk, self.resource, self.scope_name, self.scope_version)
                     ok = self.sender.send(EncodedSpans(payload, len(chunk)))
                 except Exception as e:  # a sink must not break the traced program
-                    reason = f"{type(e).__name__}: {e}"
+                    reason = error_text(e)
                 finally:
                     _send_state.active = False
                 if not ok and reason is None:

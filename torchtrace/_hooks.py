@@ -20,6 +20,7 @@ import torch
 from opentelemetry import trace
 
 from torchtrace._buffer import RecordBuffer
+from torchtrace._calls import error_text
 from torchtrace._config import Options
 from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
@@ -169,7 +170,7 @@ class HookRecorder:
                 try:
                     self._summarise_output(entry, module, args, output)
                 except Exception as error:  # never let tracing break the user's forward
-                    entry[OUTPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
+                    entry[OUTPUTS] = {"": {"stats_error": error_text(error)}}
             if not stack:
                 self._end_forward(state)
 
@@ -262,7 +263,7 @@ class HookRecorder:
             if options.function_on_input is not None:
                 entry[INPUT_VALUE] = options.function_on_input(args[0] if len(args) == 1 else args)
         except Exception as error:
-            entry[INPUTS] = {"": {"stats_error": f"{type(error).__name__}: {error}"}}
+            entry[INPUTS] = {"": {"stats_error": error_text(error)}}
 
     def _summarise_output(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         options = self.options

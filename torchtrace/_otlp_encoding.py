@@ -41,7 +41,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, error_text
 
 __all__ = ["encode_export_request", "clear_template_cache"]
 
@@ -176,10 +176,6 @@ def exception_attributes(error: BaseException, limits: _Limits | None = None) ->
     return _bounded(attrs, limits.event_attributes, limits.event_value_length)
 
 
-def status_message(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
 def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None = None) -> bytes:
     """Span.events entry like SDK ``record_exception``."""
     attrs, dropped = exception_attributes(error, limits)
@@ -254,7 +250,7 @@ def _build(
         put(b"\x50" + _varint(dropped))  # Span.dropped_attributes_count
     if call.error is not None:
         put(_exception_event(call.error, call.end_ns, limits))
-        message = status_message(call.error).encode()
+        message = error_text(call.error).encode()
         put(_ld(b"\x7a", _ld(b"\x12", message) + b"\x18\x02"))  # Status{message, code=ERROR}
     else:
         put(_STATUS_UNSET)

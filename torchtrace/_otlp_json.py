@@ -23,7 +23,7 @@ from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, error_text
 from torchtrace._otlp_encoding import (
     _FLAG_HAS_IS_REMOTE,
     _FLAG_IS_REMOTE,
@@ -35,7 +35,6 @@ from torchtrace._otlp_encoding import (
     _Shape,
     _trace_state_str,
     exception_attributes,
-    status_message,
 )
 
 __all__ = ["encode_otlp_json"]
@@ -118,7 +117,7 @@ def _span(call: ModuleCall, trace_state: str | None, limits: _Limits) -> dict:
         if event_dropped:
             event["droppedAttributesCount"] = event_dropped
         span["events"] = [event]
-        span["status"] = {"message": status_message(call.error), "code": _STATUS_ERROR}
+        span["status"] = {"message": error_text(call.error), "code": _STATUS_ERROR}
     else:
         span["status"] = {}
     remote = call.parent_span_id and call.parent_is_remote

@@ -8,7 +8,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import ModuleCall, error_text
 from torchtrace.version import __version__
 
 
@@ -60,7 +60,7 @@ class SdkSpanSink:
             spans[call.span_id] = span
             if call.error is not None:
                 span.record_exception(call.error, timestamp=call.end_ns, escaped=True)
-                span.set_status(Status(StatusCode.ERROR, f"{type(call.error).__name__}: {call.error}"))
+                span.set_status(Status(StatusCode.ERROR, error_text(call.error)))
             span.end(end_time=call.end_ns)
             exported = span.get_span_context()
             if exported.is_valid:

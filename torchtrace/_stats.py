@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtrace._calls import error_text
 from torchtrace._device import ROW_POOL, StatRows, every_nth, finish_raw, reduce
 
 _logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class StatComputer:
                 _batched_stats(pending, self.wanted)
             except Exception as error:  # a statistic must never break the user's forward
                 for _, stats in pending:
-                    stats["stats_error"] = f"{type(error).__name__}: {error}"
+                    stats["stats_error"] = error_text(error)
         if not self._rows:
             return []
         rows = list(self._rows.values())
@@ -156,7 +157,7 @@ class StatComputer:
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
         except Exception as error:  # a statistic must never break the user's forward
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
-            stats["stats_error"] = f"{type(error).__name__}: {error}"
+            stats["stats_error"] = error_text(error)
         return stats
 
 

@@ -19,6 +19,7 @@ import torch
 from opentelemetry.trace import SpanContext, TraceFlags
 from torch.autograd.graph import register_multi_grad_hook
 
+from torchtrace._calls import error_text
 from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
@@ -191,7 +192,7 @@ class StepTracker:
                 stride = sampling_stride(grad.numel(), self.stats_sample, stats)
                 reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
             except Exception as error:  # a statistic must never break the user's backward
-                stats = {"stats_error": f"{type(error).__name__}: {error}"}
+                stats = {"stats_error": error_text(error)}
             summaries[str(index)] = stats
         return summaries
 
