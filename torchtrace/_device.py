@@ -31,6 +31,7 @@ _logger = logging.getLogger(__name__)
 RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")
 RAW_START = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0)
 COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
+READ_AS_IS = (torch.float32, torch.float16, torch.bfloat16)  # dtypes reduced without a conversion first
 BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
 MAX_ROWS = 1 << 16  # per forward or step: a step that is never closed must not grow pinned memory forever
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchtrace._calls import error_text
-from torchtrace._device import ROW_POOL, StatRows, every_nth, finish_raw, reduce
+from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, reduce
 
 _logger = logging.getLogger(__name__)
 
@@ -300,13 +300,10 @@ def device_stats(
     x = tensor.dequantize() if tensor.is_quantized else tensor
     if x.is_complex():
         x = x.abs()
-    elif x.dtype not in _DEVICE_DTYPES:  # the rows are float32: float64 and integer data are summarised in float32
+    elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are summarised in float32
         x = x.float()
     raw = reduce(x, values, counts, "zero_fraction" in wanted, stride)
     stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw)
-
-
-_DEVICE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # read as they are on the device
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:

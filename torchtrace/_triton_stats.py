@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtrace._device import READ_AS_IS
+
 BLOCK = 1024
 PROGRAMS_PER_SM = 4
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the user's process that it is unset
 
 
@@ -77,7 +78,7 @@ def _max_programs(device: torch.device) -> int:
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernel can read this tensor as it is: contiguous, of a dtype it loads, with int32 offsets."""
-    return x.dtype in SUPPORTED and x.is_contiguous() and x.numel() < 2**31 - BLOCK
+    return x.dtype in READ_AS_IS and x.is_contiguous() and x.numel() < 2**31 - BLOCK
 
 
 def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> None:
