@@ -93,6 +93,7 @@ def test_the_exporter_comes_from_the_environment(monkeypatch):
         ("TORCHTRACE_TYPES", "torch.nn.NoSuchLayer"),
         ("TORCHTRACE_EXPORTER", "carrier-pigeon"),
         ("TORCHTRACE_SAMPLE_EVERY", "0"),
+        ("TORCHTRACE_TRITON", "sometimes"),
     ],
 )
 def test_a_bad_environment_value_fails_at_instrument_time(monkeypatch, env, value):

@@ -13,6 +13,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import test_training
@@ -215,6 +217,17 @@ def test_a_failing_triton_kernel_falls_back_to_torch_ops_once_and_for_all(device
 # -- backward and parameter statistics through device rows ------------------------------------------------------
 
 
+def test_a_zero_size_gradient_is_not_summarised_and_breaks_nothing(device_rows):
+    model = nn.Linear(4, 2)
+    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+        model(torch.randn(0, 4)).sum().backward()  # an empty batch (an expert that got no tokens)
+        handle.step()
+        (backward,) = handle.backward_records("")
+    assert not any(key.startswith("torchtrace.grad_output") for key in backward.attributes)
+    assert backward.attributes["torchtrace.grad_input.0.norm"] == 0.0  # the weight's gradient: zeros
+    assert handle.sink_errors == 0
+
+
 @pytest.mark.parametrize(
     "training_test",
     [
@@ -237,6 +250,9 @@ def test_training_behaves_the_same_with_statistics_on_the_device(device_rows, tr
 # -- durations from timing events ------------------------------------------------------------------------------------
 
 
+CLOCK_DEVICE = torch.device("cpu")  # where the simulated device's events say they were recorded
+
+
 class DeviceClock:
     """A simulated device: kernels advance its clock; its events complete when the test says so."""
 
@@ -247,9 +263,10 @@ class DeviceClock:
 
 
 class ClockEvent:
-    def __init__(self, clock: DeviceClock) -> None:
+    def __init__(self, clock: DeviceClock, device: torch.device = CLOCK_DEVICE) -> None:
         clock.events_created += 1
         self.clock = clock
+        self.device = device
         self.time_ms: float | None = None
 
     def record(self, stream) -> None:
@@ -282,8 +299,9 @@ class Kernel(nn.Module):
 @pytest.fixture
 def device_clock(monkeypatch):
     clock = DeviceClock()
-    timer = EventTimer(torch.device("cpu"), lambda: ClockEvent(clock), lambda device: None)
+    timer = EventTimer(CLOCK_DEVICE, lambda: ClockEvent(clock), lambda device: None)
     monkeypatch.setattr("torchtrace._hooks.event_timer", lambda device: timer)
+    monkeypatch.setitem(device_module._timers, CLOCK_DEVICE, timer)  # where events go back after use
     return clock
 
 
@@ -301,6 +319,63 @@ def test_spans_take_their_durations_from_device_events_not_the_host_clock(device
         assert duration_ms(root) == pytest.approx(5.0)
         assert (second.start_time - root.start_time) / 1e6 == pytest.approx(2.0)  # placed on the device timeline
         assert first.start_time == root.start_time
+
+
+def test_events_go_back_to_the_pool_of_the_device_they_were_recorded_on(monkeypatch):
+    clock = DeviceClock()
+    devices = (torch.device("cpu"), torch.device("meta"))  # stand-ins for two GPUs
+    timers = {device: EventTimer(device, lambda d=device: ClockEvent(clock, d), lambda d: None) for device in devices}
+    for device, timer in timers.items():
+        monkeypatch.setitem(device_module._timers, device, timer)
+    on_first, on_second = timers[devices[0]].mark(), timers[devices[1]].mark()
+    device_module.recycle([on_second, None, on_first])  # e.g. one training step's marks
+    assert timers[devices[0]].mark() is on_first
+    assert timers[devices[1]].mark() is on_second
+    assert clock.events_created == 2
+
+
+def test_a_forward_interrupted_on_the_device_is_read_once_its_events_completed(device_clock):
+    class StopOnce(nn.Module):
+        stopped = False
+
+        def forward(self, x):
+            if not StopOnce.stopped:
+                StopOnce.stopped = True
+                raise KeyboardInterrupt  # torch runs no always_call hook for it: the forward stays open
+            return x
+
+    model = nn.Sequential(Kernel(device_clock, 2.0), StopOnce())
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.zeros(2))
+        device_clock.complete = False
+        model(torch.zeros(2))  # closes the interrupted forward, runs a whole one
+        assert handle._dispatcher.drain(wait=False) == 0  # neither is read before its events complete
+        device_clock.complete = True
+        assert handle._dispatcher.drain(wait=False) == 6
+        assert handle.sink_errors == 0
+        interrupted = handle.records[0]
+        assert interrupted.path == "" and interrupted.error is not None
+        assert (interrupted.end_ns - interrupted.start_ns) / 1e6 == pytest.approx(2.0)  # until it was closed
+
+
+def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeypatch):
+    threads = []
+    monkeypatch.setattr("torchtrace._dispatch.cuda_initialized", lambda: True)
+    monkeypatch.setattr(
+        "torchtrace._dispatch.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
+    )
+    model = nn.Linear(2, 2)
+    with torchtrace.instrument(model, exporter="none", export_interval_ms=5):
+        deadline = time.monotonic() + 10
+        while len(threads) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # several more drains
+    assert threads == ["torchtrace-dispatch"]  # once, on the worker, before it reads any event
+
+
+def test_entering_thread_local_capture_mode_is_harmless_without_a_gpu_driver():
+    device_module.tolerate_graph_captures()
 
 
 def test_timing_events_are_pooled(device_clock):

@@ -209,8 +209,11 @@ def test_inference_server_request_spans_parent_the_model_spans() -> None:
 def test_config_shows_each_value_and_where_it_came_from(monkeypatch, capsys) -> None:
     monkeypatch.setenv("TORCHTRACE_SAMPLE_EVERY", "4")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=secret")
+    monkeypatch.setenv("TORCHTRACE_TRITON", "off")
     assert main(["config", "--json", "--stats", "mean,max"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    triton = rows["triton statistics"]
+    assert (triton["value"], triton["source"]) == ("False", "env TORCHTRACE_TRITON")
     assert rows["sample_every"] == {"name": "sample_every", "value": "4", "source": "env TORCHTRACE_SAMPLE_EVERY"}
     assert rows["stats"] == {"name": "stats", "value": "mean,max", "source": "keyword"}
     assert rows["stats_sample"] == {"name": "stats_sample", "value": "(unset)", "source": "default"}

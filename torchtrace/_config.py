@@ -36,6 +36,7 @@ ENV_BACKWARD = "TORCHTRACE_BACKWARD"  # true: a span per module backward, with g
 ENV_STEP_EVERY = "TORCHTRACE_STEP_EVERY"  # trace every Nth training step (schedule=every(N))
 ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-gradient norms on backward spans
 ENV_CUDA_EVENTS = "TORCHTRACE_CUDA_EVENTS"  # true (default): CUDA module durations from events, not the host clock
+ENV_TRITON = "TORCHTRACE_TRITON"  # false: CUDA statistics with torch ops, never the Triton kernel (process-wide)
 ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
@@ -96,6 +97,13 @@ def _parse_bool(name: str, text: str) -> bool:
     if lowered in _FALSE:
         return False
     raise ValueError(f"{name}={text!r}: expected true or false")
+
+
+def triton_allowed() -> bool:
+    """Whether CUDA statistics may use the Triton kernel: ``TORCHTRACE_TRITON``, read when the first CUDA tensor
+    is summarised (process-wide, like the kernel's compile cache)."""
+    text = os.environ.get(ENV_TRITON)
+    return text is None or _parse_bool(ENV_TRITON, text)
 
 
 def _parse_int(name: str, text: str) -> int:
@@ -311,6 +319,7 @@ def resolve_options(**kwargs: Any) -> Options:
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)
         _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    triton_allowed()  # a malformed TORCHTRACE_TRITON raises here, not in a hook
     sample = options.stats_sample
     _require(
         sample is None or (isinstance(sample, int) and not isinstance(sample, bool) and sample >= 1),

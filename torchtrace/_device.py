@@ -12,6 +12,7 @@ Two things must not happen inside a hook on a GPU: waiting for the device (``.it
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import math
@@ -31,6 +32,9 @@ _logger = logging.getLogger(__name__)
 RAW_COLUMNS = ("sum_d", "squares_d", "min", "max", "squares", "shift")
 RAW_START = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0)
 COUNT_COLUMNS = ("nan_count", "inf_count", "nonzero")
+# Rows are padded to 32 bytes (8 float32, 4 int64): every row then starts 16-byte aligned, and Triton compiles one
+# kernel variant per dtype instead of one per row alignment.
+VALUE_WIDTH, COUNT_WIDTH = 8, 4
 READ_AS_IS = (torch.float32, torch.float16, torch.bfloat16)  # dtypes reduced without a conversion first
 BLOCK_ROWS = 256  # rows per buffer block; a forward needing more takes more blocks (kept for the next one)
 MAX_ROWS = 1 << 16  # per forward or step: a step that is never closed must not grow pinned memory forever
@@ -48,16 +52,22 @@ class EventTimer:
         self._free: deque = deque()  # append/pop are atomic: autograd threads and the worker share it
 
     def mark(self) -> Any:
-        free = self._free
-        event = free.pop() if free else self._new_event()
+        try:  # not `if free:` then pop: another thread may take the last one in between
+            event = self._free.pop()
+        except IndexError:
+            event = self._new_event()
         event.record(self._current_stream(self.device))
         return event
 
-    def recycle(self, events: list) -> None:
-        self._free.extend(events)
-
 
 _timers: dict[torch.device, EventTimer] = {}
+
+
+def recycle(events: Iterable[Any]) -> None:
+    """Timing events back to the pool of the device each was recorded on (a step's may come from several)."""
+    for event in events:
+        if event is not None:
+            _timers[event.device]._free.append(event)
 
 
 def event_timer(device: torch.device | None) -> EventTimer | None:
@@ -81,6 +91,22 @@ def completion_event(device: torch.device) -> Any:
     return event
 
 
+def tolerate_graph_captures() -> None:
+    """Puts the calling thread in CUDA's thread-local stream-capture mode, as torch's NCCL watchdog does: in the
+    default (global) mode, an event query from any thread invalidates a CUDA graph that another thread is
+    capturing. The worker only queries events recorded before, and outside, any capture."""
+    for name in ("libcuda.so.1", "nvcuda.dll"):
+        try:
+            driver = ctypes.CDLL(name)
+        except OSError:
+            continue
+        mode = ctypes.c_int(1)  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        result = driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+        if result:
+            _logger.debug("torchtrace: cuThreadExchangeStreamCaptureMode returned %d", result)
+        return
+
+
 def elapsed_ns(start: Any, end: Any) -> int:
     return int(start.elapsed_time(end) * 1_000_000)  # milliseconds -> nanoseconds
 
@@ -90,12 +116,12 @@ class _Block:
 
     def __init__(self, device: torch.device) -> None:
         # filled on the device: torch.tensor(RAW_START, device=...) would be a synchronizing host-to-device copy
-        self.start = torch.zeros((BLOCK_ROWS, len(RAW_COLUMNS)), dtype=torch.float32, device=device)
+        self.start = torch.zeros((BLOCK_ROWS, VALUE_WIDTH), dtype=torch.float32, device=device)
         for column, value in enumerate(RAW_START):
             if value:
                 self.start[:, column] = value
-        self.values = torch.empty((BLOCK_ROWS, len(RAW_COLUMNS)), dtype=torch.float32, device=device)
-        self.counts = torch.empty((BLOCK_ROWS, len(COUNT_COLUMNS)), dtype=torch.int64, device=device)
+        self.values = torch.empty((BLOCK_ROWS, VALUE_WIDTH), dtype=torch.float32, device=device)
+        self.counts = torch.empty((BLOCK_ROWS, COUNT_WIDTH), dtype=torch.int64, device=device)
         pinned = device.type == "cuda"  # non_blocking copies need pinned host memory
         self.host_values = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=pinned)
         self.host_counts = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=pinned)
@@ -167,7 +193,7 @@ class StatRows:
                 np.concatenate([block.host_counts.numpy() for block in self._blocks])[:used],
             )
         values, counts = self._host
-        return values[index].tolist(), counts[index].tolist()
+        return values[index, : len(RAW_COLUMNS)].tolist(), counts[index, : len(COUNT_COLUMNS)].tolist()
 
     def release(self) -> None:
         """Gives the buffers back once every row was read."""
@@ -198,8 +224,7 @@ class DeviceWork:
         for rows in self.rows:
             rows.release()
         self.rows = []
-        if self.timer is not None:
-            self.timer.recycle([event for event in timing_events if event is not None])
+        recycle(timing_events)
 
 
 class RowPool:
@@ -209,8 +234,10 @@ class RowPool:
         self._free: dict[torch.device, deque] = {}
 
     def block(self, device: torch.device) -> _Block:
-        free = self._free.get(device)
-        return free.pop() if free else _Block(device)
+        try:  # threads share the pool (autograd's device threads, a server's request threads)
+            return self._free.setdefault(device, deque()).pop()
+        except IndexError:
+            return _Block(device)
 
     def give_back(self, device: torch.device, blocks: list[_Block]) -> None:
         self._free.setdefault(device, deque()).extend(blocks)
@@ -228,8 +255,10 @@ def fused_kernel(x: torch.Tensor) -> Any:
     if not x.is_cuda:
         return None
     if _triton is None:
+        from torchtrace._config import triton_allowed  # not at the top: _config imports this module
+
         try:
-            _triton = importlib.import_module("torchtrace._triton_stats")
+            _triton = importlib.import_module("torchtrace._triton_stats") if triton_allowed() else False
         except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used
             _triton = False
     return _triton if _triton and _triton.applies(x) else None

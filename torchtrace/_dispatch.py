@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
+from torch.cuda import is_initialized as cuda_initialized
 
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._device import elapsed_ns
+from torchtrace._device import elapsed_ns, tolerate_graph_captures
 from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, START, START_EVENT, ModuleInfo, RawForward
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
@@ -283,7 +284,9 @@ def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
     origin_event, origin_ns = root[START_EVENT], root[START] + origin.clock_offset_ns - record.clock_offset_ns
 
     def on_step_clock(mark: Any, host_ns: int) -> int:
-        return host_ns if mark is None else origin_ns + elapsed_ns(origin_event, mark)
+        if mark is None or mark.device != origin_event.device:  # events of two devices have no common clock
+            return host_ns
+        return origin_ns + elapsed_ns(origin_event, mark)
 
     return on_step_clock
 
@@ -398,7 +401,11 @@ class Dispatcher:
         self.drain()
 
     def _run(self) -> None:
+        capture_safe = False
         while not self._stop.wait(self.interval_s):
+            if not capture_safe and cuda_initialized():  # before the first event query
+                tolerate_graph_captures()
+                capture_safe = True
             self.drain(wait=False)
 
     def _notify_nonfinite(self, error: NonFiniteError) -> None:
@@ -427,10 +434,14 @@ class Dispatcher:
                 return 0
             calls: list[ModuleCall] = []
             for item in forwards:
-                if isinstance(item, StepRecord):
-                    calls.extend(resolve_step(item, self.modules))
-                else:
-                    calls.extend(resolve_forward(item, self.modules))
+                try:
+                    if isinstance(item, StepRecord):
+                        calls.extend(resolve_step(item, self.modules))
+                    else:
+                        calls.extend(resolve_forward(item, self.modules))
+                except Exception:  # one unreadable forward must not take the batch (or the worker) with it
+                    self.sink_errors += 1
+                    _logger.exception("torchtrace: could not read a traced %s; its calls are lost", type(item).__name__)
             if self.on_nonfinite is not None:
                 for call in calls:
                     if isinstance(call.error, NonFiniteError):

@@ -115,7 +115,7 @@ class TraceHandle:
         self._hook_handles.clear()
         self._optimizer_hooks.clear()
         if self._steps is not None:
-            self._close_step()  # what the unfinished step recorded is delivered too
+            self._deliver_step(self._steps.finish())  # what the unfinished step recorded is delivered too
         self._dispatcher.stop()
         self.flush()
         for shutdown in self._shutdowns():
@@ -140,24 +140,24 @@ class TraceHandle:
         """
         if self._steps is None:
             raise RuntimeError("step() needs step tracing: instrument(model, backward=True / schedule= / optimizer=)")
-        record = self._close_step()
+        record = self._steps.finish()
+        verdict = None
         if record is not None and self.options.on_nonfinite == "raise":
-            message = first_nonfinite(record, self._recorder.modules)
-            if message is not None:
-                raise NonFiniteError(message)
+            verdict = first_nonfinite(record, self._recorder.modules)  # before the worker may read and release it
+        self._deliver_step(record)
+        if verdict is not None:
+            raise NonFiniteError(verdict)
 
     @property
     def step_number(self) -> int | None:
         """The number of the current (open) training step, from 0; None without step tracing."""
         return self._steps.number if self._steps is not None else None
 
-    def _close_step(self) -> StepRecord | None:
-        record = self._steps.finish()
+    def _deliver_step(self, record: StepRecord | None) -> None:
         if record is not None:
             # module spans, forward and backward (two grad events each): the step and phase spans are not counted
             calls = sum(len(forward.entries) for forward in record.forwards) + len(record.backward_events) // 2
             self.buffer.put(record, calls)
-        return record
 
     def __enter__(self) -> TraceHandle:
         return self
@@ -205,7 +205,8 @@ class TraceHandle:
 
     @property
     def sink_errors(self) -> int:
-        """Batches of calls a sink (exporter, records, summary, metrics, your own) raised on; each is logged."""
+        """Batches of calls a sink (exporter, records, summary, metrics, your own) raised on, and traced forwards
+        or steps that could not be read; each is logged."""
         return self._dispatcher.sink_errors
 
     @property

@@ -226,6 +226,9 @@ class HookRecorder:
         for entry in state.stack:
             entry[END] = end
             entry[ERROR] = "interrupted"
+        root = state.stack[0]
+        if root[START_EVENT] is not None:  # the forward's events are read once this one completes
+            root[END_EVENT] = state.timer.mark()
         state.stack.clear()
         self._end_forward(state)
 

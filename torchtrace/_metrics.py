@@ -343,7 +343,8 @@ class MetricsSink(Collector):
         )
         sink_errors = CounterMetricFamily(
             f"{ns}_sink_errors",
-            "Batches of calls a sink (exporter, records, metrics, user sink) raised on; logged with the traceback.",
+            "Batches of calls a sink (exporter, records, metrics, user sink) raised on, and traced forwards that "
+            "could not be read; logged with the traceback.",
             labels=base,
         )
         families: list[Metric] = [

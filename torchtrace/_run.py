@@ -110,6 +110,8 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
         if name == "exporter" and value == "auto":
             text = f"auto ({_auto_exporter()})"
         rows.append({"name": name, "value": text, "source": source})
+    triton_source = f"env {_config.ENV_TRITON}" if _env_set(_config.ENV_TRITON) else "default"
+    rows.append({"name": "triton statistics", "value": str(_config.triton_allowed()), "source": triton_source})
     from torchtrace import _exporters
 
     for name in OTEL_VARIABLES:

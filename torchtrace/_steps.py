@@ -185,7 +185,7 @@ class StepTracker:
     def _grad_stats(self, grads: Any) -> dict[str, dict]:
         summaries: dict[str, dict] = {}
         for index, grad in enumerate(grads):
-            if grad is None:
+            if grad is None or not grad.numel():  # an expert that got no tokens: nothing to summarise
                 continue
             stats: dict[str, Any] = {}
             try:
@@ -235,8 +235,8 @@ class StepTracker:
             return None
         work = DeviceWork(rows, self.timer)
         if self.timer is not None:
-            marks = [event[4] for event in self.events if event[4] is not None]
-            work.done.extend(marks[-1:])
+            last_marks = {mark.device: mark for *_, mark in self.events if mark is not None}  # per device, in order
+            work.done.extend(last_marks.values())
             work.done.extend(end for *_, (_, end) in self.comm if end is not None)  # recorded on side streams
             finished = completion_event(self.timer.device)  # after backward: autograd joined its streams
             if finished is not None:

@@ -20,7 +20,9 @@ PROGRAMS_PER_SM = 4
 OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the user's process that it is unset
 
 
-@triton.jit
+# n and stride are not specialised (on n % 16, n == 1, ...): a traced model meets many tensor sizes, and each
+# specialisation would be another compilation, inside a hook, during the first forwards.
+@triton.jit(do_not_specialize=["n", "stride"])
 def _row_kernel(x_ptr, values_ptr, counts_ptr, n, stride, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr):
     program = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -77,8 +79,11 @@ def _max_programs(device: torch.device) -> int:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel can read this tensor as it is: contiguous, of a dtype it loads, with int32 offsets."""
-    return x.dtype in READ_AS_IS and x.is_contiguous() and x.numel() < 2**31 - BLOCK
+    """Whether the kernel can read this tensor as it is: contiguous, of a dtype it loads, with int32 offsets.
+
+    The grid-stride loop's int32 counter runs up to n + programs * BLOCK and must not wrap (it would then load below
+    the tensor): 2**30 elements leaves room for any GPU's grid; larger tensors take the torch-op reduction."""
+    return x.dtype in READ_AS_IS and x.is_contiguous() and x.numel() < 2**30
 
 
 def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> None:
