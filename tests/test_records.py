@@ -166,16 +166,47 @@ def test_function_on_input_stores_its_result():
         assert handle["linear_1"][0].output_value is None
 
 
-def test_a_failing_user_function_does_not_break_the_forward():
+def test_a_failing_user_function_does_not_break_the_forward_nor_the_statistics():
     def broken(y):
         raise RuntimeError("user function bug")
 
-    model, handle = record(function_on_output=broken)
+    model, handle = record(function_on_output=broken, function_on_input=broken, inputs=True)
     with handle:
         out = model(x_of(0.1))
         assert out.flatten().tolist() == [pytest.approx(3.4)] * 2
         assert [call.path for call in handle.records] == HOOK_PATHS
-        assert "RuntimeError: user function bug" in handle["linear_1"][0].attributes["torchtrace.output.stats_error"]
+        attributes = handle["linear_1"][0].attributes
+        assert attributes["torchtrace.output.stats_error"] == "RuntimeError: user function bug"
+        assert attributes["torchtrace.input.stats_error"] == "RuntimeError: user function bug"
+        assert attributes["torchtrace.output.mean"] == pytest.approx(linear_1_mean(0.1))  # the other features stay
+        assert attributes["torchtrace.input.0.mean"] == pytest.approx(0.1)
+        assert handle["linear_1"][0].output_value is None
+
+
+def test_a_failing_feature_leaves_a_shared_summary_of_the_same_tensor_alone():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.inner(x)  # the same tensor: one cached summary for both calls
+
+    def broken_for_inner(y):
+        if broken_for_inner.calls == 0:
+            broken_for_inner.calls += 1
+            raise RuntimeError("only once")
+        return "ok"
+
+    broken_for_inner.calls = 0
+    model = Outer()
+    with torchtrace.instrument(model, exporter="none", function_on_output=broken_for_inner) as handle:
+        model(torch.ones(1, 2))
+        inner, outer = handle["inner"][0], handle[""][0]
+    assert inner.attributes["torchtrace.output.stats_error"] == "RuntimeError: only once"
+    assert "torchtrace.output.stats_error" not in outer.attributes
+    assert outer.attributes["torchtrace.output.mean"] == inner.attributes["torchtrace.output.mean"]
+    assert outer.output_value == "ok"
 
 
 # -- enable / disable / clear --------------------------------------------------------------------------------------

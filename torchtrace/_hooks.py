@@ -28,6 +28,8 @@ from torchtrace._stats import StatComputer, find_tensors
 
 _UNKNOWN = object()
 
+FEATURE_ERROR = "_error"  # key, among a call's tensor summaries, of the error of a feature that failed on the call
+
 # Slots of one raw call entry (a list: the cheapest thing to create in a hook).
 (MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
  START_EVENT, END_EVENT) = range(14)  # fmt: skip
@@ -79,13 +81,25 @@ class HookRecorder:
         self.enabled = True
         self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
         self.summarise = bool(options.stats or options.extra_stats)
-        # anything to do with a call's output beyond closing it? (decided once: the post hook skips the call)
-        self.output_work = bool(
-            self.summarise
-            or options.function_on_output
-            or options.module_attributes
-            or options.capture_tensors
-            or (steps is not None and steps.backward)
+        # what each call does with its output and inputs beyond timing, chosen once: every feature fails alone
+        self._output_work = tuple(
+            work
+            for work, wanted in (
+                (self._output_stats, self.summarise),
+                (self._output_value, options.function_on_output is not None),
+                (self._output_attributes, bool(options.module_attributes)),
+                (self._output_capture, options.capture_tensors),
+                (self._output_backward, steps is not None and steps.backward),
+            )
+            if wanted
+        )
+        self._input_work = tuple(
+            work
+            for work, wanted in (
+                (self._input_stats, options.inputs and self.summarise),
+                (self._input_value, options.function_on_input is not None),
+            )
+            if wanted
         )
         self.captured_bytes = 0
         self.skipped_captures = 0
@@ -100,7 +114,7 @@ class HookRecorder:
         state = self._state
         perf_counter_ns = time.perf_counter_ns
         exc_info = sys.exc_info
-        wants_inputs = self.options.inputs or self.options.function_on_input is not None
+        input_work = self._input_work
         is_compiling = torch.compiler.is_compiling
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
@@ -121,8 +135,11 @@ class HookRecorder:
             # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
             entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
                      None, None, None, None, None, None]  # fmt: skip
-            if wants_inputs:
-                self._summarise_inputs(entry, args, kwargs)
+            for work in input_work:
+                try:
+                    work(entry, args, kwargs)
+                except Exception as error:  # never let tracing break the user's forward
+                    _note_error(entry, INPUTS, error)
             entries.append(entry)
             stack.append(entry)
             timer = state.timer  # the root always marks: its events are the forward's origin and completion
@@ -138,7 +155,7 @@ class HookRecorder:
         state = self._state
         perf_counter_ns = time.perf_counter_ns
         is_compiling = torch.compiler.is_compiling
-        output_work = self.output_work
+        output_work = self._output_work
 
         def post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if is_compiling():
@@ -166,11 +183,11 @@ class HookRecorder:
                 entry[ERROR] = error if error is not entry[ERROR] else None
             else:
                 entry[ERROR] = None
-            if output_work:
+            for work in output_work:
                 try:
-                    self._summarise_output(entry, module, args, output)
+                    work(entry, module, args, output)
                 except Exception as error:  # never let tracing break the user's forward
-                    entry[OUTPUTS] = {"": {"stats_error": error_text(error)}}
+                    _note_error(entry, OUTPUTS, error)
             if not stack:
                 self._end_forward(state)
 
@@ -257,31 +274,31 @@ class HookRecorder:
 
     # -- what a call records --------------------------------------------------------------------------------------
 
-    def _summarise_inputs(self, entry: list, args: tuple, kwargs: dict | None) -> None:
-        options = self.options
-        try:
-            if options.inputs and self.summarise:
-                value: Any = args if not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-                entry[INPUTS] = self._summarise_value(value)
-            if options.function_on_input is not None:
-                entry[INPUT_VALUE] = options.function_on_input(args[0] if len(args) == 1 else args)
-        except Exception as error:
-            entry[INPUTS] = {"": {"stats_error": error_text(error)}}
+    def _input_stats(self, entry: list, args: tuple, kwargs: dict | None) -> None:
+        value: Any = args if not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+        entry[INPUTS] = self._summarise_value(value)
 
-    def _summarise_output(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        options = self.options
-        if self.summarise and output is not None:
+    def _input_value(self, entry: list, args: tuple, kwargs: dict | None) -> None:
+        entry[INPUT_VALUE] = self.options.function_on_input(args[0] if len(args) == 1 else args)
+
+    def _output_stats(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if output is not None:  # a call that raised (always_call hooks)
             entry[OUTPUTS] = self._summarise_value(output)
-        if options.function_on_output is not None and output is not None:
-            entry[OUTPUT_VALUE] = options.function_on_output(output)
-        if options.module_attributes:
-            entry[ATTRIBUTES] = {name: _attribute_value(module, name) for name in options.module_attributes}
-        if options.capture_tensors and output is not None:
+
+    def _output_value(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if output is not None:
+            entry[OUTPUT_VALUE] = self.options.function_on_output(output)
+
+    def _output_attributes(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        entry[ATTRIBUTES] = {name: _attribute_value(module, name) for name in self.options.module_attributes}
+
+    def _output_capture(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if output is not None:
             entry[TENSORS] = self._capture(output)
-        steps = self.steps
-        if steps is not None and steps.backward:
-            timer = self._state.timer if entry[START_EVENT] is not None else None  # on the timer's device only
-            steps.watch_backward(entry, module, args, output, timer)
+
+    def _output_backward(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        timer = self._state.timer if entry[START_EVENT] is not None else None  # on the timer's device only
+        self.steps.watch_backward(entry, module, args, output, timer)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
@@ -302,6 +319,13 @@ class HookRecorder:
             copy = tensor.detach().to("cpu", copy=True)
             captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
         return captured
+
+
+def _note_error(entry: list, slot: int, error: Exception) -> None:
+    """A feature failed on this call: its error becomes the call's ``<prefix>.stats_error`` attribute; what the other
+    features recorded stays (tensor summaries are left alone: they may be shared with other calls, and small
+    tensors' numbers are filled in at the end of the forward)."""
+    entry[slot] = {**(entry[slot] or {}), FEATURE_ERROR: {"stats_error": error_text(error)}}
 
 
 def _capturing_graph() -> bool:
