@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from otlp_receiver import OtlpHttpReceiver, attributes_dict
 
+from torchtrace._distributed import rank_info
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
 
@@ -82,6 +84,18 @@ def spans_by_rank(receiver: OtlpHttpReceiver) -> list[tuple[int, object]]:
             for scope_spans in resource_spans.scope_spans:
                 found.extend((resource["torchtrace.rank"], span) for span in scope_spans.spans)
     return found
+
+
+def test_torchruns_multi_node_default_run_id_none_does_not_join_unrelated_runs(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHTRACE_RUN_ID", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    first = rank_info().run_id
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert (first, rank_info().run_id) == ("node0:29500", "node0:29501")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")  # --rdzv-id job-42
+    assert rank_info().run_id == "job-42"
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -7,6 +7,7 @@ OTEL_SERVICE_NAME environment variables, because the senders are opentelemetry-e
 from __future__ import annotations
 
 import base64
+import io
 import json
 import logging
 import math
@@ -17,9 +18,12 @@ import otlp_receiver
 import pytest
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_receiver import attributes_dict
 
 from torchtrace._calls import ModuleCall
+from torchtrace._demo import run_demo
 from torchtrace._exporters import (
     EncodedSpans,
     GrpcSender,
@@ -27,6 +31,7 @@ from torchtrace._exporters import (
     JsonFileSender,
     OtlpSink,
     create_otlp_sender,
+    create_sdk_span_exporter,
     default_resource,
     otlp_endpoint_configured,
     resolve_protocol,
@@ -109,6 +114,55 @@ def test_grpc_export_to_a_real_receiver(monkeypatch, otlp_grpc_receiver, compres
     assert all(h["x-api-key"] == "secret" for h in otlp_grpc_receiver.headers)
     scope = otlp_grpc_receiver.requests[0].resource_spans[0].scope_spans[0].scope
     assert (scope.name, scope.version) == ("torchtrace", "0.1")
+
+
+def test_requests_are_split_until_they_fit_the_receivers_message_size(monkeypatch, otlp_grpc_receiver):
+    configure(monkeypatch, "grpc", "none")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
+    sink = OtlpSink(create_otlp_sender(), default_resource(), max_request_bytes=2_000)
+    calls = forward_calls() * 10  # 30 spans of ~300 bytes: one request by count, several by size
+    sink(calls)
+    sink.shutdown()
+    assert (sink.exported, sink.failed) == (30, 0)
+    assert len(otlp_grpc_receiver.wait_for_spans(30, timeout=5)) == 30
+    sizes = [request.ByteSize() for request in otlp_grpc_receiver.requests]
+    assert len(sizes) > 1 and max(sizes) <= 2_000
+
+
+def test_a_batch_that_cannot_be_encoded_is_counted_without_holding_back_the_next(monkeypatch, otlp_http_receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_http_receiver.traces_endpoint)
+    sink = OtlpSink(create_otlp_sender(), default_resource())
+    encode = sink._encode
+    sink._encode = lambda chunk, *rest: encode(chunk, *rest) if len(chunk) != 2 else 1 / 0  # an encoder bug
+    sink(forward_calls()[:2])
+    sink(forward_calls())  # no backoff after an encoding failure: the endpoint is fine
+    sink.shutdown()
+    assert (sink.exported, sink.failed) == (3, 2)
+    assert len(otlp_http_receiver.wait_for_spans(3, timeout=5)) == 3
+
+
+def test_the_demos_endpoint_flag_beats_a_traces_endpoint_in_the_environment(monkeypatch, otlp_http_receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")  # nothing listens
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL"):  # the demo sets them: undone after
+        monkeypatch.setenv(name, "")
+    out = io.StringIO()
+    status = run_demo(batches=1, otlp_endpoint=otlp_http_receiver.endpoint, protocol="http/protobuf",
+                      stats=False, out=out, progress=io.StringIO())  # fmt: skip
+    assert status == 0, out.getvalue()
+    assert otlp_http_receiver.wait_for_spans(1, timeout=5)
+
+
+def test_sdk_span_exporter_accepts_compression_none_over_grpc(monkeypatch, otlp_grpc_receiver):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "none")  # allowed by the spec; the SDK's exporter refuses
+    exporter = create_sdk_span_exporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("app").start_span("request").end()
+    provider.shutdown()
+    assert [span.name for span in otlp_grpc_receiver.wait_for_spans(1, timeout=5)] == ["request"]
 
 
 @pytest.mark.parametrize("compression", ["none", "gzip"])

@@ -68,6 +68,16 @@ def test_span_limits_apply_as_on_the_protobuf_path(monkeypatch):
     assert spans[1]["attributes"] == [{"key": "s", "value": {"stringValue": "long"}}]
 
 
+def test_an_event_count_limit_of_zero_applies_as_on_the_protobuf_path(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "0")
+    failed = call("m", 1, 0, 0, 1, {"k": 1.0})
+    failed.error = ValueError("boom")
+    result = direct([failed])
+    assert result == through_protobuf([failed])
+    (span,) = result["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert "events" not in span and span["droppedEventsCount"] == 1
+
+
 scalars = (
     st.none()
     | st.booleans()

@@ -88,3 +88,24 @@ def test_the_exception_event_is_bounded_too(monkeypatch) -> None:
     assert values["exception.message"] == "a rather lon"
     assert all(len(value) <= 12 for value in values.values())
     assert values["exception.type"] == attributes_dict(sdk_event.attributes)["exception.type"]
+
+
+def test_an_event_count_limit_of_zero_drops_the_exception_event_and_counts_it_like_the_sdk(monkeypatch) -> None:
+    monkeypatch.setenv("OTEL_SPAN_EVENT_COUNT_LIMIT", "0")
+    call = wide_call(5, error=ValueError("boom"))
+    span, sdk_span = ours(call), sdks(call)
+    assert (len(span.events), span.dropped_events_count) == (0, 1)
+    assert (len(sdk_span.events), sdk_span.dropped_events_count) == (0, 1)
+    assert span.status.message == "ValueError: boom"  # still an error
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+def test_an_exception_whose_str_raises_is_exported_with_a_placeholder_message() -> None:
+    span = ours(wide_call(5, error=Unprintable()))
+    (event,) = span.events
+    assert attributes_dict(event.attributes)["exception.message"] == "<unprintable Unprintable object>"
+    assert span.status.message == "Unprintable: <unprintable Unprintable object>"

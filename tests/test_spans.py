@@ -4,6 +4,7 @@ unchanged."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -324,6 +325,36 @@ def test_an_exception_marks_the_raising_span_and_its_ancestors_and_reaches_the_c
         model(torch.randn(1, 2))
         assert captured.tree() == {"Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}, "after": {}}}
         assert all(span.status.status_code is StatusCode.UNSET for span in captured.spans())
+
+
+class Unprintable(ValueError):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ is broken")
+
+
+@pytest.mark.parametrize("exporter", ["sdk", "file"])
+def test_an_exception_whose_str_raises_still_gives_complete_spans(exporter, tmp_path):
+    model = Faulty()
+    model.block[1].exception_type = Unprintable
+    if exporter == "sdk":
+        with capture_spans(model) as captured:
+            with pytest.raises(Unprintable):
+                model(torch.randn(1, 2))
+            span = captured.span("block.1")
+            assert captured.tree() == {"Faulty": {"before": {}, "block": {"block.0": {}, "block.1": {}}}}
+            assert span.status.description == "Unprintable: <unprintable Unprintable object>"
+            assert span.events[0].attributes["exception.message"] == "<unprintable Unprintable object>"
+            assert captured.handle.sink_errors == 0
+        return
+    trace_file = tmp_path / "traces.jsonl"
+    with torchtrace.instrument(model, exporter="file", trace_file=str(trace_file)) as handle:
+        with pytest.raises(Unprintable):
+            model(torch.randn(1, 2))
+        handle.flush()
+        assert (handle.exported_spans, handle.failed_spans, handle.sink_errors) == (5, 0, 0)
+    spans = [span for line in trace_file.read_text().splitlines()
+             for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]  # fmt: skip
+    assert {span["name"] for span in spans} == {"Faulty", "before", "block", "block.0", "block.1"}
 
 
 class Catches(nn.Module):

@@ -7,6 +7,7 @@ the batch to every sink: span builder, OTLP encoder, in-memory records, summary,
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,9 +15,29 @@ from typing import Any
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
 
+def error_message(error: BaseException) -> str:
+    """``str(error)``, or a placeholder when the exception's ``__str__`` itself raises (a user's class may)."""
+    try:
+        return str(error)
+    except Exception:
+        return f"<unprintable {type(error).__name__} object>"
+
+
 def error_text(error: BaseException) -> str:
     """How an error reads in a span's status, a ``stats_error`` attribute or a log line: "ValueError: message"."""
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {error_message(error)}"
+
+
+def exception_event_attributes(error: BaseException) -> dict[str, str]:
+    """The attributes of the SDK's ``record_exception`` event, without the deprecated ``exception.escaped`` (and
+    without calling ``str(error)`` unguarded, as the SDK does)."""
+    etype = type(error)
+    module, qualname = etype.__module__, etype.__qualname__
+    return {
+        "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
+        "exception.message": error_message(error),
+        "exception.stacktrace": "".join(traceback.format_exception(error)),
+    }
 
 
 @dataclass(slots=True, eq=False)

@@ -113,9 +113,12 @@ def run_demo(
     """Runs the demo; returns the exit status (1 if spans failed to export)."""
     out = out or sys.stdout
     progress = progress or sys.stderr
+    # a flag beats the environment: the traces-specific variables would otherwise win over the generic ones
     if otlp_endpoint:
+        os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", None)
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_endpoint
     if protocol:
+        os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", None)
         os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = protocol
 
     torch.manual_seed(SEED)

@@ -49,9 +49,11 @@ def rank_info() -> RankInfo | None:
     world_size = torch.distributed.get_world_size() if initialized else _env_int("WORLD_SIZE")
     if rank is None or not world_size or world_size < 2 and not initialized:
         return None
+    elastic_run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     run_id = (
         os.environ.get(ENV_RUN_ID)
-        or os.environ.get("TORCHELASTIC_RUN_ID")
+        # torchrun's default for multi-node jobs without --rdzv-id is the literal "none": every run would share it
+        or (elastic_run_id if elastic_run_id != "none" else None)
         # mp.spawn-style jobs share their rendezvous address; good enough to tell runs apart on one cluster
         or f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '0')}"
     )

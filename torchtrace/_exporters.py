@@ -177,6 +177,16 @@ def create_otlp_sender(protocol: str | None = None) -> GrpcSender | HttpSender:
     raise ValueError(f"unsupported OTLP protocol {protocol!r}; use one of {', '.join(PROTOCOLS)}")
 
 
+def grpc_compression_none() -> grpc.Compression | None:
+    """NoCompression where OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION=none (the spec allows it; the SDK's gRPC
+    exporter rejects it), else None: the SDK reads the variable itself."""
+    for var in (OTEL_EXPORTER_OTLP_TRACES_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            return grpc.Compression.NoCompression if value == "none" else None
+    return None
+
+
 def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -> SpanExporter:
     """An SDK ``SpanExporter`` for the app's own spans that goes where torchtrace's would: the SDK's OTLP exporter
     for the configured protocol when an endpoint is set, else OTLP JSON lines in ``trace_file``
@@ -184,7 +194,7 @@ def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -
     if otlp_endpoint_configured():
         timeout = export_timeout_s()
         if resolve_protocol() == "grpc":
-            return _GrpcSpanExporter(timeout=timeout)
+            return _GrpcSpanExporter(timeout=timeout, compression=grpc_compression_none())
         return _HttpSpanExporter(timeout=timeout)
     from torchtrace._config import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
 
@@ -214,15 +224,7 @@ class GrpcSender(_GrpcSpanExporter):
     """OTLP/gRPC: the SDK's gRPC span exporter (retries, reconnects, headers, gzip, TLS, env) sending bytes."""
 
     def __init__(self, *args: Any, compression: grpc.Compression | None = None, **kwargs: Any) -> None:
-        if compression is None:
-            # The spec allows OTEL_EXPORTER_OTLP_[TRACES_]COMPRESSION=none; the SDK's gRPC exporter rejects it.
-            for var in (OTEL_EXPORTER_OTLP_TRACES_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION):
-                value = os.environ.get(var, "").strip().lower()
-                if value:
-                    if value == "none":
-                        compression = grpc.Compression.NoCompression
-                    break
-        super().__init__(*args, compression=compression, **kwargs)
+        super().__init__(*args, compression=compression or grpc_compression_none(), **kwargs)
 
     def _initialize_channel_and_stub(self) -> None:
         super()._initialize_channel_and_stub()  # also called on reconnect: replace the stub every time
@@ -343,6 +345,10 @@ class SdkJsonFileExporter(SpanExporter):
 
 # --- sink -----------------------------------------------------------------------------------------------------
 
+# gRPC servers (the OTel Collector's OTLP receiver included) refuse messages over 4 MiB by default: requests stay
+# below, split by span count first (max_spans_per_request), then in halves until they fit.
+MAX_REQUEST_BYTES = 3_500_000
+
 
 class OtlpSink:
     """A ``Sink``: encodes each batch of ModuleCalls (at most ``max_spans_per_request`` spans per request) and
@@ -364,6 +370,7 @@ class OtlpSink:
         scope_version: str = "",
         max_spans_per_request: int = 4096,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         self.sender = sender
         self._encode = getattr(sender, "encode_request", encode_export_request)  # protobuf unless it wants JSON
@@ -371,6 +378,7 @@ class OtlpSink:
         self.scope_name = scope_name
         self.scope_version = scope_version
         self.max_spans_per_request = max(1, max_spans_per_request)
+        self.max_request_bytes = max_request_bytes
         self.retry_interval_s = retry_interval_s
         self.exported = 0
         self.failed = 0
@@ -383,27 +391,41 @@ class OtlpSink:
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         step = self.max_spans_per_request
-        for i in range(0, len(calls), step):
-            chunk = calls[i : i + step]
-            ok = False
-            reason: str | None = None
-            if not self._shut_down and not (self._failing and time.monotonic() < self._retry_at):
-                _send_state.active, _send_state.last = True, None
-                try:
-                    payload = self._encode(chunk, self.resource, self.scope_name, self.scope_version)
-                    ok = self.sender.send(EncodedSpans(payload, len(chunk)))
-                except Exception as e:  # a sink must not break the traced program
-                    reason = error_text(e)
-                finally:
-                    _send_state.active = False
-                if not ok and reason is None:
-                    reason = getattr(_send_state, "last", None) or "exporter reported failure"
-                if not ok:
-                    self._retry_at = time.monotonic() + self.retry_interval_s
+        chunks = [calls[i : i + step] for i in range(0, len(calls), step)]
+        while chunks:
+            chunk = chunks.pop(0)
+            if self._shut_down or (self._failing and time.monotonic() < self._retry_at):
+                self._record(len(chunk), False, None)
+                continue
+            try:
+                payload = self._encode(chunk, self.resource, self.scope_name, self.scope_version)
+            except Exception as e:  # a bug of ours, not the endpoint's: no backoff for the batches after it
+                _logger.exception("torchtrace: could not encode %d spans", len(chunk))
+                self._record(len(chunk), False, error_text(e), backoff=False)
+                continue
+            if len(payload) > self.max_request_bytes and len(chunk) > 1:  # receivers refuse larger messages
+                half = len(chunk) // 2
+                chunks[:0] = [chunk[:half], chunk[half:]]
+                continue
+            ok, reason = self._send(EncodedSpans(payload, len(chunk)))
             self._record(len(chunk), ok, reason)
 
-    def _record(self, count: int, ok: bool, reason: str | None) -> None:
+    def _send(self, spans: EncodedSpans) -> tuple[bool, str | None]:
+        _send_state.active, _send_state.last = True, None
+        try:
+            if self.sender.send(spans):
+                return True, None
+            return False, getattr(_send_state, "last", None) or "exporter reported failure"
+        except Exception as e:  # a sink must not break the traced program
+            return False, error_text(e)
+        finally:
+            _send_state.active = False
+
+    def _record(self, count: int, ok: bool, reason: str | None, backoff: bool = True) -> None:
+        """Counts a request's spans; a failed send (``reason`` given) starts the backoff and warns once."""
         with self._lock:
+            if not ok and reason is not None and backoff:
+                self._retry_at = time.monotonic() + self.retry_interval_s
             if ok:
                 self.exported += count
                 if not self._failing:

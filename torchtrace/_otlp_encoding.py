@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import marshal
 import struct
-import traceback
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from operator import attrgetter, itemgetter
@@ -41,7 +40,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
-from torchtrace._calls import ModuleCall, error_text
+from torchtrace._calls import ModuleCall, error_text, exception_event_attributes
 
 __all__ = ["encode_export_request", "clear_template_cache"]
 
@@ -130,11 +129,12 @@ def _trace_state_str(trace_state: Any) -> str:
 class _Limits:
     """The SDK's span limits, read from the environment once per request."""
 
-    __slots__ = ("attributes", "value_length", "event_attributes", "event_value_length")
+    __slots__ = ("attributes", "value_length", "events", "event_attributes", "event_value_length")
 
     def __init__(self) -> None:
         limits = SpanLimits()
         self.attributes = limits.max_span_attributes
+        self.events = limits.max_events  # 0 (OTEL_SPAN_EVENT_COUNT_LIMIT=0): the exception event is dropped, counted
         self.value_length = limits.max_span_attribute_length
         self.event_attributes = limits.max_event_attributes
         self.event_value_length = limits.max_attribute_length
@@ -164,13 +164,7 @@ def _bounded(attributes: Mapping[str, Any], count: int | None, length: int | Non
 def exception_attributes(error: BaseException, limits: _Limits | None = None) -> tuple[dict[str, str], int]:
     """The attributes of SDK ``record_exception``'s event (without the deprecated ``exception.escaped``), bounded
     by the event limits, and how many were dropped."""
-    etype = type(error)
-    module, qualname = etype.__module__, etype.__qualname__
-    attrs = {
-        "exception.type": f"{module}.{qualname}" if module and module != "builtins" else qualname,
-        "exception.message": str(error),
-        "exception.stacktrace": "".join(traceback.format_exception(error)),
-    }
+    attrs = exception_event_attributes(error)
     if limits is None:
         return attrs, 0
     return _bounded(attrs, limits.event_attributes, limits.event_value_length)
@@ -249,7 +243,10 @@ def _build(
     if dropped:
         put(b"\x50" + _varint(dropped))  # Span.dropped_attributes_count
     if call.error is not None:
-        put(_exception_event(call.error, call.end_ns, limits))
+        if limits is not None and limits.events == 0:
+            put(b"\x60\x01")  # Span.dropped_events_count = 1
+        else:
+            put(_exception_event(call.error, call.end_ns, limits))
         message = error_text(call.error).encode()
         put(_ld(b"\x7a", _ld(b"\x12", message) + b"\x18\x02"))  # Status{message, code=ERROR}
     else:

@@ -91,6 +91,16 @@ def _attributes(attributes: Mapping[str, Any]) -> list[dict]:
     return [pair for key, value in attributes.items() if (pair := _key_value(key, value)) is not None]
 
 
+def _exception_event(call: ModuleCall, limits: _Limits) -> dict[str, Any]:
+    event_attributes, event_dropped = exception_attributes(call.error, limits)
+    event: dict[str, Any] = {"timeUnixNano": str(call.end_ns), "name": "exception"}
+    if event_attributes:
+        event["attributes"] = _attributes(event_attributes)
+    if event_dropped:
+        event["droppedAttributesCount"] = event_dropped
+    return event
+
+
 def _span(call: ModuleCall, trace_state: str | None, limits: _Limits) -> dict:
     span: dict[str, Any] = {"traceId": f"{call.trace_id:032x}", "spanId": f"{call.span_id:016x}"}
     if trace_state:
@@ -110,13 +120,10 @@ def _span(call: ModuleCall, trace_state: str | None, limits: _Limits) -> dict:
     if dropped:
         span["droppedAttributesCount"] = dropped
     if call.error is not None:
-        event_attributes, event_dropped = exception_attributes(call.error, limits)
-        event: dict[str, Any] = {"timeUnixNano": str(call.end_ns), "name": "exception"}
-        if event_attributes:
-            event["attributes"] = _attributes(event_attributes)
-        if event_dropped:
-            event["droppedAttributesCount"] = event_dropped
-        span["events"] = [event]
+        if limits.events == 0:  # OTEL_SPAN_EVENT_COUNT_LIMIT=0
+            span["droppedEventsCount"] = 1
+        else:
+            span["events"] = [_exception_event(call, limits)]
         span["status"] = {"message": error_text(call.error), "code": _STATUS_ERROR}
     else:
         span["status"] = {}

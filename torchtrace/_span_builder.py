@@ -8,7 +8,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from torchtrace._calls import ModuleCall, error_text
+from torchtrace._calls import ModuleCall, error_text, exception_event_attributes
 from torchtrace.version import __version__
 
 
@@ -59,12 +59,15 @@ class SdkSpanSink:
             )
             spans[call.span_id] = span
             if call.error is not None:
-                span.record_exception(call.error, timestamp=call.end_ns, escaped=True)
+                # what record_exception(escaped=True) adds, without its unguarded str(error)
+                attributes = {**exception_event_attributes(call.error), "exception.escaped": "True"}
+                span.add_event("exception", attributes, timestamp=call.end_ns)
                 span.set_status(Status(StatusCode.ERROR, error_text(call.error)))
             span.end(end_time=call.end_ns)
             exported = span.get_span_context()
             if exported.is_valid:
                 call.trace_id, call.span_id = exported.trace_id, exported.span_id
+            call.trace_flags = int(exported.trace_flags)  # sampled out by the provider: no exemplar may link it
         # children looked their parents up by our ids before the write-back; fix their parent ids afterwards
         for call in calls:
             parent_span = spans.get(call.parent_span_id)
