@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -421,3 +422,37 @@ def test_instrument_is_importable_from_the_package_and_the_testing_helper_remove
     with capture_spans(model) as captured:
         assert isinstance(captured.handle, torchtrace.TraceHandle)
     assert all(not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
+
+
+# -- what is not traced holds on to nothing --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{"sample_every": 2}, {}], ids=["unsampled", "disabled"])
+def test_an_untraced_forward_keeps_no_reference_to_its_tensors_or_model(options):
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    handle = torchtrace.instrument(model, exporter="none", **options)
+    if not options:
+        handle.disable()
+    model(torch.randn(1, 2))  # sample_every=2: the first forward is traced, the second not
+    x = torch.randn(1, 2)
+    output = model(x)
+    refs = [weakref.ref(x), weakref.ref(output), weakref.ref(model)]
+    del x, output, model
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]
+    handle.remove()
+
+
+def test_torch_jit_trace_of_an_instrumented_model_records_only_the_model():
+    model = nn.Sequential(nn.Linear(4, 5000), nn.ReLU())  # outputs past the small-tensor path: torch ops
+    x = torch.randn(2, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no false "runs under torch.compile"
+            traced = torch.jit.trace(model, x, check_trace=False)
+        assert handle.records == []  # jit.trace's recording run is not traced: its graph holds the model only
+        assert "aten::linalg_vector_norm" not in str(traced.graph)
+        assert torch.equal(traced(x), model(x))

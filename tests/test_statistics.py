@@ -331,6 +331,23 @@ def test_within_max_tensors_there_is_no_truncated_flag():
     assert "truncated" not in got
 
 
+def test_outputs_named_like_internal_markers_are_summarised_like_any_other():
+    got = output_attributes({"_error": A, "_truncated": B}, stats=("mean",))
+    assert got == {"_error.mean": 2.0, "_truncated.mean": 0.0}
+
+
+def test_the_std_of_huge_float32_values_does_not_overflow():
+    tensor = torch.tensor([1e20, -1e20] * 2500, dtype=torch.float32)  # > 4096 elements: reduced with torch passes
+    got = output_attributes(tensor, stats=("std", "norm"))
+    assert got["std"] == pytest.approx(float(tensor.std()), rel=1e-6)  # torch: 1.0001e20, not inf
+    assert got["norm"] == float(torch.linalg.vector_norm(tensor))  # inf in float32, as torch says
+
+
+def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged)
+    assert output_attributes(nested, stats=("shape",)) == {"shape": (2, -1, 3)}
+
+
 # -- statistics are taken when the module returns ---------------------------------------------------------------
 
 

@@ -312,3 +312,58 @@ def test_the_summary_shares_are_of_the_forward_even_with_step_and_backward_rows(
     assert rows["Sequential"].share == pytest.approx(1.0)
     assert rows["Sequential"].calls == 2 and rows["0 backward"].calls == 2 and rows["train_step"].calls == 2
     assert rows["0"].share < 1.0
+
+
+# -- autograd beyond loss.backward() ------------------------------------------------------------------------------
+
+
+def test_torch_autograd_grad_works_with_backward_tracing():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        x = torch.randn(3, 4, requires_grad=True)
+        loss = model(x).square().sum()
+        by_tracing = torch.autograd.grad(loss, [x, *model.parameters()], create_graph=True)  # e.g. a gradient penalty
+        handle.step()
+        assert handle.backward_records("2")  # traced
+    expected = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    for got, want in zip(by_tracing, expected):
+        assert torch.equal(got, want)
+
+
+def test_gradient_accumulation_gives_each_micro_batch_its_own_backward_spans():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        for _ in range(2):  # two micro-batches, one step
+            model(torch.randn(3, 4)).sum().backward()
+        handle.step()
+        first, second = handle.backward_records("0")  # the first layer: its hooks sit on its (leaf) parameters
+        forwards = handle[""]
+    assert first.end_ns <= forwards[1].start_ns  # not stretched to the second micro-batch's backward
+    assert second.start_ns >= forwards[1].end_ns
+
+
+def test_leaf_hooks_do_not_pile_up_when_steps_are_never_closed():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=50):
+        for _ in range(100):
+            model(torch.randn(3, 4)).sum().backward()  # no step(): forwards are dropped past max_pending_calls
+        assert len(model[0].weight._backward_hooks or {}) <= 1
+
+
+def test_a_checkpointed_module_recomputed_in_backward_is_not_a_second_forward():
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.inner, x, use_reentrant=False))
+
+    model = Checkpointed()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        handle.step()
+        assert [call.path for call in handle.records if call.kind == "forward"] == ["", "inner", "head"]

@@ -18,7 +18,7 @@ from torch.cuda import is_initialized as cuda_initialized
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
 from torchtrace._device import elapsed_ns, tolerate_graph_captures
-from torchtrace._hooks import END, FEATURE_ERROR, MODULE, OUTPUTS, PARENT, START, START_EVENT, ModuleInfo, RawForward
+from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, START, START_EVENT, ModuleInfo, RawForward, SummaryMarker
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 
@@ -42,11 +42,8 @@ def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] |
     if not summaries:
         return
     for name, stats in summaries.items():
-        if name == "_truncated":
-            attributes[f"{prefix}.truncated"] = True
-            continue
-        if name == FEATURE_ERROR:
-            attributes[f"{prefix}.stats_error"] = stats["stats_error"]
+        if isinstance(name, SummaryMarker):  # truncated, a feature's error: not a tensor
+            attributes.update((f"{prefix}.{key}", value) for key, value in stats.items())
             continue
         if "_pending" in stats:
             resolve(stats)

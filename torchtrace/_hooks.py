@@ -28,7 +28,21 @@ from torchtrace._stats import StatComputer, find_tensors
 
 _UNKNOWN = object()
 
-FEATURE_ERROR = "_error"  # key, among a call's tensor summaries, of the error of a feature that failed on the call
+class SummaryMarker:
+    """A key among a call's tensor summaries (keyed by tensor name, i.e. str(key) of an output) that no output can
+    collide with; its value's items become ``<prefix>.<item>`` attributes."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}>"
+
+
+TRUNCATED = SummaryMarker("truncated")  # more tensors than max_tensors: {"truncated": True}
+FEATURE_ERROR = SummaryMarker("feature error")  # a feature failed on this call: {"stats_error": text}
 
 # Slots of one raw call entry (a list: the cheapest thing to create in a hook).
 (MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
@@ -163,6 +177,8 @@ class HookRecorder:
             end = perf_counter_ns()  # first: the span times the module, not our bookkeeping
             if state.skip_depth:
                 state.skip_depth -= 1
+                if not state.skip_depth:
+                    state.root_frame = None  # torch's frame holds the call's inputs, output and model
                 return
             stack = state.stack
             if not stack:  # enabled in the middle of a forward: nothing open to close
@@ -207,10 +223,11 @@ class HookRecorder:
 
     def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
-        if not self.warned_compiled and self.modules[index].path == "" and called_from_compiled_code():
+        parent = self._parent_if_traced() if self.enabled and not _inside_tracer_or_backward() else None
+        root = self.modules[index]
+        if parent is not None and not self.warned_compiled and root.path == "" and called_from_compiled_code():
             self.warned_compiled = True
-            warn_region_level(self.modules[index].type_name)
-        parent = self._parent_if_traced() if self.enabled else None
+            warn_region_level(root.type_name)
         device = _device_of(module, args) if parent is not None else None
         if parent is None or (device is not None and device.type == "cuda" and _capturing_graph()):
             # Not traced; or being captured into a CUDA graph, where timing events are not allowed and statistics
@@ -297,6 +314,8 @@ class HookRecorder:
             entry[TENSORS] = self._capture(output)
 
     def _output_backward(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self.steps.pending_calls >= self.options.max_pending_calls:
+            return  # a step that is never closed: its forwards are dropped, so are their backward hooks
         timer = self._state.timer if entry[START_EVENT] is not None else None  # on the timer's device only
         self.steps.watch_backward(entry, module, args, output, timer)
 
@@ -305,7 +324,7 @@ class HookRecorder:
         summarise = self._state.stats
         summaries = {name: summarise(tensor) for name, tensor in tensors}
         if truncated:
-            summaries["_truncated"] = {}
+            summaries[TRUNCATED] = {"truncated": True}
         return summaries
 
     def _capture(self, output: Any) -> dict[str, Any]:
@@ -326,6 +345,12 @@ def _note_error(entry: list, slot: int, error: Exception) -> None:
     features recorded stays (tensor summaries are left alone: they may be shared with other calls, and small
     tensors' numbers are filled in at the end of the forward)."""
     entry[slot] = {**(entry[slot] or {}), FEATURE_ERROR: {"stats_error": error_text(error)}}
+
+
+def _inside_tracer_or_backward() -> bool:
+    """torch.jit.trace recording the model (the statistics' ops would enter its graph), or autograd re-running a
+    checkpointed forward inside backward (not a forward of the user's: its time is the backward span's)."""
+    return torch.jit.is_tracing() or torch._C._current_graph_task_id() != -1
 
 
 def _capturing_graph() -> bool:

@@ -129,7 +129,9 @@ class StatComputer:
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
         stats: dict[str, Any] = {}
         if self._shape:
-            stats["shape"] = tuple(tensor.shape)
+            # a jagged nested tensor's ragged dimension is symbolic: -1 there, as an int-array attribute must be
+            shape = tuple(tensor.shape)
+            stats["shape"] = shape if not tensor.is_nested else tuple(d if isinstance(d, int) else -1 for d in shape)
         dtype = tensor.dtype
         if self._dtype:
             name = self._dtype_names.get(dtype)
@@ -323,6 +325,8 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     centered_square = norm_v * norm_v - n * mean_v * mean_v
     if n > 1 and (not math.isfinite(centered_square) or centered_square < 1e-3 * norm_v * norm_v):
         centered_square = float(torch.linalg.vector_norm(x - mean)) ** 2
+        if not math.isfinite(centered_square) and not (nan_v or inf_v):  # |x| past float32's square: float64
+            centered_square = float(torch.linalg.vector_norm(x.double() - mean_v)) ** 2
     std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
     if nan_v or inf_v:
         std_v = math.nan  # as torch.std of data with NaN or Inf

@@ -8,6 +8,7 @@ these hooks on its own threads: they only append to the step's event list, never
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import threading
@@ -117,22 +118,39 @@ class StepTracker:
             self.timer = timer
         events = self.events
 
+        # Each hook fires once: a leaf (a parameter, a leaf input) outlives this graph, and its hook would fire
+        # again in a later backward (gradient accumulation, a second loss) and stretch this call's span.
+        start_handle: list = []
+        end_handle: list = []
+
         def started(grad: torch.Tensor) -> None:
             now = time.perf_counter_ns()
+            _remove_once(start_handle)
             stats = self._grad_stats([grad])  # its kernels run before the mark: they are not the module's backward
             events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None))
 
         def finished(grads: Any) -> None:
             now = time.perf_counter_ns()
+            _remove_once(end_handle)
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
             events.append((entry, BACKWARD_END, now, self._grad_stats(grads), mark))
 
-        self.hook_handles.append(register_multi_grad_hook(outputs, started, mode="any"))
+        start_handle.append(register_multi_grad_hook(outputs, started, mode="any"))
+        self.hook_handles.append(start_handle[0])
         sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        # mode="all" waits for every source but refuses leaves under torch.autograd.grad: then the first leaf's
+        # gradient ends the span (a layer's parameter gradients come from one node, at once)
+        non_leaves = [t for t in sources if t.grad_fn is not None]
         if sources:
-            self.hook_handles.append(register_multi_grad_hook(sources, finished))
+            handle = (
+                register_multi_grad_hook(non_leaves, finished)
+                if non_leaves
+                else register_multi_grad_hook(sources, finished, mode="any")
+            )
+            end_handle.append(handle)
+            self.hook_handles.append(handle)
         if self.param_stats:
             self.parameter_owners.append((entry, module))
 
@@ -242,6 +260,12 @@ class StepTracker:
             if finished is not None:
                 work.done.append(finished)
         return work
+
+
+def _remove_once(handles: list) -> None:
+    """Removes the hook whose handle is in ``handles``, if no other thread did already (never raises in a hook)."""
+    with contextlib.suppress(IndexError):
+        handles.pop().remove()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
