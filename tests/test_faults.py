@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -299,6 +300,34 @@ def test_a_forked_child_traces_with_its_own_worker_and_resource(otlp_to, protoco
         assert len(instance_ids) == 2  # the child's spans say they come from another process
     finally:
         receiver.stop()
+
+
+def test_a_child_forked_mid_step_keeps_its_rank_and_does_not_send_the_parents_step(
+    otlp_to, otlp_http_receiver, monkeypatch
+) -> None:
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "TORCHTRACE_RUN_ID": "run7"}.items():
+        monkeypatch.setenv(name, value)  # a rank of a distributed job (no process group needed for the ids)
+    otlp_to(otlp_http_receiver.endpoint, "http/protobuf")
+    model = make_model()
+    with torchtrace.instrument(model, exporter="otlp", backward=True) as handle:
+        model(torch.randn(8, 16, requires_grad=True)).sum().backward()  # step 0 is open
+        pid = os.fork()
+        if pid == 0:  # the child: one forward of its own, then remove() delivers what it recorded
+            code = 1
+            try:
+                model(torch.randn(8, 16))
+                handle.remove()
+                code = 0 if handle.exported_spans > 0 else 3
+            finally:
+                os._exit(code)
+        assert _wait_for_child(pid, timeout=20) == 0
+        handle.step()
+        handle.flush()
+    requests = otlp_http_receiver.requests
+    resources = [attributes_dict(rs.resource.attributes) for request in requests for rs in request.resource_spans]
+    assert len(resources) == 2 and all(r["torchtrace.rank"] == 1 for r in resources)
+    assert {r["service.instance.id"] for r in resources} == {"run7/" + socket.gethostname() + "/rank-1"}
+    assert [span.name for span in otlp_http_receiver.spans()].count("rank 1") == 2  # the parent's step 0, the child's
 
 
 def test_fork_while_the_worker_is_stuck_in_an_export_does_not_deadlock_the_child(otlp_to) -> None:

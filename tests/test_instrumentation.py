@@ -228,6 +228,15 @@ def test_config_reports_an_invalid_variable_like_instrument_would(monkeypatch, c
     assert "TORCHTRACE_MAX_DEPTH='deep': expected an integer" in capsys.readouterr().err
 
 
+def test_run_reports_the_scripts_own_error_as_python_does(tmp_path, capsys) -> None:
+    script = tmp_path / "raises.py"
+    script.write_text("raise TypeError('bad tensor shape in my script')\n")
+    assert main(["run", str(script)]) == 1  # python's status for an uncaught exception; 2 is for our usage errors
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "TypeError: bad tensor shape in my script" in err
+    assert "torchtrace run: error" not in err
+
+
 def test_run_refuses_a_missing_script(capsys) -> None:
     assert main(["run", "no_such_script.py"]) == 2
     assert "no such script" in capsys.readouterr().err

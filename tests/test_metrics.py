@@ -244,6 +244,26 @@ def test_serve_metrics_negotiates_openmetrics_with_exemplars_and_binds_loopback(
         _get(server.url)  # shut down
 
 
+def test_metrics_true_serves_every_instrumented_model_from_the_global_registry():
+    first, second = tiny_model(), nn.Sequential(nn.Linear(4, 4))
+    with serve_metrics(port=0) as server:
+        with torchtrace.instrument(first, exporter="none", metrics=True) as handle:
+            first(torch.randn(2, 4))
+            handle.flush()
+            with torchtrace.instrument(second, exporter="none", metrics=True) as other:  # a second model
+                second(torch.randn(2, 4))
+                other.flush()
+                body = _get(server.url)[1]
+                assert 'torchtrace_module_calls_total{model="Sequential",module="linear_1"' in body
+                assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # same class
+        with torchtrace.instrument(first, exporter="none", metrics=True) as handle:  # the same model again
+            first(torch.randn(2, 4))
+            handle.flush()
+            body = _get(server.url)[1]
+    calls = [line for line in body.splitlines() if line.startswith("torchtrace_module_calls_total{")]
+    assert calls and all('model="Sequential"' in line and line.endswith(" 1.0") for line in calls)  # the old ones went
+
+
 def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):
     assert metrics_from_env() is None
     monkeypatch.setenv("TORCHTRACE_METRICS_PORT", "0")

@@ -150,6 +150,16 @@ def default_resource() -> Resource:
     return resource
 
 
+def process_resource() -> Resource:
+    """This process's resource: ``default_resource()`` plus, in a distributed job, the rank attributes and the
+    rank's stable ``service.instance.id`` (also right in a forked child)."""
+    from torchtrace._distributed import rank_info
+
+    resource = default_resource()
+    rank = rank_info()
+    return resource if rank is None else resource.merge(Resource(rank.resource_attributes()))
+
+
 def export_timeout_s() -> float:
     """Seconds one OTLP request may take, retries included: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, then
     OTEL_EXPORTER_OTLP_TIMEOUT (seconds, as opentelemetry-exporter-otlp reads them), else 10."""

@@ -5,9 +5,10 @@ possibly a lock held by that worker at the moment of the fork (a drain in progre
 a whole export; a stalled endpoint makes that seconds). Left as is, the child's records / flush / remove / exit
 would wait on that lock forever, and its spans would never be exported.
 
-So, in the child, for every live handle: fresh locks, an empty buffer (what was pending belongs to the parent,
-which exports it), a new worker thread, and new senders (a new HTTP session / gRPC channel / file handle; never
-the parent's sockets) with a fresh resource (the SDK gives the child a new ``service.instance.id``). The child then
+So, in the child, for every live handle: fresh locks, an empty buffer and a fresh training step (what was pending
+belongs to the parent, which exports it), a new worker thread, and new senders (a new HTTP session / gRPC channel /
+file handle; never the parent's sockets) with a fresh resource (the SDK gives the child a new
+``service.instance.id``; a rank of a distributed job keeps its rank's). The child then
 exports its own spans like any process. A child ending with ``os._exit()`` (multiprocessing does) skips atexit:
 spans it recorded in its last ``export_interval_ms`` are lost unless it calls ``handle.flush()``.
 
@@ -44,7 +45,7 @@ def _renew_sender(sink: Any) -> None:
         return  # a user's sender: theirs to handle
     sink.sender = new
     sink._lock = threading.Lock()
-    sink.resource = _exporters.default_resource()
+    sink.resource = _exporters.process_resource()  # a new service.instance.id, unless the rank's says otherwise
 
 
 def after_fork_in_child() -> None:
@@ -70,6 +71,9 @@ def after_fork_in_child() -> None:
             dispatcher = handle._dispatcher
             dispatcher._lock = threading.Lock()
             dispatcher._stop = threading.Event()
+            dispatcher._waiting = []  # forwards waiting for a device: the parent's
+            if handle._steps is not None:
+                handle._steps.forget_after_fork()
             for sink in dispatcher.sinks:
                 if hasattr(sink, "sender") and hasattr(sink, "exported"):
                     _renew_sender(sink)

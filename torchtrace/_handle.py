@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
 
 from torchtrace import _fork  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
 from torchtrace._buffer import RecordBuffer
@@ -125,6 +124,10 @@ class TraceHandle:
             print(
                 f"{self.summary(limit=30)}\n\ntorchtrace: traces written to {self.options.trace_file}", file=sys.stderr
             )
+        if self.options.metrics is True:
+            from torchtrace._metrics import INSTRUMENTED_MODELS
+
+            INSTRUMENTED_MODELS.discard(self.metrics)
         model = self._model_ref()
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]
@@ -273,13 +276,16 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
     global _metrics_server
     if not option:
         return None
-    from torchtrace._metrics import MetricsSink
+    from torchtrace._metrics import INSTRUMENTED_MODELS, MetricsSink
     from torchtrace._serve import metrics_from_env
 
     if _metrics_server is None:
         _metrics_server = metrics_from_env()
-    model_name = type(model.module if is_ddp(model) else model).__name__
-    return option if option is not True else MetricsSink(model=model_name)
+    if option is not True:
+        return option
+    sink = MetricsSink(registry=None, model=type(model.module if is_ddp(model) else model).__name__)
+    INSTRUMENTED_MODELS.add(sink)  # one collector on the global registry for every model instrumented so
+    return sink
 
 
 def _remove_if_alive(handle_ref: weakref.ref) -> None:
@@ -305,11 +311,7 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
     sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.JsonFileSender(options.trace_file)
-    resource = _exporters.default_resource()
-    rank = rank_info()
-    if rank is not None:
-        resource = resource.merge(Resource(rank.resource_attributes()))
-    sink = _exporters.OtlpSink(sender, resource, "torchtrace", __version__)
+    sink = _exporters.OtlpSink(sender, _exporters.process_resource(), "torchtrace", __version__)
     return exporter, [sink], []
 
 

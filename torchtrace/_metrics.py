@@ -118,6 +118,54 @@ class _PathEntry:
     layout: _OutputLayout | None = None
 
 
+class InstrumentedModels(Collector):
+    """What ``instrument(metrics=True)`` registers on prometheus_client's global registry, once: a registry takes
+    each metric name once, so the MetricsSink of every model instrumented that way is exposed through this one
+    collector, families merged by name (each sink's samples carry its own ``model`` label)."""
+
+    def __init__(self) -> None:
+        self._sinks: list[MetricsSink] = []
+        self._lock = threading.Lock()
+        self._registered = False
+
+    def add(self, sink: MetricsSink, registry: CollectorRegistry = REGISTRY) -> None:
+        """Adds a sink; a second live model of the same class is labelled ``<class>#2`` (and so on): two sinks
+        with one ``model`` label would expose the same series twice."""
+        with self._lock:
+            taken = {other.model for other in self._sinks}
+            name, number = sink.model, 1
+            while sink.model in taken:
+                number += 1
+                sink.model = f"{name}#{number}"
+            self._sinks.append(sink)
+            if not self._registered:
+                registry.register(self)
+                self._registered = True
+
+    def discard(self, sink: MetricsSink) -> None:
+        """Its series go with it (a model instrumented again starts its counters anew, as after a restart)."""
+        with self._lock:
+            if sink in self._sinks:
+                self._sinks.remove(sink)
+
+    def describe(self) -> list[Metric]:
+        return list(MetricsSink(registry=None, model="model", rank="0")._families())
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            sinks = list(self._sinks)
+        merged: dict[str, Metric] = {}
+        for sink in sinks:
+            for family in sink.collect():
+                first = merged.setdefault(family.name, family)
+                if first is not family:
+                    first.samples.extend(family.samples)
+        return list(merged.values())
+
+
+INSTRUMENTED_MODELS = InstrumentedModels()
+
+
 class MetricsSink(Collector):
     """A torchtrace ``Sink`` that aggregates module calls into Prometheus metrics, exposed by a custom Collector.
 

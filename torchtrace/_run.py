@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, TextIO
@@ -224,6 +225,9 @@ def run_script(
         else:
             print(code, file=err)
             status = 1
+    except Exception:  # the script's own error: reported as python reports it, not as a configuration error
+        traceback.print_exc(file=err)
+        status = 1
     finally:
         sys.argv = saved_argv
         if saved_path0 is not None:

@@ -73,6 +73,13 @@ class StepTracker:
         self._lock = threading.Lock()
         self._begin(0)
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the open step is the parent's (which delivers it); start this step afresh."""
+        self._lock = threading.Lock()
+        for handle in self.hook_handles:
+            handle.remove()
+        self._begin(self.number)
+
     def _begin(self, number: int) -> None:
         self.number = number
         self.traced = bool(self.schedule(number))  # deterministic in the step number: every rank agrees
