@@ -183,6 +183,8 @@ class HookRecorder:
             stack = state.stack
             if not stack:  # enabled in the middle of a forward: nothing open to close
                 return
+            if stack[-1][MODULE] != index and all(open_entry[MODULE] != index for open_entry in stack):
+                return  # never opened: a pre-hook registered before ours raised (torch still runs always_call hooks)
             entry = stack.pop()
             while entry[MODULE] != index and stack:
                 # An exception that torch does not pass to always_call hooks (BaseException) skipped these closes.
