@@ -260,8 +260,9 @@ def test_metrics_true_serves_every_instrumented_model_from_the_global_registry()
             first(torch.randn(2, 4))
             handle.flush()
             body = _get(server.url)[1]
-    calls = [line for line in body.splitlines() if line.startswith("torchtrace_module_calls_total{")]
-    assert calls and all('model="Sequential"' in line and line.endswith(" 1.0") for line in calls)  # the old ones went
+    calls = [line for line in body.splitlines() if line.startswith('torchtrace_module_calls_total{model="Sequential",')]
+    assert calls and all(line.endswith(" 1.0") for line in calls)  # counted anew, not added to the removed handle's
+    assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # a removed model's last values
 
 
 def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):

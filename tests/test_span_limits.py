@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -109,3 +111,13 @@ def test_an_exception_whose_str_raises_is_exported_with_a_placeholder_message() 
     (event,) = span.events
     assert attributes_dict(event.attributes)["exception.message"] == "<unprintable Unprintable object>"
     assert span.status.message == "Unprintable: <unprintable Unprintable object>"
+
+
+def test_dropped_attributes_are_logged_once_not_once_per_attribute(caplog, monkeypatch) -> None:
+    monkeypatch.setattr("torchtrace._otlp_encoding._warned_dropping", False)
+    with caplog.at_level(logging.WARNING):
+        ours(wide_call(200))
+        ours(wide_call(300))
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("over the limit of 128" in message for message in messages) == 1
+    assert not any("Attributes dict is full" in message for message in messages)  # the SDK's per-attribute line

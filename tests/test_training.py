@@ -342,6 +342,20 @@ def test_gradient_accumulation_gives_each_micro_batch_its_own_backward_spans():
     assert second.start_ns >= forwards[1].end_ns
 
 
+def test_the_first_layers_backward_summarises_its_parameter_gradient_as_a_whole():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        model(torch.randn(3, 4)).sum().backward()  # the input needs no gradient: the parameters end the backward
+        handle.step()
+        (first,) = handle.backward_records("0")
+    grad_inputs = {key for key in first.attributes if key.startswith("torchtrace.grad_input.")}
+    assert grad_inputs == {
+        f"torchtrace.grad_input.0.{stat}" for stat in ("mean", "abs_max", "norm", "nan_count", "inf_count")
+    }
+    norms = [float(parameter.grad.norm()) for parameter in model[0].parameters()]  # weight, bias
+    assert any(first.attributes["torchtrace.grad_input.0.norm"] == pytest.approx(norm) for norm in norms)
+
+
 def test_leaf_hooks_do_not_pile_up_when_steps_are_never_closed():
     model = mlp()
     with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=50):

@@ -127,7 +127,7 @@ class TraceHandle:
         if self.options.metrics is True:
             from torchtrace._metrics import INSTRUMENTED_MODELS
 
-            INSTRUMENTED_MODELS.discard(self.metrics)
+            INSTRUMENTED_MODELS.retire(self.metrics)
         model = self._model_ref()
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]

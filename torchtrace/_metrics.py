@@ -125,13 +125,16 @@ class InstrumentedModels(Collector):
 
     def __init__(self) -> None:
         self._sinks: list[MetricsSink] = []
+        self._retired: weakref.WeakSet[MetricsSink] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._registered = False
 
     def add(self, sink: MetricsSink, registry: CollectorRegistry = REGISTRY) -> None:
-        """Adds a sink; a second live model of the same class is labelled ``<class>#2`` (and so on): two sinks
-        with one ``model`` label would expose the same series twice."""
+        """Adds a sink. A retired sink (its handle removed) of the same model makes way: instrumenting a model
+        again starts its counters anew, as after a restart. A second live model of the same class is labelled
+        ``<class>#2`` (and so on): two sinks with one ``model`` label would expose the same series twice."""
         with self._lock:
+            self._sinks = [other for other in self._sinks if not (other.model == sink.model and other in self._retired)]
             taken = {other.model for other in self._sinks}
             name, number = sink.model, 1
             while sink.model in taken:
@@ -142,11 +145,11 @@ class InstrumentedModels(Collector):
                 registry.register(self)
                 self._registered = True
 
-    def discard(self, sink: MetricsSink) -> None:
-        """Its series go with it (a model instrumented again starts its counters anew, as after a restart)."""
+    def retire(self, sink: MetricsSink) -> None:
+        """Its handle is removed: its last values stay exposed (a final scrape after training still sees them)
+        until its model is instrumented again."""
         with self._lock:
-            if sink in self._sinks:
-                self._sinks.remove(sink)
+            self._retired.add(sink)
 
     def describe(self) -> list[Metric]:
         return list(MetricsSink(registry=None, model="model", rank="0")._families())

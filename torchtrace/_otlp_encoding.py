@@ -28,6 +28,7 @@ one length check.
 
 from __future__ import annotations
 
+import logging
 import marshal
 import struct
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
 from torchtrace._calls import ModuleCall, error_text, exception_event_attributes
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["encode_export_request", "clear_template_cache"]
 
@@ -155,10 +158,25 @@ def _over_limits(attributes: Mapping[str, Any], limits: _Limits) -> bool:
     return length is not None and any(_too_long(value, length) for value in attributes.values())
 
 
+_warned_dropping = False
+
+
 def _bounded(attributes: Mapping[str, Any], count: int | None, length: int | None) -> tuple[dict[str, Any], int]:
-    """Attributes as the SDK keeps them under these limits, and how many were dropped."""
-    bounded = BoundedAttributes(count, attributes, immutable=False, max_value_len=length)
-    return dict(bounded), bounded.dropped
+    """Attributes as the SDK keeps them under these limits (values cleaned and cut to ``length``, the oldest
+    dropped past ``count``), and how many were dropped: counted on the span, logged once per process (the SDK's
+    BoundedAttributes would log each dropped attribute of each span)."""
+    global _warned_dropping
+    items = list(BoundedAttributes(None, attributes, immutable=False, max_value_len=length).items())
+    dropped = max(0, len(items) - count) if count is not None else 0
+    if dropped and not _warned_dropping:
+        _warned_dropping = True
+        _logger.warning(
+            "torchtrace: a span has %d attributes, over the limit of %d (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT); the "
+            "oldest are dropped and counted in dropped_attributes_count (logged once)",
+            len(items),
+            count,
+        )
+    return dict(items[dropped:]), dropped
 
 
 def exception_attributes(error: BaseException, limits: _Limits | None = None) -> tuple[dict[str, str], int]:

@@ -136,10 +136,11 @@ class StepTracker:
             stats = self._grad_stats([grad])  # its kernels run before the mark: they are not the module's backward
             events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None))
 
-        def finished(grads: Any) -> None:
+        def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             now = time.perf_counter_ns()
             _remove_once(end_handle)
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
+            grads = [grads] if isinstance(grads, torch.Tensor) else grads
             events.append((entry, BACKWARD_END, now, self._grad_stats(grads), mark))
 
         start_handle.append(register_multi_grad_hook(outputs, started, mode="any"))
