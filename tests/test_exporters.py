@@ -141,6 +141,18 @@ def test_a_batch_that_cannot_be_encoded_is_counted_without_holding_back_the_next
     assert len(otlp_http_receiver.wait_for_spans(3, timeout=5)) == 3
 
 
+def test_the_file_exporter_follows_a_rotated_file(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    sink = OtlpSink(JsonFileSender(path), default_resource())
+    sink(forward_calls()[:1])
+    path.rename(tmp_path / "traces.jsonl.1")  # what logrotate does
+    sink(forward_calls()[1:])
+    sink.shutdown()
+    assert len((tmp_path / "traces.jsonl.1").read_text().splitlines()) == 1
+    assert len(path.read_text().splitlines()) == 1  # the later spans went to a new file, not the moved one
+    assert (sink.exported, sink.failed) == (3, 0)
+
+
 def test_the_demos_endpoint_flag_beats_a_traces_endpoint_in_the_environment(monkeypatch, otlp_http_receiver):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")  # nothing listens
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")

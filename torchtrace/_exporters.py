@@ -316,12 +316,24 @@ class JsonFileSender:
         with self._lock:
             if self._closed:
                 return False
+            if self._file is not None and self._moved():
+                self._file.close()  # rotated away (logrotate) or deleted: a new file at the path
+                self._file = None
             if self._file is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open until shutdown
             self._file.write(line)
             self._file.flush()
         return True
+
+    def _moved(self) -> bool:
+        """Whether the path no longer names the open file (checked per request, as logging's WatchedFileHandler)."""
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        opened = os.fstat(self._file.fileno())
+        return (on_disk.st_dev, on_disk.st_ino) != (opened.st_dev, opened.st_ino)
 
     def shutdown(self) -> None:
         with self._lock:
