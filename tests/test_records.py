@@ -68,7 +68,9 @@ def test_records_per_module_path():
             pytest.approx(3.4),
             pytest.approx(7.0),
         ]
-        assert handle["not_a_layer"] == []
+        with pytest.raises(KeyError, match="not_a_layer"):  # a typo, not a silent empty list (a dict would raise too)
+            handle["not_a_layer"]
+        assert handle[0] is handle.records[0] and handle[-2:] == handle.records[-2:]  # by position, like records
 
 
 def test_records_are_in_call_order_with_depth_and_parents():
@@ -363,3 +365,24 @@ def test_compressed_captures_round_trip_bit_exact(tensor):
 
 def bits(tensor: torch.Tensor) -> list[int]:
     return tensor.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+def test_the_capture_budget_is_given_back_when_records_leave():
+    model, handle = record(include="linear_1", capture_tensors=True, capture_max_bytes=3 * 16, max_records=2)
+    with handle:
+        for value in (0.1, 0.2, 0.3, 0.4):
+            model(x_of(value))  # 16 bytes captured per forward; two records kept, a third in flight
+            handle.flush()  # records leave as calls arrive (the worker does this every export interval)
+        means = [call.tensors[""].mean().item() for call in handle["linear_1"]]
+        assert means == [pytest.approx(linear_1_mean(value)) for value in (0.3, 0.4)]
+        assert (handle.skipped_captures, handle.dropped_records) == (0, 2)
+
+
+def test_handle_of_gives_back_a_handle_that_was_not_kept():
+    model = TestForHook()
+    torchtrace.instrument(model, exporter="none")  # the handle is not kept: tracing goes on
+    with pytest.raises(ValueError, match="handle_of"):
+        torchtrace.instrument(model, exporter="none")
+    torchtrace.handle_of(model).remove()
+    assert torchtrace.handle_of(model) is None
+    torchtrace.instrument(model, exporter="none").remove()  # free to instrument again

@@ -381,3 +381,15 @@ def test_a_checkpointed_module_recomputed_in_backward_is_not_a_second_forward():
         model(torch.randn(2, 4, requires_grad=True)).sum().backward()
         handle.step()
         assert [call.path for call in handle.records if call.kind == "forward"] == ["", "inner", "head"]
+
+
+def test_reading_records_while_a_step_is_open_says_once_how_to_close_it(caplog):
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        model(torch.randn(3, 4)).sum().backward()
+        assert handle.records == []  # the step is open: nothing delivered yet
+        assert handle["0"] == []
+        handle.step()
+        assert handle["0"] and handle.backward_records("0")
+    warnings = [record for record in caplog.records if "handle.step()" in record.getMessage()]
+    assert len(warnings) == 1

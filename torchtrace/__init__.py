@@ -1,7 +1,7 @@
 """torchtrace: OpenTelemetry spans and tensor statistics for every PyTorch module call."""
 
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._handle import TraceHandle, instrument
+from torchtrace._handle import TraceHandle, handle_of, instrument
 from torchtrace._hooks import CompressedTensor
 from torchtrace._metrics import MetricsSink
 from torchtrace._schedule import StepSchedule, every, schedule
@@ -21,6 +21,7 @@ __all__ = [
     "TraceHandle",
     "__version__",
     "every",
+    "handle_of",
     "instrument",
     "metrics_from_env",
     "schedule",

@@ -42,12 +42,14 @@ class TraceHandle:
         self.options = options
         selected = select_modules(model, options)
         self.monitored_layers: list[str] = [info.path for _, info in selected]
+        self._monitored = frozenset(self.monitored_layers)
+        self._warned_open_step = False
         modules = [info for _, info in selected]
         self.buffer = RecordBuffer(options.max_pending_calls)
         self._steps = _step_tracker(options, model)
         self._recorder = HookRecorder(modules, options, self.buffer, self._steps)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
-        self._records = RecordStore(options.max_records)
+        self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
         self.exporter, export_sinks, self._flushers = _export_sinks(options)
         self.metrics = _metrics_sink(options.metrics, model)
@@ -172,19 +174,39 @@ class TraceHandle:
 
     @property
     def records(self) -> list[ModuleCall]:
-        """Every kept call, in call order (the latest ``max_records``)."""
-        self._dispatcher.drain()
+        """Every kept call, in call order (the latest ``max_records``; a copy)."""
+        self._drain_for_reading()
         return self._records.all()
 
-    def __getitem__(self, path: str) -> list[ModuleCall]:
-        """The kept forward calls of one module path, in call order."""
-        self._dispatcher.drain()
-        return self._records.for_path(path)
+    def __getitem__(self, key: str | int | slice) -> Any:
+        """The kept forward calls of one module path, in call order; ``handle[i]`` / ``handle[i:j]`` index
+        ``records``. A path that is not traced raises KeyError (one that is, but was not called yet, gives [])."""
+        self._drain_for_reading()
+        if isinstance(key, (int, slice)):
+            return self._records.all()[key]
+        if key not in self._monitored:
+            raise KeyError(f"{key!r} is not a traced module path; traced: {self.monitored_layers[:10]}")
+        return self._records.for_path(key)
 
     def backward_records(self, path: str) -> list[ModuleCall]:
         """The kept backward calls (gradient statistics) of one module path, in order."""
-        self._dispatcher.drain()
+        self._drain_for_reading()
         return self._records.for_path(path, kind="backward")
+
+    @property
+    def dropped_records(self) -> int:
+        """Calls dropped from the records past ``max_records`` (oldest first; exported all the same)."""
+        return self._records.dropped
+
+    def _drain_for_reading(self) -> None:
+        self._dispatcher.drain()
+        steps = self._steps
+        if steps is not None and not self._warned_open_step and (steps.pending_calls or steps.events):
+            self._warned_open_step = True
+            _logger.warning(
+                "torchtrace: the open training step holds calls that reach the records (and exporters) when it "
+                "closes: call handle.step() after each step, or pass optimizer= (logged once)"
+            )
 
     def clear_recorded_data(self) -> None:
         self._dispatcher.drain()
@@ -315,6 +337,11 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
     return exporter, [sink], []
 
 
+def handle_of(model: torch.nn.Module) -> TraceHandle | None:
+    """The live handle tracing ``model``, if any: a way back to ``remove()`` when the handle was not kept."""
+    return _instrumented.get(model)
+
+
 def instrument(
     model: torch.nn.Module,
     *,
@@ -360,7 +387,10 @@ def instrument(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"instrument() expects a torch.nn.Module, got {type(model).__name__}")
     if model in _instrumented:
-        raise ValueError(f"{type(model).__name__} is already instrumented: remove() the first handle before a new one")
+        raise ValueError(
+            f"{type(model).__name__} is already instrumented: remove() the first handle before a new one "
+            "(torchtrace.handle_of(model) gives it back)"
+        )
     options = resolve_options(**{key: value for key, value in locals().items() if key != "model"})
     return TraceHandle(model, options)
 

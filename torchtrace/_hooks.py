@@ -8,6 +8,7 @@ append to the record buffer.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -329,6 +330,11 @@ class HookRecorder:
             summaries[TRUNCATED] = {"truncated": True}
         return summaries
 
+    def release_capture(self, call: Any) -> None:
+        """A record left the records: its captured tensors no longer count against ``capture_max_bytes``."""
+        for value in (call.tensors or {}).values():
+            self.captured_bytes -= value.nbytes
+
     def _capture(self, output: Any) -> dict[str, Any]:
         captured: dict[str, Any] = {}
         for name, tensor in find_tensors(output, self.options.max_tensors)[0]:
@@ -431,6 +437,11 @@ class CompressedTensor:
     data: bytes
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The uncompressed size (what ``capture_max_bytes`` counts)."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> CompressedTensor:
