@@ -17,8 +17,14 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_receiver import OtlpHttpReceiver, attributes_dict
+from torch import nn
 
+import torchtrace
 from torchtrace._distributed import rank_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,14 +92,37 @@ def spans_by_rank(receiver: OtlpHttpReceiver) -> list[tuple[int, object]]:
     return found
 
 
+def test_ranks_share_the_steps_trace_through_an_sdk_tracer_provider_too(monkeypatch):
+    """Rank 0 and rank 1 of one job, simulated one after the other in this process."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHTRACE_RUN_ID", "job-7")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        model = nn.Sequential(nn.Linear(4, 2))
+        with torchtrace.instrument(model, tracer_provider=provider, backward=True) as handle:
+            model(torch.randn(3, 4)).sum().backward()
+            handle.step()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    root, rank_1 = spans["train_step"], spans["rank 1"]
+    assert rank_1.context.trace_id == root.context.trace_id
+    assert rank_1.parent.span_id == root.context.span_id  # rank 1's span sits under the root rank 0 sent
+    assert spans["rank 0"].parent.span_id == root.context.span_id
+
+
 def test_torchruns_multi_node_default_run_id_none_does_not_join_unrelated_runs(monkeypatch):
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node0"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCHTRACE_RUN_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("MASTER_PORT", "29500")
     first = rank_info().run_id
     monkeypatch.setenv("MASTER_PORT", "29501")
     assert (first, rank_info().run_id) == ("node0:29500", "node0:29501")
+    monkeypatch.setenv("SLURM_JOB_ID", "4711")  # shared by the ranks of a Slurm job, new for every job
+    assert rank_info().run_id == "slurm-4711"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-42")  # --rdzv-id job-42
     assert rank_info().run_id == "job-42"
 

@@ -171,6 +171,34 @@ def test_schedule_semantics_step_by_step():
     assert [forever(step) for step in range(9)] == [False, False, True] * 3
     with pytest.raises(ValueError, match="active"):
         torchtrace.schedule(active=0)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"skip_first": 1, "wait": 1, "warmup": 1, "active": 2, "repeat": 2},
+        {"wait": 3, "warmup": 1, "active": 1, "skip_first_wait": 1},
+        {"skip_first": 2, "wait": 2, "warmup": 1, "active": 3, "repeat": 1, "skip_first_wait": 1},
+    ],
+)
+def test_a_schedule_traces_exactly_the_steps_torch_profiler_records(arguments):
+    from torch.profiler import ProfilerAction
+    from torch.profiler import schedule as profiler_schedule
+
+    ours, torchs = torchtrace.schedule(**arguments), profiler_schedule(**arguments)
+    recorded = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+    assert [ours(step) for step in range(30)] == [torchs(step) in recorded for step in range(30)]
+
+
+def test_a_manual_step_after_optimizer_step_is_not_another_step():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchtrace.instrument(model, exporter="none", optimizer=optimizer) as handle:
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()  # closes the step
+            handle.step()  # as a script written without optimizer= also does: no empty extra step
+        assert handle.step_number == 3
     with pytest.raises(ValueError, match="every"):
         torchtrace.every(0)
 
@@ -393,3 +421,76 @@ def test_reading_records_while_a_step_is_open_says_once_how_to_close_it(caplog):
         assert handle["0"] and handle.backward_records("0")
     warnings = [record for record in caplog.records if "handle.step()" in record.getMessage()]
     assert len(warnings) == 1
+
+
+# -- NaN/Inf provenance: who produced it, not who received it ----------------------------------------------------
+
+
+def test_an_inf_gradient_made_by_the_loss_is_not_blamed_on_a_module():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+        output = model(torch.randn(3, 4))
+        (output - output.detach()).abs().sqrt().sum().backward()  # d sqrt(x)/dx at 0: Inf, made by the loss
+        handle.step()  # no module produced it: nothing raised
+        assert not any(isinstance(call.error, torchtrace.NonFiniteError) for call in handle.records)
+
+
+def test_nan_already_in_the_models_input_is_not_blamed_on_the_first_layer_when_inputs_are_summarised():
+    model = mlp()
+    x = torch.randn(3, 4)
+    x[0, 0] = float("nan")
+    with torchtrace.instrument(model, exporter="none", inputs=True) as handle:
+        model(x)
+        assert not any(isinstance(call.error, torchtrace.NonFiniteError) for call in handle.records)
+
+
+def test_a_module_whose_output_got_no_gradient_has_no_backward_span():
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 1)
+            self.aux = nn.Linear(4, 1)  # its output is left out of the loss
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.head(h), self.aux(h)
+
+    model = TwoHeads()
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        main, _ = model(torch.randn(2, 4))
+        main.sum().backward()
+        handle.step()
+        assert handle.backward_records("head") and handle.backward_records("body")
+        assert handle.backward_records("aux") == []  # its input's gradient arrived, but not through it
+
+
+# -- several models, wrappers --------------------------------------------------------------------------------------
+
+
+def test_a_model_cannot_be_instrumented_again_inside_a_wrapper():
+    model = mlp()
+    with torchtrace.instrument(model, exporter="none"):
+        wrapper = nn.Sequential(model)  # as DistributedDataParallel(model) or torch.compile(model) wrap it
+        with pytest.raises(ValueError, match="part of"):
+            torchtrace.instrument(wrapper, exporter="none")
+        with pytest.raises(ValueError, match="part of"):
+            torchtrace.instrument(model[0], exporter="none")
+    torchtrace.instrument(wrapper, exporter="none").remove()  # fine once the first handle is gone
+
+
+def test_two_models_trained_in_one_job_get_their_own_step_traces(monkeypatch):
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "TORCHTRACE_RUN_ID": "job"}.items():
+        monkeypatch.setenv(name, value)
+    generator, discriminator = mlp(), mlp()
+    with (
+        torchtrace.instrument(generator, exporter="none", backward=True) as g,
+        torchtrace.instrument(discriminator, exporter="none", backward=True) as d,
+    ):
+        for model, handle in ((generator, g), (discriminator, d)):
+            model(torch.randn(3, 4)).sum().backward()
+            handle.step()
+        steps = [[call for call in handle.records if call.kind == "step"] for handle in (g, d)]
+    (g_root, g_rank), (d_root, d_rank) = steps  # rank 0 sends the root and its rank span
+    assert g_root.trace_id != d_root.trace_id
+    assert len({g_root.span_id, g_rank.span_id, d_root.span_id, d_rank.span_id}) == 4

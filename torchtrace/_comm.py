@@ -25,19 +25,52 @@ def is_ddp(model: torch.nn.Module) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+class CommTarget:
+    """Where a DDP model's timing comm hook records: the step tracker of the handle tracing the model now, or
+    nowhere after ``remove()``. DDP takes one comm hook for good, so a later handle of the same model takes
+    this target over instead of registering another hook."""
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+
+    @property
+    def timer(self) -> Any:
+        steps = self.steps
+        return steps.timer if steps is not None else None
+
+    def record_comm(self, *bucket: Any) -> None:
+        steps = self.steps
+        if steps is not None:
+            steps.record_comm(*bucket)
+
+
 def watch_ddp(model: torch.nn.Module, steps: Any, inner: CommHook | None = None, inner_state: Any = None) -> bool:
-    """Registers a timing comm hook on a DDP model (default all-reduce unless ``inner`` is given).
+    """Registers a timing comm hook on a DDP model (default all-reduce unless ``inner`` is given), or takes over
+    the one an earlier handle registered.
 
     DDP accepts one comm hook, before the first backward: a model that already has one keeps it, untimed (pass
     your hook as ``inner`` through :func:`timed_comm_hook` to have both).
     """
-    try:
-        hook, state = timed_comm_hook(steps, inner, inner_state)
-        model.register_comm_hook(state, hook)
+    target = getattr(model, "_torchtrace_comm", None)
+    if isinstance(target, CommTarget):
+        target.steps = steps
         return True
+    target = CommTarget(steps)
+    try:
+        hook, state = timed_comm_hook(target, inner, inner_state)
+        model.register_comm_hook(state, hook)
     except (RuntimeError, ValueError) as error:  # a hook is already registered, or backward already ran
         _logger.warning("torchtrace: all-reduce spans are off for this DDP model: %s", error)
         return False
+    model._torchtrace_comm = target
+    return True
+
+
+def unwatch_ddp(model: torch.nn.Module, steps: Any) -> None:
+    """After ``remove()``: the comm hook (DDP keeps it) records nothing more."""
+    target = getattr(model, "_torchtrace_comm", None)
+    if isinstance(target, CommTarget) and target.steps is steps:
+        target.steps = None
 
 
 def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any = None) -> tuple[CommHook, Any]:

@@ -18,7 +18,18 @@ from torch.cuda import is_initialized as cuda_initialized
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
 from torchtrace._device import elapsed_ns, tolerate_graph_captures
-from torchtrace._hooks import END, MODULE, OUTPUTS, PARENT, START, START_EVENT, ModuleInfo, RawForward, SummaryMarker
+from torchtrace._hooks import (
+    END,
+    INPUTS,
+    MODULE,
+    OUTPUTS,
+    PARENT,
+    START,
+    START_EVENT,
+    ModuleInfo,
+    RawForward,
+    SummaryMarker,
+)
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 
@@ -137,7 +148,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
                 attrs,
             )
         )
-    _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in forward.entries], "output")
+    entries = forward.entries
+    _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in entries], [entry[INPUTS] for entry in entries], "output")
     if release:
         _release(forward)
     return calls
@@ -158,20 +170,25 @@ def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None
     return None
 
 
-def _first_nonfinite(candidates: Iterable[tuple[int, Any, dict | None]]) -> tuple[Any, str, int, int] | None:
-    """Of (finish time, who, tensor summaries), the first to finish with NaN/Inf produced it (those finishing
-    later only pass it on): (who, tensor name, NaN count, Inf count)."""
+def _first_nonfinite(
+    candidates: Iterable[tuple[int, Any, dict | None, dict | None]],
+) -> tuple[Any, str, int, int] | None:
+    """Of (finish time, who, tensor summaries, what it received), the first to finish with NaN/Inf produced it
+    (those finishing later only pass it on); one that received NaN/Inf (its inputs, when summarised, or its
+    incoming gradient) did not: (who, tensor name, NaN count, Inf count)."""
     first = None
-    for end, who, summaries in candidates:
+    for end, who, summaries, received in candidates:
         found = _nonfinite(summaries)
-        if found and (first is None or end < first[0]):
+        if found and (first is None or end < first[0]) and not _nonfinite(received):
             first = (end, who, found)
     return None if first is None else (first[1], *first[2])
 
 
-def _mark_first_nonfinite(calls: Sequence[ModuleCall], summaries: Sequence[dict | None], what: str) -> None:
+def _mark_first_nonfinite(
+    calls: Sequence[ModuleCall], summaries: Sequence[dict | None], received: Sequence[dict | None], what: str
+) -> None:
     """Marks the call that first produced NaN/Inf ERROR, with a NonFiniteError naming the tensor."""
-    found = _first_nonfinite((call.end_ns, call, summary) for call, summary in zip(calls, summaries))
+    found = _first_nonfinite((call.end_ns, call, *pair) for call, pair in zip(calls, zip(summaries, received)))
     if found is None:
         return
     call, name, nans, infs = found
@@ -187,13 +204,16 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
         return summaries and {name: resolve(stats) for name, stats in summaries.items()}
 
     forward = _first_nonfinite(
-        (entry[END] or 0, entry, resolved(entry[OUTPUTS])) for fw in record.forwards for entry in fw.entries
+        (entry[END] or 0, entry, resolved(entry[OUTPUTS]), resolved(entry[INPUTS]))
+        for fw in record.forwards
+        for entry in fw.entries
     )
     if forward is not None:
         info = modules[forward[0][MODULE]]
         return f"{info.path or info.type_name} produced NaN/Inf in output {forward[1]}".rstrip()
+    incoming = {id(entry): grads for entry, event, _, grads, _ in record.backward_events if event == BACKWARD_START}
     backward = _first_nonfinite(
-        (time_ns, entry, resolved(grads))
+        (time_ns, entry, resolved(grads), resolved(incoming.get(id(entry))))
         for entry, event, time_ns, grads, _ in record.backward_events
         if event != BACKWARD_START
     )
@@ -352,7 +372,8 @@ def _backward_calls(
                 break
             position = entries[position][PARENT]
     backward_spans = list(spans.values())
-    _mark_first_nonfinite(backward_spans, [grad_inputs_of[key] for key in spans], "grad_input")
+    incoming = [(starts.get(key) or (0, None))[1] for key in spans]  # grad_outputs: what each backward received
+    _mark_first_nonfinite(backward_spans, [grad_inputs_of[key] for key in spans], incoming, "grad_input")
     return [backward, *backward_spans]
 
 

@@ -8,11 +8,14 @@ ranks put their spans of step N in one trace under one root span with no communi
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import socket
 from dataclasses import dataclass
 
 import torch
+
+_logger = logging.getLogger(__name__)
 
 ENV_RUN_ID = "TORCHTRACE_RUN_ID"  # overrides TORCHELASTIC_RUN_ID (set it the same on every rank)
 
@@ -54,11 +57,27 @@ def rank_info() -> RankInfo | None:
         os.environ.get(ENV_RUN_ID)
         # torchrun's default for multi-node jobs without --rdzv-id is the literal "none": every run would share it
         or (elastic_run_id if elastic_run_id != "none" else None)
-        # mp.spawn-style jobs share their rendezvous address; good enough to tell runs apart on one cluster
-        or f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '0')}"
+        or (f"slurm-{os.environ['SLURM_JOB_ID']}" if os.environ.get("SLURM_JOB_ID") else None)
     )
+    if not run_id:  # the rendezvous address: shared by the ranks, but often by every run of the job too
+        run_id = f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '0')}"
+        _warn_reused_run_id(run_id)
     local_rank = _env_int("LOCAL_RANK")
     return RankInfo(rank, rank if local_rank is None else local_rank, world_size, socket.gethostname(), run_id)
+
+
+_warned_run_id = False
+
+
+def _warn_reused_run_id(run_id: str) -> None:
+    global _warned_run_id
+    if not _warned_run_id:
+        _warned_run_id = True
+        _logger.warning(
+            "torchtrace: no run id (TORCHTRACE_RUN_ID, torchrun --rdzv-id, SLURM_JOB_ID): step trace ids derive from "
+            "%s and repeat in every run started with that address; set TORCHTRACE_RUN_ID to a per-run value",
+            run_id,
+        )
 
 
 def derived_id(bits: int, *parts: object) -> int:

@@ -16,7 +16,7 @@ from opentelemetry import trace
 from torchtrace import _fork  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
-from torchtrace._comm import is_ddp, watch_ddp
+from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
 from torchtrace._config import Options, resolve_options
 from torchtrace._dispatch import Dispatcher, first_nonfinite
 from torchtrace._distributed import rank_info
@@ -116,6 +116,9 @@ class TraceHandle:
         self._hook_handles.clear()
         self._optimizer_hooks.clear()
         if self._steps is not None:
+            model = self._model_ref()
+            if model is not None and is_ddp(model):
+                unwatch_ddp(model, self._steps)
             self._deliver_step(self._steps.finish())  # what the unfinished step recorded is delivered too
         self._dispatcher.stop()
         self.flush()
@@ -145,6 +148,8 @@ class TraceHandle:
         """
         if self._steps is None:
             raise RuntimeError("step() needs step tracing: instrument(model, backward=True / schedule= / optimizer=)")
+        if self._steps.closed_by_optimizer:
+            return  # optimizer.step() closed this iteration's step already (a step() after it is not another one)
         record = self._steps.finish()
         verdict = None
         if record is not None and self.options.on_nonfinite == "raise":
@@ -267,10 +272,16 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
     """Step tracing is on when backward, a schedule or an optimizer is given, and for DDP models."""
     if not (options.backward or options.schedule is not None or options.optimizer is not None or is_ddp(model)):
         return None
+    inner = model.module if is_ddp(model) else model
+    name = type(inner).__name__
+    same_class = sum(
+        1 for handle in _live_handles if handle._steps is not None and handle._steps.model_key.split("#")[0] == name
+    )
     return StepTracker(
         options.schedule or always,
         backward=options.backward,
         param_stats=options.param_stats,
+        model_key=name if not same_class else f"{name}#{same_class + 1}",
         rank=rank_info(),
         stats_sample=options.stats_sample,
     )
@@ -283,6 +294,7 @@ def _watch_optimizer(optimizer: torch.optim.Optimizer, handle: TraceHandle) -> l
     def after_step(*_: Any) -> None:
         steps.optimizer_finished()
         handle.step()
+        steps.closed_by_optimizer = True
 
     return [
         optimizer.register_step_pre_hook(lambda *_: steps.optimizer_started()),
@@ -335,6 +347,15 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
     sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.JsonFileSender(options.trace_file)
     sink = _exporters.OtlpSink(sender, _exporters.process_resource(), "torchtrace", __version__)
     return exporter, [sink], []
+
+
+def _overlapping_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """An instrumented model that ``model`` contains (DDP's module, a compiled model's original) or is part of."""
+    inside = set(model.modules())
+    for traced in list(_instrumented.keys()):
+        if traced in inside or model in set(traced.modules()):
+            return traced
+    return None
 
 
 def handle_of(model: torch.nn.Module) -> TraceHandle | None:
@@ -392,6 +413,12 @@ def instrument(
             "(torchtrace.handle_of(model) gives it back)"
         )
     options = resolve_options(**{key: value for key, value in locals().items() if key != "model"})
+    overlapping = _overlapping_model(model)
+    if overlapping is not None:  # e.g. instrument(m), then instrument(DDP(m)): every call would be traced twice
+        raise ValueError(
+            f"{type(model).__name__} contains, or is part of, the instrumented {type(overlapping).__name__}: "
+            "remove() that handle first (torchtrace.handle_of(model) gives it back)"
+        )
     return TraceHandle(model, options)
 
 

@@ -247,6 +247,7 @@ class HookRecorder:
         """The span context this forward's root goes under, or None when it is not traced."""
         steps = self.steps
         if steps is not None:
+            steps.closed_by_optimizer = False  # a forward of the next iteration: handle.step() closes again
             return steps.context if steps.traced else None  # the step's schedule decides
         parent = trace.get_current_span().get_span_context()
         if parent.is_valid and not parent.trace_flags.sampled:

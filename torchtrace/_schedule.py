@@ -7,12 +7,20 @@ from collections.abc import Callable
 StepSchedule = Callable[[int], bool]  # step number (from 0) -> trace this step?
 
 
-def schedule(*, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0, skip_first: int = 0) -> StepSchedule:
+def schedule(
+    *, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0, skip_first: int = 0, skip_first_wait: int = 0
+) -> StepSchedule:
     """torch.profiler.schedule's cycle: skip ``skip_first`` steps, then repeat ``wait`` + ``warmup`` untraced
     steps (warmup is kept so a profiler schedule carries over unchanged) and ``active`` traced steps;
-    ``repeat=0`` repeats forever.
+    ``repeat=0`` repeats forever; ``skip_first_wait`` (non-zero) leaves out the first cycle's wait.
     """
-    for name, value in (("wait", wait), ("warmup", warmup), ("skip_first", skip_first), ("repeat", repeat)):
+    for name, value in (
+        ("wait", wait),
+        ("warmup", warmup),
+        ("skip_first", skip_first),
+        ("repeat", repeat),
+        ("skip_first_wait", skip_first_wait),
+    ):
         if not isinstance(value, int) or value < 0:
             raise ValueError(f"schedule: {name} must be an integer >= 0, got {value!r}")
     if not isinstance(active, int) or active < 1:
@@ -23,6 +31,8 @@ def schedule(*, wait: int = 0, warmup: int = 0, active: int = 1, repeat: int = 0
         if step < skip_first:
             return False
         step -= skip_first
+        if skip_first_wait:
+            step += wait  # as torch.profiler does: the first cycle starts at its warmup
         if repeat and step >= cycle * repeat:
             return False
         return step % cycle >= wait + warmup

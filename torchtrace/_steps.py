@@ -26,6 +26,8 @@ from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._schedule import StepSchedule
 from torchtrace._stats import device_stats, find_tensors, reduce_now, reduced_on_device, sampling_stride
 
+MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step
+
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
 NORM_ONLY = frozenset({"norm"})
 BACKWARD_START, BACKWARD_END = 0, 1
@@ -63,13 +65,16 @@ class StepTracker:
         param_stats: bool,
         rank: RankInfo | None = None,
         stats_sample: int | None = None,
+        model_key: str = "",
     ) -> None:
         self.schedule = schedule
+        self.model_key = model_key  # the same on every rank: the model's class, numbered in instrumentation order
         self.backward = backward
         self.param_stats = param_stats
         self.stats_sample = stats_sample
         self.rank = rank
         self.number = 0
+        self.closed_by_optimizer = False  # optimizer= closed the step and no forward ran since
         self._lock = threading.Lock()
         self._begin(0)
 
@@ -89,9 +94,10 @@ class StepTracker:
             self.span_id = random.getrandbits(64) or 1
             self.root_span_id = 0
         else:  # every rank derives the same trace and root for step N, and its own span under that root
-            self.trace_id = derived_id(128, rank.run_id, number)
-            self.root_span_id = derived_id(64, rank.run_id, number, "root")
-            self.span_id = derived_id(64, rank.run_id, number, "rank", rank.rank)
+            key = (rank.run_id, self.model_key, number)  # two models trained in one job: two traces per step
+            self.trace_id = derived_id(128, *key)
+            self.root_span_id = derived_id(64, *key, "root")
+            self.span_id = derived_id(64, *key, "rank", rank.rank)
         self.context = SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=TraceFlags(1))
         self.start_ns = time.time_ns()
         self.clock_offset_ns = self.start_ns - time.perf_counter_ns()
@@ -139,6 +145,8 @@ class StepTracker:
         def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             now = time.perf_counter_ns()
             _remove_once(end_handle)
+            if start_handle:  # its output got no gradient: not this module's backward, but a shared input's
+                return
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
             grads = [grads] if isinstance(grads, torch.Tensor) else grads
             events.append((entry, BACKWARD_END, now, self._grad_stats(grads), mark))
@@ -167,7 +175,7 @@ class StepTracker:
     ) -> None:
         """One gradient bucket's all-reduce (from DDP's comm hook; may run on a comm thread); ``marks``: its CUDA
         start and end events, if any."""
-        if self.traced:
+        if self.traced and len(self.comm) < MAX_COMM_RECORDS:  # a step never closed must not grow forever
             self.comm.append((bucket, size, start, end, is_last, marks))
 
     # -- optimizer hooks ----------------------------------------------------------------------------------------
