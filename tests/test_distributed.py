@@ -92,6 +92,64 @@ def spans_by_rank(receiver: OtlpHttpReceiver) -> list[tuple[int, object]]:
     return found
 
 
+class OneHookDDP:
+    """What DistributedDataParallel does with comm hooks: one, registered for good."""
+
+    def __init__(self) -> None:
+        self.hooks: list = []
+
+    def register_comm_hook(self, state, hook) -> None:  # noqa: ANN001
+        if self.hooks:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self.hooks.append((state, hook))
+
+    def all_reduce(self, size: int = 4) -> None:
+        state, hook = self.hooks[0]
+        hook(state, FakeBucket(torch.ones(size))).wait()
+
+
+class FakeBucket:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+    def is_last(self) -> bool:
+        return True
+
+
+class Recording:
+    timer = None
+
+    def __init__(self) -> None:
+        self.buckets: list = []
+
+    def record_comm(self, *bucket) -> None:  # noqa: ANN002
+        self.buckets.append(bucket)
+
+
+def test_the_comm_hook_records_for_the_current_handle_only(monkeypatch):
+    from torchtrace._comm import unwatch_ddp, watch_ddp
+
+    done = torch.futures.Future()
+    done.set_result(torch.ones(4))
+    monkeypatch.setattr(
+        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook", lambda state, bucket: done
+    )
+    ddp, first, second = OneHookDDP(), Recording(), Recording()
+    assert watch_ddp(ddp, first)
+    ddp.all_reduce()
+    unwatch_ddp(ddp, first)  # first handle removed: DDP keeps the hook, which now records nothing
+    ddp.all_reduce()
+    assert watch_ddp(ddp, second)  # a later handle of the same model takes the hook over: no second register
+    ddp.all_reduce()
+    assert (len(first.buckets), len(second.buckets), len(ddp.hooks)) == (1, 1, 1)
+
+
 def test_ranks_share_the_steps_trace_through_an_sdk_tracer_provider_too(monkeypatch):
     """Rank 0 and rank 1 of one job, simulated one after the other in this process."""
     exporter = InMemorySpanExporter()
