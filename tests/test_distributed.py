@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_receiver import OtlpHttpReceiver, attributes_dict
+from test_device import Bucket
 from torch import nn
 
 import torchtrace
@@ -105,21 +106,7 @@ class OneHookDDP:
 
     def all_reduce(self, size: int = 4) -> None:
         state, hook = self.hooks[0]
-        hook(state, FakeBucket(torch.ones(size))).wait()
-
-
-class FakeBucket:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-    def index(self) -> int:
-        return 0
-
-    def buffer(self) -> torch.Tensor:
-        return self.tensor
-
-    def is_last(self) -> bool:
-        return True
+        hook(state, Bucket(torch.ones(size))).wait()
 
 
 class Recording:
