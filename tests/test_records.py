@@ -278,6 +278,67 @@ def test_module_attributes_are_recorded_after_each_call():
         assert "torchtrace.module_attribute.v" not in first.attributes
 
 
+def test_module_attributes_before_the_call_and_through_a_function_as_attribute_monitor_does():
+    model = nn.Sequential(nn.Linear(4, 4), Spike(v_threshold=0.5))
+    nn.init.ones_(model[0].weight)
+    nn.init.zeros_(model[0].bias)
+    x = torch.tensor([[0.1, 0.0, 0.0, 0.0]])
+    with torchtrace.instrument(
+        model,
+        exporter="none",
+        types=Spike,
+        module_attributes="v",
+        attributes_before_forward=True,  # spikingjelly's AttributeMonitor(pre_forward=True)
+        function_on_attribute=lambda v: v.sum().item() if isinstance(v, torch.Tensor) else v,
+    ) as handle:
+        for _ in range(3):
+            with torch.no_grad():
+                model(x)
+        assert [call.module_attributes["v"] for call in handle["1"]] == [
+            pytest.approx(0.0),  # before the first call
+            pytest.approx(0.4),
+            pytest.approx(0.8),
+        ]
+
+
+def test_gradient_functions_as_grad_output_and_grad_input_monitors_have_them():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    twin = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    twin.load_state_dict(model.state_dict())
+    seen = []  # what spikingjelly's monitors see: full backward hooks on an untraced twin
+    twin[1].register_full_backward_hook(lambda module, grad_input, grad_output: seen.append((grad_input, grad_output)))
+    x = torch.randn(3, 4)
+    twin(x).sum().backward()
+    with torchtrace.instrument(
+        model,
+        exporter="none",
+        backward=True,
+        function_on_grad_output=torch.norm,  # GradOutputMonitor(function_on_grad_output=torch.norm)
+        function_on_grad_input=torch.norm,  # GradInputMonitor(function_on_grad_input=torch.norm)
+    ) as handle:
+        model(x).sum().backward()
+        handle.step()
+        (tanh,) = handle.backward_records("1")
+    (grad_input,), (grad_output,) = seen[0]
+    assert tanh.output_value.item() == pytest.approx(torch.norm(grad_output).item())
+    assert tanh.input_value.item() == pytest.approx(torch.norm(grad_input).item())
+
+
+def test_a_failing_gradient_function_is_reported_on_the_backward_span():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def broken(grad):
+        raise RuntimeError("bad gradient function")
+
+    with torchtrace.instrument(model, exporter="none", backward=True, function_on_grad_output=broken) as handle:
+        model(torch.randn(2, 4)).sum().backward()  # the backward itself is unharmed
+        handle.step()
+        (tanh,) = handle.backward_records("1")
+    assert tanh.attributes["torchtrace.grad_output.stats_error"] == "RuntimeError: bad gradient function"
+    assert tanh.attributes["torchtrace.grad_output.0.norm"] > 0  # the statistics stay
+
+
 def test_module_attributes_reach_the_span():
     from torchtrace.testing import capture_spans
 

@@ -68,6 +68,10 @@ class Options:
     function_on_output: Callable[[Any], Any] | None = None
     function_on_input: Callable[[Any], Any] | None = None
     module_attributes: tuple[str, ...] = ()
+    function_on_attribute: Callable[[Any], Any] | None = None  # applied to each module attribute's value
+    attributes_before_forward: bool = False  # read module attributes in the pre-hook (spikingjelly's pre_forward)
+    function_on_grad_output: Callable[[Any], Any] | None = None  # kept in a backward record's output_value
+    function_on_grad_input: Callable[[Any], Any] | None = None  # kept in a backward record's input_value
     capture_tensors: bool = False
     capture_max_bytes: int = 64 * 1024 * 1024
     capture_compress: bool = False
@@ -268,7 +272,13 @@ def resolve_options(**kwargs: Any) -> Options:
         _require(isinstance(name, str) and name.isidentifier(), f"extra_stats: {name!r} is not a valid statistic name")
         if not callable(function):
             raise TypeError(f"extra_stats[{name!r}] must be callable, got {function!r}")
-    for name in ("function_on_output", "function_on_input"):
+    for name in (
+        "function_on_output",
+        "function_on_input",
+        "function_on_attribute",
+        "function_on_grad_output",
+        "function_on_grad_input",
+    ):
         if kwargs.get(name) is not None and not callable(kwargs[name]):
             raise TypeError(f"{name} must be callable, got {kwargs[name]!r}")
     module_attributes = kwargs.get("module_attributes") or ()
@@ -300,6 +310,12 @@ def resolve_options(**kwargs: Any) -> Options:
         function_on_output=kwargs.get("function_on_output"),
         function_on_input=kwargs.get("function_on_input"),
         module_attributes=tuple(module_attributes),
+        function_on_attribute=kwargs.get("function_on_attribute"),
+        attributes_before_forward=_bool_option(
+            "attributes_before_forward", kwargs.get("attributes_before_forward", False)
+        ),
+        function_on_grad_output=kwargs.get("function_on_grad_output"),
+        function_on_grad_input=kwargs.get("function_on_grad_input"),
         capture_tensors=_bool_option("capture_tensors", kwargs.get("capture_tensors", False)),
         capture_max_bytes=pick("capture_max_bytes", None),
         capture_compress=_bool_option("capture_compress", kwargs.get("capture_compress", False)),

@@ -211,10 +211,10 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
     if forward is not None:
         info = modules[forward[0][MODULE]]
         return f"{info.path or info.type_name} produced NaN/Inf in output {forward[1]}".rstrip()
-    incoming = {id(entry): grads for entry, event, _, grads, _ in record.backward_events if event == BACKWARD_START}
+    incoming = {id(entry): grads for entry, event, _, grads, *_ in record.backward_events if event == BACKWARD_START}
     backward = _first_nonfinite(
         (time_ns, entry, resolved(grads), resolved(incoming.get(id(entry))))
-        for entry, event, time_ns, grads, _ in record.backward_events
+        for entry, event, time_ns, grads, *_ in record.backward_events
         if event != BACKWARD_START
     )
     if backward is not None:
@@ -315,17 +315,17 @@ def _backward_calls(
     record: StepRecord, forward_of: dict, phase: Any, on_step_clock: Callable[[Any, int], int]
 ) -> list[ModuleCall]:
     offset = record.clock_offset_ns
-    starts: dict[int, tuple[int, dict]] = {}
-    ends: dict[int, tuple[int, dict]] = {}
-    for entry, event, time_ns, grads, mark in record.backward_events:
+    starts: dict[int, tuple[int, dict, Any]] = {}  # id(entry) -> (time, grad_output stats, user's value)
+    ends: dict[int, tuple[int, dict, Any]] = {}  # id(entry) -> (time, grad_input stats, user's value)
+    for entry, event, time_ns, grads, mark, value in record.backward_events:
         key = id(entry)
         if key not in forward_of:
             continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
         time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
         if event == BACKWARD_START:
-            starts.setdefault(key, (time_ns + offset, grads))
+            starts.setdefault(key, (time_ns + offset, grads, value))
         else:
-            ends[key] = (time_ns + offset, grads)
+            ends[key] = (time_ns + offset, grads, value)
     keys = sorted(starts.keys() | ends.keys(), key=lambda k: (starts.get(k) or ends[k])[0])
     if not keys:
         return []
@@ -336,8 +336,8 @@ def _backward_calls(
     grad_inputs_of: dict[int, dict | None] = {}
     for key in keys:
         forward_call, entry, entries = forward_of[key]
-        start, grad_outputs = starts.get(key) or (ends[key][0], None)
-        end, grad_inputs = ends.get(key) or (start, None)
+        start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
+        end, grad_inputs, input_value = ends.get(key) or (start, None, None)
         attributes: dict[str, Any] = {
             "torchtrace.module.path": forward_call.path,
             "torchtrace.module.type": forward_call.type_name,
@@ -357,6 +357,8 @@ def _backward_calls(
             end,
             attributes,
             thread_id=forward_call.thread_id,
+            output_value=output_value,  # function_on_grad_output(grad_output)
+            input_value=input_value,  # function_on_grad_input(grad_input)
             kind="backward",
         )
         grad_inputs_of[key] = grad_inputs
@@ -372,7 +374,7 @@ def _backward_calls(
                 break
             position = entries[position][PARENT]
     backward_spans = list(spans.values())
-    incoming = [(starts.get(key) or (0, None))[1] for key in spans]  # grad_outputs: what each backward received
+    incoming = [(starts.get(key) or (0, None, None))[1] for key in spans]  # grad_outputs: what each backward received
     _mark_first_nonfinite(backward_spans, [grad_inputs_of[key] for key in spans], incoming, "grad_input")
     return [backward, *backward_spans]
 

@@ -29,6 +29,7 @@ from torchtrace._stats import StatComputer, find_tensors
 
 _UNKNOWN = object()
 
+
 class SummaryMarker:
     """A key among a call's tensor summaries (keyed by tensor name, i.e. str(key) of an output) that no output can
     collide with; its value's items become ``<prefix>.<item>`` attributes."""
@@ -102,7 +103,7 @@ class HookRecorder:
             for work, wanted in (
                 (self._output_stats, self.summarise),
                 (self._output_value, options.function_on_output is not None),
-                (self._output_attributes, bool(options.module_attributes)),
+                (self._output_attributes, bool(options.module_attributes) and not options.attributes_before_forward),
                 (self._output_capture, options.capture_tensors),
                 (self._output_backward, steps is not None and steps.backward),
             )
@@ -113,6 +114,7 @@ class HookRecorder:
             for work, wanted in (
                 (self._input_stats, options.inputs and self.summarise),
                 (self._input_value, options.function_on_input is not None),
+                (self._attributes_before, bool(options.module_attributes) and options.attributes_before_forward),
             )
             if wanted
         )
@@ -152,7 +154,7 @@ class HookRecorder:
                      None, None, None, None, None, None]  # fmt: skip
             for work in input_work:
                 try:
-                    work(entry, args, kwargs)
+                    work(entry, module, args, kwargs)
                 except Exception as error:  # never let tracing break the user's forward
                     _note_error(entry, INPUTS, error)
             entries.append(entry)
@@ -295,12 +297,15 @@ class HookRecorder:
 
     # -- what a call records --------------------------------------------------------------------------------------
 
-    def _input_stats(self, entry: list, args: tuple, kwargs: dict | None) -> None:
+    def _input_stats(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
         value: Any = args if not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
         entry[INPUTS] = self._summarise_value(value)
 
-    def _input_value(self, entry: list, args: tuple, kwargs: dict | None) -> None:
+    def _input_value(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
         entry[INPUT_VALUE] = self.options.function_on_input(args[0] if len(args) == 1 else args)
+
+    def _attributes_before(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
+        entry[ATTRIBUTES] = self._attribute_values(module)
 
     def _output_stats(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if output is not None:  # a call that raised (always_call hooks)
@@ -311,7 +316,15 @@ class HookRecorder:
             entry[OUTPUT_VALUE] = self.options.function_on_output(output)
 
     def _output_attributes(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        entry[ATTRIBUTES] = {name: _attribute_value(module, name) for name in self.options.module_attributes}
+        entry[ATTRIBUTES] = self._attribute_values(module)
+
+    def _attribute_values(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The module attributes asked for: ``function_on_attribute(value)`` when given (the live value, kept as
+        the function returns it), else numbers as they are, tensors copied (one element: a number)."""
+        function = self.options.function_on_attribute
+        if function is not None:
+            return {name: function(getattr(module, name, None)) for name in self.options.module_attributes}
+        return {name: _attribute_value(module, name) for name in self.options.module_attributes}
 
     def _output_capture(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if output is not None:

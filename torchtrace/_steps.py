@@ -13,6 +13,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torchtrace._calls import error_text
 from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
 from torchtrace._distributed import RankInfo, derived_id
+from torchtrace._hooks import FEATURE_ERROR
 from torchtrace._schedule import StepSchedule
 from torchtrace._stats import device_stats, find_tensors, reduce_now, reduced_on_device, sampling_stride
 
@@ -43,7 +45,8 @@ class StepRecord:
     start_ns: int  # epoch
     end_ns: int
     forwards: list  # RawForward, in completion order
-    # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name, CUDA timing event or None)
+    # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name, CUDA timing event or None,
+    #  the user's function_on_grad_output / _input of the gradients, or None)
     backward_events: list
     optimizer_ns: tuple[int, int] | None  # perf_counter start/end of optimizer.step()
     clock_offset_ns: int
@@ -66,7 +69,11 @@ class StepTracker:
         rank: RankInfo | None = None,
         stats_sample: int | None = None,
         model_key: str = "",
+        on_grad_output: Callable[[Any], Any] | None = None,
+        on_grad_input: Callable[[Any], Any] | None = None,
     ) -> None:
+        self.on_grad_output = on_grad_output  # the user's functions of the gradients (spikingjelly's monitors)
+        self.on_grad_input = on_grad_input
         self.schedule = schedule
         self.model_key = model_key  # the same on every rank: the model's class, numbered in instrumentation order
         self.backward = backward
@@ -140,7 +147,8 @@ class StepTracker:
             now = time.perf_counter_ns()
             _remove_once(start_handle)
             stats = self._grad_stats([grad])  # its kernels run before the mark: they are not the module's backward
-            events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None))
+            value = _user_value(self.on_grad_output, grad, stats)
+            events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None, value))
 
         def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             now = time.perf_counter_ns()
@@ -149,7 +157,9 @@ class StepTracker:
                 return
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
             grads = [grads] if isinstance(grads, torch.Tensor) else grads
-            events.append((entry, BACKWARD_END, now, self._grad_stats(grads), mark))
+            stats = self._grad_stats(grads)
+            value = _user_value(self.on_grad_input, grads[0] if len(grads) == 1 else tuple(grads), stats)
+            events.append((entry, BACKWARD_END, now, stats, mark, value))
 
         start_handle.append(register_multi_grad_hook(outputs, started, mode="any"))
         self.hook_handles.append(start_handle[0])
@@ -269,13 +279,27 @@ class StepTracker:
             return None
         work = DeviceWork(rows, self.timer)
         if self.timer is not None:
-            last_marks = {mark.device: mark for *_, mark in self.events if mark is not None}  # per device, in order
+            last_marks = {
+                event[4].device: event[4] for event in self.events if event[4] is not None
+            }  # per device, in order
             work.done.extend(last_marks.values())
             work.done.extend(end for *_, (_, end) in self.comm if end is not None)  # recorded on side streams
             finished = completion_event(self.timer.device)  # after backward: autograd joined its streams
             if finished is not None:
                 work.done.append(finished)
         return work
+
+
+def _user_value(function: Callable[[Any], Any] | None, grads: Any, summaries: dict) -> Any:
+    """``function(grads)`` (spikingjelly's function_on_grad_*); a failure is the span's ``stats_error``, never an
+    exception in the user's backward."""
+    if function is None:
+        return None
+    try:
+        return function(grads)
+    except Exception as error:
+        summaries[FEATURE_ERROR] = {"stats_error": error_text(error)}
+        return None
 
 
 def _remove_once(handles: list) -> None:
