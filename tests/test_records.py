@@ -339,6 +339,16 @@ def test_a_failing_gradient_function_is_reported_on_the_backward_span():
     assert tanh.attributes["torchtrace.grad_output.0.norm"] > 0  # the statistics stay
 
 
+def test_module_attribute_copies_count_against_the_capture_budget():
+    model = Spike()
+    with torchtrace.instrument(model, exporter="none", module_attributes="v", capture_max_bytes=3 * 16) as handle:
+        for _ in range(4):
+            model(torch.ones(4))  # v: 4 float32 values, 16 bytes copied per call
+        copies = [call.module_attributes["v"] for call in handle[""]]
+    assert [copy is not None for copy in copies] == [True, True, True, False]
+    assert handle.skipped_captures == 1
+
+
 def test_module_attributes_reach_the_span():
     from torchtrace.testing import capture_spans
 

@@ -324,7 +324,25 @@ class HookRecorder:
         function = self.options.function_on_attribute
         if function is not None:
             return {name: function(getattr(module, name, None)) for name in self.options.module_attributes}
-        return {name: _attribute_value(module, name) for name in self.options.module_attributes}
+        return {name: self._attribute_value(module, name) for name in self.options.module_attributes}
+
+    def _attribute_value(self, module: torch.nn.Module, name: str) -> Any:
+        value = getattr(module, name, None)
+        if not isinstance(value, torch.Tensor):
+            return value
+        value = value.detach()
+        if value.numel() == 1:
+            return value.item()
+        return self._copy_within_budget(value)
+
+    def _copy_within_budget(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A CPU copy, counted against ``capture_max_bytes`` (None, and counted as skipped, past it)."""
+        size = tensor.numel() * tensor.element_size()
+        if self.captured_bytes + size > self.options.capture_max_bytes:
+            self.skipped_captures += 1
+            return None
+        self.captured_bytes += size
+        return tensor.detach().to("cpu", copy=True)
 
     def _output_capture(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if output is not None:
@@ -345,20 +363,18 @@ class HookRecorder:
         return summaries
 
     def release_capture(self, call: Any) -> None:
-        """A record left the records: its captured tensors no longer count against ``capture_max_bytes``."""
-        for value in (call.tensors or {}).values():
-            self.captured_bytes -= value.nbytes
+        """A record left the records: its captured tensors (outputs, module attributes) no longer count against
+        ``capture_max_bytes``."""
+        for value in [*(call.tensors or {}).values(), *(call.module_attributes or {}).values()]:
+            if isinstance(value, (torch.Tensor, CompressedTensor)):
+                self.captured_bytes -= value.nbytes
 
     def _capture(self, output: Any) -> dict[str, Any]:
         captured: dict[str, Any] = {}
         for name, tensor in find_tensors(output, self.options.max_tensors)[0]:
-            size = tensor.numel() * tensor.element_size()
-            if self.captured_bytes + size > self.options.capture_max_bytes:
-                self.skipped_captures += 1
-                continue
-            self.captured_bytes += size
-            copy = tensor.detach().to("cpu", copy=True)
-            captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
+            copy = self._copy_within_budget(tensor)
+            if copy is not None:
+                captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
         return captured
 
 
@@ -394,14 +410,6 @@ def _argument_device(args: tuple) -> torch.device | None:
         if isinstance(arg, torch.Tensor):
             return arg.device
     return None
-
-
-def _attribute_value(module: torch.nn.Module, name: str) -> Any:
-    value = getattr(module, name, None)
-    if isinstance(value, torch.Tensor):
-        value = value.detach()
-        return value.item() if value.numel() == 1 else value.to("cpu", copy=True)
-    return value
 
 
 def _torch_call_frame() -> Any:
