@@ -244,9 +244,9 @@ def layers_dashboard() -> dict[str, Any]:
             "Duration of traced training steps. Each exemplar opens the step's trace: forward, backward, optimizer.",
             [
                 _target("histogram_quantile(0.99, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
-                        f"{{{SELECTOR}}}[{RATE}])))", "p99 rank {{{{rank}}}}", exemplar=True),
+                        f"{{{SELECTOR}}}[{RATE}])))", "p99 rank {{rank}}", exemplar=True),
                 _target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
-                        f"{{{SELECTOR}}}[{RATE}])))", "p50 rank {{{{rank}}}}", ref="B"),
+                        f"{{{SELECTOR}}}[{RATE}])))", "p50 rank {{rank}}", ref="B"),
             ],
             (0, 60, 12, 8), unit="s",
         ),
@@ -261,7 +261,7 @@ def layers_dashboard() -> dict[str, Any]:
             "timeseries", "Step time by rank (p50)",
             "Median traced step time of each rank: a rank above the others is slow in its own compute.",
             [_target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
-                     f"{{{SELECTOR}}}[{RATE}])))", "rank {{{{rank}}}}")],
+                     f"{{{SELECTOR}}}[{RATE}])))", "rank {{rank}}")],
             (0, 68, 12, 8), unit="s",
         ),
         _panel(

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -89,6 +90,67 @@ def test_a_model_called_after_one_of_its_parts_is_traced_as_a_whole(instrumentor
     (handle,) = instrumentor.handles  # the part's handle was replaced by the model's
     assert handle.model is model
     assert len(handle.records) == CALLS
+
+
+def test_a_stateless_module_made_in_the_loop_is_not_a_model_of_its_own(instrumentor, monkeypatch) -> None:
+    from torchtrace import instrumentation
+
+    instrumented = []
+    real_instrument = instrumentation._handle.instrument
+    monkeypatch.setattr(
+        instrumentation._handle,
+        "instrument",
+        lambda model, **options: instrumented.append(model) or real_instrument(model, **options),
+    )
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    for _ in range(3):
+        loss = nn.MSELoss()(model(torch.randn(2, 4)), torch.zeros(2, 2))  # a new loss module every iteration
+        loss.backward()
+    assert instrumented == [model]  # not the losses: no hooks, records or summaries for them
+    (handle,) = instrumentor.handles
+    assert len(handle.records) == 3 * CALLS
+
+
+def test_threads_calling_a_model_first_at_once_each_get_a_whole_trace(instrumentor, monkeypatch) -> None:
+    import threading
+
+    from torchtrace import instrumentation
+
+    real_instrument = instrumentation._handle.instrument
+
+    def slow_instrument(model, **options):  # noqa: ANN001, ANN003 -- the second thread arrives meanwhile
+        time.sleep(0.3)
+        return real_instrument(model, **options)
+
+    monkeypatch.setattr(instrumentation._handle, "instrument", slow_instrument)
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    threads = [threading.Thread(target=model, args=(torch.randn(1, 4),)) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    (handle,) = instrumentor.handles
+    roots = [record for record in handle.records if record.depth == 0]
+    assert [root.path for root in roots] == ["", ""]  # no child of the second call became a root of its own
+    assert len(handle.records) == 2 * CALLS
+
+
+def test_run_summarises_a_model_that_lived_inside_main(tmp_path, capsys) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "def main():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())\n"
+        "    model(torch.randn(2, 4))\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    assert main(["run", "--exporter", "none", str(script)]) == 0
+    err = capsys.readouterr().err
+    assert "no model was called" not in err and "torchtrace: Sequential" in err
 
 
 def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor) -> None:
@@ -210,8 +272,10 @@ def test_config_shows_each_value_and_where_it_came_from(monkeypatch, capsys) -> 
     monkeypatch.setenv("TORCHTRACE_SAMPLE_EVERY", "4")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=secret")
     monkeypatch.setenv("TORCHTRACE_TRITON", "off")
+    monkeypatch.setenv("TORCHTRACE_STEP_EVERY", "5")
     assert main(["config", "--json", "--stats", "mean,max"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["schedule"] == {"name": "schedule", "value": "every(5)", "source": "env TORCHTRACE_STEP_EVERY"}
     triton = rows["triton statistics"]
     assert (triton["value"], triton["source"]) == ("False", "env TORCHTRACE_TRITON")
     assert rows["sample_every"] == {"name": "sample_every", "value": "4", "source": "env TORCHTRACE_SAMPLE_EVERY"}

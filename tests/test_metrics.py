@@ -272,6 +272,7 @@ def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):
     with metrics_from_env(registry) as server:
         assert server.addr == "127.0.0.1" and server.port > 0
         assert _get(server.url)[0].startswith("text/plain")
+        assert metrics_from_env(registry) is server  # the app's call and instrument()'s share one endpoint
     monkeypatch.setenv("TORCHTRACE_METRICS_PORT", "http")
     with pytest.raises(ValueError, match="TORCHTRACE_METRICS_PORT"):
         metrics_from_env(registry)

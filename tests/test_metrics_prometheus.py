@@ -77,19 +77,27 @@ def _values(result: list[dict]) -> dict[str, float]:
 def test_every_dashboard_query_returns_data(scraped_run):
     prom, _, _ = scraped_run
     dashboard = json.loads((ROOT / "grafana/dashboards/torchtrace-layers.json").read_text())
-    expressions = [(p["title"], t["expr"]) for p in dashboard["panels"] for t in p.get("targets", [])]
+    expressions = [
+        (p["title"], t["expr"], t.get("legendFormat", "")) for p in dashboard["panels"] for t in p.get("targets", [])
+    ]
     # the variables' own queries: label_values(selector, label) -> count by (label) (selector)
     for variable in dashboard["templating"]["list"]:
         selector, label = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"]).groups()
-        expressions.append((f"variable {variable['name']}", f"count by ({label}) ({selector})"))
-    empty = []
-    for title, expr in expressions:
+        expressions.append((f"variable {variable['name']}", f"count by ({label}) ({selector})", ""))
+    empty, unlabelled = [], []
+    for title, expr, legend in expressions:
         for name, value in VARIABLES.items():
             expr = expr.replace(name, value)
         assert "$" not in expr, expr
-        if not prom.query(expr):
+        result = prom.query(expr)
+        if not result:
             empty.append(f"{title}: {expr}")
+        # Grafana fills {{label}} from each series' labels: every one named must be on the series
+        wanted = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", legend))
+        if "{{{" in legend or any(not wanted <= set(series["metric"]) for series in result):
+            unlabelled.append(f"{title}: {legend!r}")
     assert not empty, "queries with no data:\n" + "\n".join(empty)
+    assert not unlabelled, "legends naming labels the series do not have:\n" + "\n".join(unlabelled)
 
 
 def test_prometheus_values_equal_the_span_statistics(scraped_run):

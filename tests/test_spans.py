@@ -477,3 +477,36 @@ def test_torch_jit_trace_of_an_instrumented_model_records_only_the_model():
         assert handle.records == []  # jit.trace's recording run is not traced: its graph holds the model only
         assert "aten::linalg_vector_norm" not in str(traced.graph)
         assert torch.equal(traced(x), model(x))
+
+
+# -- the per-layer summary -----------------------------------------------------------------------------------------
+
+
+def test_a_recursive_module_is_timed_once_in_the_summary():
+    class Recursive(nn.Module):
+        def forward(self, x, depth: int = 3):
+            time.sleep(0.002)
+            return self(x, depth - 1) if depth else x
+
+    model = Recursive()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        model(torch.ones(1))
+        (row,) = handle.summary_rows()
+        outermost = max(call.duration_ns for call in handle.records) / 1e6
+    assert row.calls == 4
+    assert row.share == pytest.approx(1.0)  # not 250%: the inner calls are inside the outer one
+    assert row.total_ms == pytest.approx(outermost)
+
+
+def test_the_summary_p95_is_the_nearest_rank_percentile():
+    import numpy as np
+
+    from torchtrace._calls import ModuleCall
+    from torchtrace._summary import SummarySink
+
+    durations_ms = [1.0] * 19 + [100.0]
+    summary = SummarySink()
+    summary([ModuleCall("layer", "Linear", 1, 1, i + 1, 0, 0, int(ms * 1e6)) for i, ms in enumerate(durations_ms)])
+    (row,) = summary.rows()
+    assert row.p95_ms == float(np.percentile(durations_ms, 95, method="inverted_cdf"))  # 1.0, not the 100 ms outlier
+    assert row.mean_ms == pytest.approx(np.mean(durations_ms))

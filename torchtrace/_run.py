@@ -47,6 +47,7 @@ OPTION_ENV: dict[str, tuple[str, ...]] = {
     "max_pending_calls": (_config.ENV_MAX_PENDING,),
     "print_summary": (_config.ENV_PRINT_SUMMARY,),
     "metrics": (_config.ENV_METRICS, "TORCHTRACE_METRICS_PORT"),
+    "schedule": (_config.ENV_STEP_EVERY,),
 }
 
 _KNOWN_ENV = {value for name, value in vars(_config).items() if name.startswith("ENV_") and isinstance(value, str)}
@@ -90,6 +91,8 @@ def _format(value: Any) -> str:
         return ",".join(str(key) for key in value) if value else "(none)"
     if value is None:
         return "(unset)"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return value.__qualname__  # a schedule, a comm hook...: every(5), not <function ... at 0x...>
     return str(value)
 
 
@@ -161,7 +164,7 @@ def print_config(
 # --- run ------------------------------------------------------------------------------------------------------
 
 
-def _install_tracer_provider() -> tuple[Any, bool]:
+def _install_tracer_provider(trace_file: str | None = None) -> tuple[Any, bool]:
     """The global SDK TracerProvider: the one already installed, else a new one exporting like torchtrace."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
@@ -173,7 +176,7 @@ def _install_tracer_provider() -> tuple[Any, bool]:
     if hasattr(current, "add_span_processor"):
         return current, False
     provider = TracerProvider(resource=_exporters.default_resource(), shutdown_on_exit=False)
-    provider.add_span_processor(BatchSpanProcessor(_exporters.create_sdk_span_exporter()))
+    provider.add_span_processor(BatchSpanProcessor(_exporters.create_sdk_span_exporter(trace_file)))
     trace.set_tracer_provider(provider)
     return provider, True
 
@@ -206,7 +209,7 @@ def run_script(
         raise ValueError(f"no such script: {script}")
     from torchtrace.instrumentation import TorchInstrumentor
 
-    provider, owned = _install_tracer_provider()
+    provider, owned = _install_tracer_provider(keywords.get("trace_file"))  # --trace-file: the app's spans too
     instrumentor = TorchInstrumentor()
     instrumentor.instrument(**_model_options(keywords, provider))
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
@@ -232,7 +235,7 @@ def run_script(
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
-        handles = instrumentor.handles
+        handles = instrumentor.traced_handles  # models already gone (a main() returned) included
         instrumentor.uninstrument()  # removes the hooks, delivers every pending span
         if summary:
             _print_summaries(handles, err)

@@ -44,7 +44,12 @@ def every(n: int) -> StepSchedule:
     """Trace every ``n``-th step, starting with step 0."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be an integer >= 1, got {n!r}")
-    return lambda step: step % n == 0
+
+    def traced(step: int) -> bool:
+        return step % n == 0
+
+    traced.__qualname__ = traced.__name__ = f"every({n})"  # how `torchtrace config` shows it
+    return traced
 
 
 def always(step: int) -> bool:

@@ -72,4 +72,13 @@ def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | 
     local_rank = os.environ.get("LOCAL_RANK", "").strip()
     if port and local_rank.isdigit():
         port += int(local_rank)  # one endpoint per rank on a node: base port + local rank, no collision
-    return serve_metrics(port, addr=addr, registry=registry)
+    key = (addr, port, id(registry))
+    with _env_servers_lock:
+        server = _env_servers.get(key)
+        if server is None or not server.thread.is_alive():  # once per process: instrument() asks for it too
+            server = _env_servers[key] = serve_metrics(port, addr=addr, registry=registry)
+    return server
+
+
+_env_servers: dict[tuple[str, int, int], MetricsServer] = {}  # what metrics_from_env started, by address
+_env_servers_lock = threading.Lock()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,12 +24,13 @@ class LayerSummary:
 
 
 class _Layer:
-    __slots__ = ("type_name", "calls", "total_ns", "recent")
+    __slots__ = ("type_name", "calls", "total_ns", "sum_ns", "recent")
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
         self.calls = 0
-        self.total_ns = 0
+        self.total_ns = 0  # time inside the layer (a recursive call's inner calls count once, inside the outer)
+        self.sum_ns = 0  # the sum of every call's duration: for the mean
         self.recent: collections.deque[int] = collections.deque(maxlen=_RESERVOIR)  # for the p95, bounded
 
 
@@ -41,15 +43,20 @@ class SummarySink:
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         layers = self._layers
-        for call in calls:
+        outermost: dict[str, tuple[int, int]] = {}  # name -> (trace id, end) of its latest call not nested in itself
+        for call in calls:  # in start order within each forward
             duration = call.end_ns - call.start_ns
             name = call.name
             layer = layers.get(name)
             if layer is None:
                 layer = layers[name] = _Layer(call.type_name)
             layer.calls += 1
-            layer.total_ns += duration
+            layer.sum_ns += duration
             layer.recent.append(duration)
+            outer = outermost.get(name)
+            if outer is None or outer[0] != call.trace_id or call.end_ns > outer[1]:
+                outermost[name] = (call.trace_id, call.end_ns)
+                layer.total_ns += duration  # a recursive call's inner calls are inside it: counted once
             if call.depth == 0 and call.kind == "forward":
                 self._root_ns += duration
 
@@ -57,14 +64,14 @@ class SummarySink:
         rows = []
         for name, layer in self._layers.items():
             ordered = sorted(layer.recent)
-            p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+            p95 = ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]  # nearest rank
             rows.append(
                 LayerSummary(
                     path=name,
                     type_name=layer.type_name,
                     calls=layer.calls,
                     total_ms=layer.total_ns / 1e6,
-                    mean_ms=layer.total_ns / layer.calls / 1e6,
+                    mean_ms=layer.sum_ns / layer.calls / 1e6,
                     p95_ms=p95 / 1e6,
                     share=layer.total_ns / self._root_ns if self._root_ns else 0.0,
                 )

@@ -66,6 +66,8 @@ class TorchInstrumentor(BaseInstrumentor):
         self._hook: Any = None
         self._options: dict[str, Any] = {}
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # decided: traced, covered or skipped
+        # model -> the pre-hooks instrument() added, for calls that began before they existed
+        self._root_hooks: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
         self._handles: list[_handle.TraceHandle] = []
         self._at_exit_registered = False
         self.errors = 0  # instrument() failures (invalid TORCHTRACE_* variables...): logged, model runs untraced
@@ -78,6 +80,13 @@ class TorchInstrumentor(BaseInstrumentor):
         with self._lock:
             return [handle for handle in self._handles if handle in _handle._live_handles]
 
+    @property
+    def traced_handles(self) -> list[_handle.TraceHandle]:
+        """Every model's handle, also of models already gone (a script's ``main()`` returned): for the summaries
+        at exit. The oldest gone ones are forgotten past ``MAX_GONE_HANDLES``."""
+        with self._lock:
+            return list(self._handles)
+
     def _instrument(self, **kwargs: Any) -> None:
         options = {key: value for key, value in kwargs.items() if value is not None}
         # validate now (raises here, not at the first forward): same merge as instrument() does
@@ -87,6 +96,7 @@ class TorchInstrumentor(BaseInstrumentor):
         with self._lock:
             self._options = options
             self._seen = weakref.WeakSet()
+            self._root_hooks = weakref.WeakKeyDictionary()
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_module_call)
             if not self._at_exit_registered:
                 # registered after any TracerProvider set up before instrument() (opentelemetry-instrument's is):
@@ -101,6 +111,7 @@ class TorchInstrumentor(BaseInstrumentor):
                 self._hook = None
             handles, self._handles = self._handles, []
             self._seen = weakref.WeakSet()
+            self._root_hooks = weakref.WeakKeyDictionary()
             self._options = {}
         for handle in handles:
             handle.remove()
@@ -111,6 +122,28 @@ class TorchInstrumentor(BaseInstrumentor):
                 self.uninstrument()
             except Exception:
                 _logger.exception("torchtrace: uninstrumenting at exit failed")
+
+    def _traceable(self, module: torch.nn.Module) -> bool:
+        """Whether a module called outside any traced forward is a model of its own (under the lock)."""
+        if module in _handle._instrumented or _inside_another_forward(module):
+            return False  # instrumented by the user, or a part of the model being called
+        if not any(True for _ in module.children()) and not any(True for _ in module.parameters()):
+            return False  # a stateless leaf (a loss or activation made in the loop): not a model, not worth a trace
+        for handle in self._handles:
+            model = handle.model
+            if model is not None and any(sub is module for sub in model.modules()):
+                return False  # a submodule of a traced model, called on its own: traced with its model only
+        # a model containing models traced earlier on their own: trace it as a whole instead
+        for handle in [h for h in self._handles if h.model is not None and _contains(module, h.model)]:
+            self._handles.remove(handle)
+            handle.remove()
+        return True
+
+    def _keep(self, handle: _handle.TraceHandle) -> None:
+        self._handles.append(handle)
+        gone = [h for h in self._handles if h.model is None]
+        for old in gone[:-MAX_GONE_HANDLES]:
+            self._handles.remove(old)
 
     # -- the global pre-hook ----------------------------------------------------------------------------------------
 
@@ -125,32 +158,31 @@ class TorchInstrumentor(BaseInstrumentor):
 
     def _first_call(self, module: torch.nn.Module, args: tuple) -> None:
         with self._lock:
-            if module in self._seen or self._hook is None:
+            if self._hook is None:
                 return
-            self._seen.add(module)
-            if module in _handle._instrumented or _inside_another_forward(module):
-                return  # instrumented by the user, or a part of the model being called
-            for handle in self._handles:
-                model = handle.model
-                if model is not None and any(sub is module for sub in model.modules()):
-                    return  # a submodule of a traced model, called on its own: traced with its model only
-            # a model containing models traced earlier on their own: trace it as a whole instead
-            inner = [h for h in self._handles if h.model is not None and _contains(module, h.model)]
-            for handle in inner:
-                self._handles.remove(handle)
-                handle.remove()
-            pre_hooks_before = set(module._forward_pre_hooks)
-            handle = _handle.instrument(module, **self._options)
-            self._handles.append(handle)
-            for sub in module.modules():
-                self._seen.add(sub)
-            new_hooks = [(key, hook) for key, hook in module._forward_pre_hooks.items() if key not in pre_hooks_before]
+            new_hooks = self._root_hooks.get(module)  # instrumented by another thread while this one waited
+            if new_hooks is None:
+                if module in self._seen:
+                    return
+                if not self._traceable(module):
+                    self._seen.add(module)
+                    return
+                pre_hooks_before = set(module._forward_pre_hooks)
+                handle = _handle.instrument(module, **self._options)
+                self._keep(handle)
+                new_hooks = [(k, hook) for k, hook in module._forward_pre_hooks.items() if k not in pre_hooks_before]
+                self._root_hooks[module] = new_hooks
+                for sub in module.modules():  # last: other threads' calls wait on the lock until the hooks exist
+                    self._seen.add(sub)
         # torch read this module's pre-hooks before calling us: run the new ones so this first call is traced too
         for key, hook in new_hooks:
             if key in module._forward_pre_hooks_with_kwargs:
                 hook(module, args, {})  # the global hook does not see keyword arguments
             else:
                 hook(module, args)
+
+
+MAX_GONE_HANDLES = 32  # handles of models already gone, kept for the exit summaries
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

@@ -107,7 +107,7 @@ def capture_spans(model: torch.nn.Module, **instrument_options: Any) -> Iterator
         if reserved in instrument_options:
             raise TypeError(f"capture_spans() sets {reserved} itself")
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider(shutdown_on_exit=False)  # no atexit hook keeping every test's spans alive
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     handle = instrument(model, exporter="sdk", tracer_provider=provider, **instrument_options)
     captured = CapturedSpans(handle, provider, exporter)
