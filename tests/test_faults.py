@@ -327,7 +327,9 @@ def test_a_child_forked_mid_step_keeps_its_rank_and_does_not_send_the_parents_st
     resources = [attributes_dict(rs.resource.attributes) for request in requests for rs in request.resource_spans]
     assert len(resources) == 2 and all(r["torchtrace.rank"] == 1 for r in resources)
     assert {r["service.instance.id"] for r in resources} == {"run7/" + socket.gethostname() + "/rank-1"}
-    assert [span.name for span in otlp_http_receiver.spans()].count("rank 1") == 2  # the parent's step 0, the child's
+    spans = otlp_http_receiver.spans()
+    assert [span.name for span in spans].count("rank 1") == 2  # the parent's step 0, the child's
+    assert len({span.span_id for span in spans}) == len(spans)  # nothing of the parent's step sent twice
 
 
 def test_fork_while_the_worker_is_stuck_in_an_export_does_not_deadlock_the_child(otlp_to) -> None:

@@ -55,12 +55,23 @@ def test_a_fresh_registry_sees_the_metrics_and_the_global_one_does_not():
 def test_output_gauges_equal_the_span_statistics_of_the_latest_call():
     registry = CollectorRegistry()
     sink = MetricsSink(registry, model="Tiny")
-    records = run(tiny_model(), sink, batches=3)
+    model = tiny_model()
+    with torchtrace.instrument(model, exporter="none", sinks=[sink]) as handle:
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            model(x)
+        handle.flush()
+        records = handle.records
     for path, module_type in [("linear_1", "Linear"), ("relu", "ReLU"), ("linear_2", "Linear")]:
         latest = [r for r in records if r.path == path][-1].attributes
         for stat, metric in STATS_TO_METRICS.items():
             assert registry.get_sample_value(metric, labels(path, module_type)) == latest[f"torchtrace.output.{stat}"]
-    assert registry.get_sample_value("torchtrace_output_zero_ratio", labels("relu", "ReLU")) > 0  # ReLU zeroes
+    relu_output = model[:2](x)  # and what torch says of the last ReLU output
+    gauge = registry.get_sample_value("torchtrace_output_zero_ratio", labels("relu", "ReLU"))
+    assert gauge == pytest.approx((relu_output == 0).double().mean().item())
+    assert registry.get_sample_value("torchtrace_output_abs_max", labels("relu", "ReLU")) == pytest.approx(
+        relu_output.abs().max().item()
+    )
 
 
 def test_the_model_itself_is_labelled_with_its_class_name():
@@ -165,6 +176,26 @@ def test_exemplars_carry_the_trace_and_span_of_a_recorded_call():
         assert exemplar.value == record.duration_ns / 1e9
 
 
+def test_spans_the_providers_sampler_drops_get_no_exemplar():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=ALWAYS_OFF)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    registry = CollectorRegistry()
+    model = tiny_model()
+    with torchtrace.instrument(model, tracer_provider=provider, metrics=MetricsSink(registry, model="Tiny")) as handle:
+        model(torch.randn(3, 4))
+        handle.flush()
+    family = next(f for f in registry.collect() if f.name == "torchtrace_module_call_duration_seconds")
+    assert sum(s.value for s in family.samples if s.name.endswith("_count")) == 4  # observed all the same
+    assert exporter.get_finished_spans() == ()  # sampled out: no trace to link to
+    assert [s.exemplar for s in family.samples if s.exemplar is not None] == []
+
+
 def test_watch_reports_buffer_drops_and_exported_spans(tmp_path: Path):
     registry = CollectorRegistry()
     sink = MetricsSink(registry)
@@ -258,10 +289,12 @@ def test_metrics_true_serves_every_instrumented_model_from_the_global_registry()
                 assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # same class
         with torchtrace.instrument(first, exporter="none", metrics=True) as handle:  # the same model again
             first(torch.randn(2, 4))
+            first(torch.randn(2, 4))
             handle.flush()
             body = _get(server.url)[1]
     calls = [line for line in body.splitlines() if line.startswith('torchtrace_module_calls_total{model="Sequential",')]
-    assert calls and all(line.endswith(" 1.0") for line in calls)  # counted anew, not added to the removed handle's
+    assert calls and all(line.endswith(" 2.0") for line in calls)  # counted anew, not added to the removed handle's
+    assert 'model="Sequential#3"' not in body  # the removed handle's sink made way, its name is free again
     assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # a removed model's last values
 
 

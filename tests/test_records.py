@@ -349,6 +349,17 @@ def test_module_attribute_copies_count_against_the_capture_budget():
     assert handle.skipped_captures == 1
 
 
+def test_module_attribute_copies_go_back_to_the_budget_when_their_record_leaves():
+    model = Spike()
+    options = {"module_attributes": "v", "capture_max_bytes": 2 * 16, "max_records": 1}
+    with torchtrace.instrument(model, exporter="none", **options) as handle:
+        for _ in range(4):
+            model(torch.ones(4))
+            handle.flush()  # the previous record leaves: its 16 bytes are free again
+        assert handle.skipped_captures == 0
+        assert handle[""][-1].module_attributes["v"] is not None
+
+
 def test_module_attributes_reach_the_span():
     from torchtrace.testing import capture_spans
 

@@ -171,6 +171,8 @@ def test_schedule_semantics_step_by_step():
     assert [forever(step) for step in range(9)] == [False, False, True] * 3
     with pytest.raises(ValueError, match="active"):
         torchtrace.schedule(active=0)
+    with pytest.raises(ValueError, match="every"):
+        torchtrace.every(0)
 
 
 @pytest.mark.parametrize(
@@ -199,8 +201,6 @@ def test_a_manual_step_after_optimizer_step_is_not_another_step():
             optimizer.step()  # closes the step
             handle.step()  # as a script written without optimizer= also does: no empty extra step
         assert handle.step_number == 3
-    with pytest.raises(ValueError, match="every"):
-        torchtrace.every(0)
 
 
 def test_step_without_step_tracing_is_a_clear_error():
@@ -263,14 +263,21 @@ def test_step_metrics_and_gradient_norms_reach_prometheus_metrics():
     with torchtrace.instrument(
         model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
     ) as handle:
-        train(model, optimizer, steps=2)
+        train(model, optimizer, steps=1)
+        x = torch.randn(3, 4)
+        hidden = model[0](x)  # what torch says of the last step's gradient reaching layer 0's output
+        hidden.retain_grad()
+        model[2](model[1](hidden.clone())).sum().backward()
+        expected = float(torch.linalg.vector_norm(hidden.grad))
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
         handle.flush()
     labels = {"model": "Sequential", "rank": "0"}
     assert registry.get_sample_value("torchtrace_step_duration_seconds_count", labels) == 2
-    backward = [call for call in handle.records if call.kind == "backward" and call.path == "0"][-1]
-    assert registry.get_sample_value(
-        "torchtrace_gradient_norm", {**labels, "module": "0", "module_type": "Linear"}
-    ) == pytest.approx(backward.attributes["torchtrace.grad_output.0.norm"])
+    norm = registry.get_sample_value("torchtrace_gradient_norm", {**labels, "module": "0", "module_type": "Linear"})
+    assert norm == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one_warning():
@@ -433,6 +440,12 @@ def test_an_inf_gradient_made_by_the_loss_is_not_blamed_on_a_module():
         (output - output.detach()).abs().sqrt().sum().backward()  # d sqrt(x)/dx at 0: Inf, made by the loss
         handle.step()  # no module produced it: nothing raised
         assert not any(isinstance(call.error, torchtrace.NonFiniteError) for call in handle.records)
+        (last,) = handle.backward_records("2")
+        infs = (
+            last.attributes["torchtrace.grad_output.0.inf_count"]
+            + last.attributes["torchtrace.grad_output.0.nan_count"]
+        )
+        assert infs > 0  # seen, and passed on: just not made by a module
 
 
 def test_nan_already_in_the_models_input_is_not_blamed_on_the_first_layer_when_inputs_are_summarised():
@@ -442,6 +455,8 @@ def test_nan_already_in_the_models_input_is_not_blamed_on_the_first_layer_when_i
     with torchtrace.instrument(model, exporter="none", inputs=True) as handle:
         model(x)
         assert not any(isinstance(call.error, torchtrace.NonFiniteError) for call in handle.records)
+        assert handle["0"][0].attributes["torchtrace.input.0.nan_count"] == 1  # seen where it came in
+        assert handle["0"][0].attributes["torchtrace.output.nan_count"] > 0
 
 
 def test_a_module_whose_output_got_no_gradient_has_no_backward_span():

@@ -9,6 +9,7 @@ these hooks on its own threads: they only append to the step's event list, never
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import threading
@@ -86,10 +87,12 @@ class StepTracker:
         self._begin(0)
 
     def forget_after_fork(self) -> None:
-        """In a forked child: the open step is the parent's (which delivers it); start this step afresh."""
+        """In a forked child: the open step is the parent's (which delivers it); start this step afresh, under ids
+        of the child's own (the parent's step N has the derived ids of step N)."""
         self._lock = threading.Lock()
         for handle in self.hook_handles:
             handle.remove()
+        self.model_key = f"{self.model_key}@{os.getpid()}"
         self._begin(self.number)
 
     def _begin(self, number: int) -> None:
