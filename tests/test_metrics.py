@@ -298,6 +298,23 @@ def test_metrics_true_serves_every_instrumented_model_from_the_global_registry()
     assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # a removed model's last values
 
 
+def test_a_taken_metrics_port_is_a_warning_not_a_failed_job(monkeypatch, caplog):
+    import socket
+
+    from torchtrace import _handle
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("TORCHTRACE_METRICS_PORT", str(taken.getsockname()[1]))  # another job holds it
+        monkeypatch.setattr(_handle, "_metrics_server", None)
+        model = tiny_model()
+        with torchtrace.instrument(model, exporter="none") as handle:  # metrics on, because of the port variable
+            model(torch.randn(3, 4))
+            assert len(handle.records) == 4
+    assert "cannot serve metrics" in caplog.text
+
+
 def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):
     assert metrics_from_env() is None
     monkeypatch.setenv("TORCHTRACE_METRICS_PORT", "0")

@@ -316,7 +316,14 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
     from torchtrace._serve import metrics_from_env
 
     if _metrics_server is None:
-        _metrics_server = metrics_from_env()
+        try:
+            _metrics_server = metrics_from_env()
+        except OSError as error:  # the port is taken (another job on the node): trace on, serve nothing
+            _logger.warning(
+                "torchtrace: cannot serve metrics as TORCHTRACE_METRICS_PORT asks (%s); they are still aggregated "
+                "(torchtrace.serve_metrics() can serve them elsewhere)",
+                error,
+            )
     if option is not True:
         return option
     sink = MetricsSink(registry=None, model=type(model.module if is_ddp(model) else model).__name__)
