@@ -251,3 +251,18 @@ def test_instrumenting_the_same_model_twice_fails_until_the_first_handle_is_remo
     with instrument(m) as second:
         m(torch.ones(1, 2))
         assert [call.path for call in second.records] == PATHS
+
+
+def test_globs_match_whole_paths_and_star_crosses_dots():
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    model.add_module("head", nn.Linear(2, 2))
+
+    def selected(**globs: str) -> list[str]:
+        with instrument(model, exporter="none", **globs) as handle:
+            return handle.monitored_layers
+
+    assert selected(include="encoder.*") == ["encoder.0", "encoder.1"]  # every module under encoder, not itself
+    assert selected(exclude="encoder") == ["", "encoder.0", "encoder.1", "head"]  # that one module only
+    assert selected(exclude="encoder*") == ["", "head"]  # the subtree
+    assert selected(include="*[01]") == ["encoder.0", "encoder.1"]  # a character class
