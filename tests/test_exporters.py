@@ -116,6 +116,58 @@ def test_grpc_export_to_a_real_receiver(monkeypatch, otlp_grpc_receiver, compres
     assert (scope.name, scope.version) == ("torchtrace", "0.1")
 
 
+class CountingRelay:
+    """A TCP relay in front of a receiver that counts the bytes the client sends: what went over the wire."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("http://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.sent = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, counted: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if counted:
+                    self.sent += len(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_grpc_gzip_compresses_what_goes_over_the_wire(monkeypatch, otlp_grpc_receiver):
+    sent = {}
+    for compression in ("none", "gzip"):
+        relay = CountingRelay(otlp_grpc_receiver.endpoint)
+        configure(monkeypatch, "grpc", compression)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", relay.endpoint)
+        sink = OtlpSink(create_otlp_sender(), default_resource())
+        sink(forward_calls() * 100)  # 300 similar spans: compressible
+        sink.shutdown()
+        relay.close()
+        assert (sink.exported, sink.failed) == (300, 0)
+        sent[compression] = relay.sent
+    assert len(otlp_grpc_receiver.wait_for_spans(600, timeout=5)) == 600
+    assert sent["gzip"] < 0.5 * sent["none"], sent
+
+
 def test_requests_are_split_until_they_fit_the_receivers_message_size(monkeypatch, otlp_grpc_receiver):
     configure(monkeypatch, "grpc", "none")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
