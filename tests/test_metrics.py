@@ -408,7 +408,10 @@ def test_deploy_files_parse_and_fit_together():
     for resource in kustomization["resources"]:
         assert (ROOT / "deploy/k8s" / resource).exists()
     kinds = {yaml.safe_load((ROOT / "deploy/k8s" / r).read_text())["kind"] for r in kustomization["resources"]}
-    assert {"DaemonSet", "PodMonitor"} <= kinds
+    assert {"DaemonSet", "PodMonitor", "PrometheusRule"} <= kinds
+    rule = yaml.safe_load((ROOT / "deploy/k8s/prometheusrule.yaml").read_text())
+    alerts = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]  # the Operator's copy of the promtool-tested rules
 
 
 def test_gauges_are_nan_when_the_latest_output_is_nan():
