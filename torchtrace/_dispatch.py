@@ -188,7 +188,9 @@ def _mark_first_nonfinite(
     calls: Sequence[ModuleCall], summaries: Sequence[dict | None], received: Sequence[dict | None], what: str
 ) -> None:
     """Marks the call that first produced NaN/Inf ERROR, with a NonFiniteError naming the tensor."""
-    found = _first_nonfinite((call.end_ns, call, *pair) for call, pair in zip(calls, zip(summaries, received)))
+    found = _first_nonfinite(
+        (call.end_ns, call, summary, got) for call, summary, got in zip(calls, summaries, received)
+    )
     if found is None:
         return
     call, name, nans, infs = found
@@ -333,7 +335,7 @@ def _backward_calls(
     last = max((ends.get(k) or starts[k])[0] for k in keys)
     backward = phase("backward", first, last)
     spans: dict[int, ModuleCall] = {}
-    grad_inputs_of: dict[int, dict | None] = {}
+    grads_of: dict[int, tuple[dict | None, dict | None]] = {}  # id(entry) -> (grad_inputs made, grad_outputs received)
     for key in keys:
         forward_call, entry, entries = forward_of[key]
         start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
@@ -361,7 +363,7 @@ def _backward_calls(
             input_value=input_value,  # function_on_grad_input(grad_input)
             kind="backward",
         )
-        grad_inputs_of[key] = grad_inputs
+        grads_of[key] = (grad_inputs, grad_outputs)
     for key, span in spans.items():  # nest like the forward calls: under the nearest ancestor with a backward
         _, entry, entries = forward_of[key]
         position = entry[PARENT]
@@ -374,8 +376,8 @@ def _backward_calls(
                 break
             position = entries[position][PARENT]
     backward_spans = list(spans.values())
-    incoming = [(starts.get(key) or (0, None, None))[1] for key in spans]  # grad_outputs: what each backward received
-    _mark_first_nonfinite(backward_spans, [grad_inputs_of[key] for key in spans], incoming, "grad_input")
+    made, received = zip(*(grads_of[key] for key in spans))
+    _mark_first_nonfinite(backward_spans, made, received, "grad_input")
     return [backward, *backward_spans]
 
 

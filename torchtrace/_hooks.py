@@ -330,10 +330,7 @@ class HookRecorder:
         value = getattr(module, name, None)
         if not isinstance(value, torch.Tensor):
             return value
-        value = value.detach()
-        if value.numel() == 1:
-            return value.item()
-        return self._copy_within_budget(value)
+        return value.item() if value.numel() == 1 else self._copy_within_budget(value)
 
     def _copy_within_budget(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A CPU copy, counted against ``capture_max_bytes`` (None, and counted as skipped, past it)."""

@@ -131,7 +131,7 @@ class TorchInstrumentor(BaseInstrumentor):
             return False  # a stateless leaf (a loss or activation made in the loop): not a model, not worth a trace
         for handle in self._handles:
             model = handle.model
-            if model is not None and any(sub is module for sub in model.modules()):
+            if model is not None and _contains(model, module):
                 return False  # a submodule of a traced model, called on its own: traced with its model only
         # a model containing models traced earlier on their own: trace it as a whole instead
         for handle in [h for h in self._handles if h.model is not None and _contains(module, h.model)]:
