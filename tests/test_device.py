@@ -361,9 +361,9 @@ def test_a_forward_interrupted_on_the_device_is_read_once_its_events_completed(d
 
 def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeypatch):
     threads = []
-    monkeypatch.setattr("torchtrace._dispatch.cuda_initialized", lambda: True)
+    monkeypatch.setattr("torchtrace._worker.cuda_initialized", lambda: True)
     monkeypatch.setattr(
-        "torchtrace._dispatch.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
+        "torchtrace._worker.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
     )
     model = nn.Linear(2, 2)
     with torchtrace.instrument(model, exporter="none", export_interval_ms=5):

@@ -13,11 +13,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
-from torch.cuda import is_initialized as cuda_initialized
 
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._device import elapsed_ns, tolerate_graph_captures
+from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
     END,
     INPUTS,
@@ -32,6 +31,7 @@ from torchtrace._hooks import (
 )
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
+from torchtrace._worker import WORKER
 
 _logger = logging.getLogger(__name__)
 
@@ -412,26 +412,16 @@ class Dispatcher:
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
         self._waiting: list = []  # taken from the buffer, device work not yet complete
-        self._stop = threading.Event()
-        self._worker: threading.Thread | None = None
+        self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
 
     def start(self) -> None:
-        self._worker = threading.Thread(target=self._run, name="torchtrace-dispatch", daemon=True)
-        self._worker.start()
+        """Drain in the background every ``interval_s``, on the process's shared worker thread."""
+        WORKER.add(self)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._worker is not None and self._worker is not threading.current_thread():
-            self._worker.join(timeout=10)
+        """Leave the worker (the last dispatcher out ends its thread), then drain what is left."""
+        WORKER.discard(self)
         self.drain()
-
-    def _run(self) -> None:
-        capture_safe = False
-        while not self._stop.wait(self.interval_s):
-            if not capture_safe and cuda_initialized():  # before the first event query
-                tolerate_graph_captures()
-                capture_safe = True
-            self.drain(wait=False)
 
     def _notify_nonfinite(self, error: NonFiniteError) -> None:
         try:

@@ -6,9 +6,9 @@ a whole export; a stalled endpoint makes that seconds). Left as is, the child's 
 would wait on that lock forever, and its spans would never be exported.
 
 So, in the child, for every live handle: fresh locks, an empty buffer and a fresh training step (what was pending
-belongs to the parent, which exports it), a new worker thread, and new senders (a new HTTP session / gRPC channel /
-file handle; never the parent's sockets) with a fresh resource (the SDK gives the child a new
-``service.instance.id``; a rank of a distributed job keeps its rank's). The child then
+belongs to the parent, which exports it), the child's own worker thread (one for all its handles), and new senders
+(a new HTTP session / gRPC channel / file handle; never the parent's sockets) with a fresh resource (the SDK gives
+the child a new ``service.instance.id``; a rank of a distributed job keeps its rank's). The child then
 exports its own spans like any process. A child ending with ``os._exit()`` (multiprocessing does) skips atexit:
 spans it recorded in its last ``export_interval_ms`` are lost unless it calls ``handle.flush()``.
 
@@ -52,8 +52,10 @@ def after_fork_in_child() -> None:
     """Make every live handle usable in this (forked) process. Never raises."""
     try:
         from torchtrace._handle import _live_handles
+        from torchtrace._worker import WORKER
     except Exception:
         return
+    WORKER.after_fork()  # the parent's worker thread is not here; live handles below start the child's own
     handles = list(_live_handles)
     if handles:
         try:
@@ -70,7 +72,6 @@ def after_fork_in_child() -> None:
             buffer.pending_calls = 0
             dispatcher = handle._dispatcher
             dispatcher._lock = threading.Lock()
-            dispatcher._stop = threading.Event()
             dispatcher._waiting = []  # forwards waiting for a device: the parent's
             if handle._steps is not None:
                 handle._steps.forget_after_fork()

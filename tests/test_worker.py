@@ -1,0 +1,181 @@
+"""One dispatch worker thread per process, shared by every handle: started on first use, ended at the last
+``remove()``; each handle keeps its own interval, batches, sinks and failures."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from fault_receivers import wait_until
+from torch import nn
+
+import torchtrace
+from torchtrace.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
+
+
+def dispatch_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == "torchtrace-dispatch" and thread.is_alive()]
+
+
+class Batches:
+    """A sink remembering when each batch arrived and how many calls it held."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.calls = 0
+
+    def __call__(self, calls) -> None:
+        if calls:
+            self.times.append(time.monotonic())
+            self.calls += len(calls)
+
+
+def test_forty_handles_share_one_worker_that_delivers_every_handles_calls() -> None:
+    models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(40)]
+    sinks = [Batches() for _ in models]
+    handles = [
+        torchtrace.instrument(model, exporter="none", export_interval_ms=20, sinks=[sink])
+        for model, sink in zip(models, sinks)
+    ]
+    try:
+        assert len(dispatch_threads()) == 1
+        for model in models:
+            model(torch.randn(2, 4))
+        # no flush: the shared worker delivers each handle's calls in the background
+        assert wait_until(lambda: all(sink.calls == 3 for sink in sinks), timeout=10)
+        assert len(dispatch_threads()) == 1
+        expected = [[(call.path, call.type_name) for call in handle.records] for handle in handles]
+        assert expected == [[("", "Sequential"), ("0", "Linear"), ("1", "ReLU")]] * 40
+    finally:
+        for handle in handles[:-1]:
+            handle.remove()
+        assert len(dispatch_threads()) == 1  # one handle still live
+        handles[-1].remove()
+    assert dispatch_threads() == []  # ended by the last remove(), before it returned
+
+
+def test_the_worker_starts_again_on_a_new_instrument() -> None:
+    model = nn.Linear(4, 4)
+    with torchtrace.instrument(model, exporter="none"):
+        first = dispatch_threads()
+    assert dispatch_threads() == []
+    sink = Batches()
+    with torchtrace.instrument(model, exporter="none", export_interval_ms=10, sinks=[sink]):
+        second = dispatch_threads()
+        model(torch.randn(2, 4))
+        assert wait_until(lambda: sink.calls == 1, timeout=10)  # served by the new worker
+    assert len(first) == len(second) == 1 and first[0] is not second[0]
+    assert dispatch_threads() == []
+
+
+def test_each_handle_keeps_its_own_interval() -> None:
+    fast_model, slow_model = nn.Linear(4, 4), nn.Linear(4, 4)
+    fast, slow = Batches(), Batches()
+    started = time.monotonic()
+    with (
+        torchtrace.instrument(fast_model, exporter="none", export_interval_ms=20, sinks=[fast]),
+        torchtrace.instrument(slow_model, exporter="none", export_interval_ms=300, sinks=[slow]),
+    ):
+        while len(slow.times) < 3 and time.monotonic() - started < 30:
+            fast_model(torch.randn(2, 4))
+            slow_model(torch.randn(2, 4))
+            time.sleep(0.002)
+        stopped = time.monotonic()
+    slow_times = [t for t in slow.times if t < stopped]  # remove() delivers the rest at once
+    fast_times = [t for t in fast.times if t < stopped]
+    assert len(slow_times) >= 3
+    # a background drain comes no sooner than an interval after the previous one ended (or the handle started)
+    assert slow_times[0] - started >= 0.3
+    assert all(later - earlier >= 0.3 for earlier, later in zip(slow_times, slow_times[1:]))
+    assert all(later - earlier >= 0.02 for earlier, later in zip(fast_times, fast_times[1:]))
+    assert len(fast_times) > 2 * len(slow_times)  # the slow handle does not hold the fast one back
+
+
+def test_a_failing_sink_or_drain_of_one_handle_does_not_stop_the_others(monkeypatch) -> None:
+    def failing_sink(calls) -> None:
+        raise RuntimeError("sink down")
+
+    models = [nn.Linear(4, 4) for _ in range(3)]
+    good = Batches()
+    with (
+        torchtrace.instrument(models[0], exporter="none", export_interval_ms=10, sinks=[failing_sink]) as failing,
+        torchtrace.instrument(models[1], exporter="none", export_interval_ms=10) as broken,
+        torchtrace.instrument(models[2], exporter="none", export_interval_ms=10, sinks=[good]),
+    ):
+
+        def broken_drain(wait: bool = True) -> int:
+            raise RuntimeError("drain broke")
+
+        monkeypatch.setattr(broken._dispatcher, "drain", broken_drain)
+        for round_ in range(1, 4):
+            for model in models:
+                model(torch.randn(2, 4))
+            assert wait_until(lambda n=round_: good.calls == n and failing.sink_errors == n, timeout=10)
+        assert len(dispatch_threads()) == 1
+        monkeypatch.undo()  # remove() delivers the broken handle's calls
+
+
+def test_a_handle_dropped_without_remove_keeps_neither_the_worker_nor_its_model_alive() -> None:
+    model = nn.Linear(4, 4)
+    handle = torchtrace.instrument(model, exporter="none", export_interval_ms=600_000)
+    model(torch.randn(2, 4))
+    model_ref, handle_ref = weakref.ref(model), weakref.ref(handle)
+    assert len(dispatch_threads()) == 1
+    del model, handle
+    gc.collect()
+    assert model_ref() is None and handle_ref() is None
+    assert wait_until(lambda: dispatch_threads() == [], timeout=10)  # long before its 10-minute interval
+
+
+def test_a_forked_child_has_one_worker_for_all_its_handles() -> None:
+    models = [nn.Linear(4, 4) for _ in range(5)]
+    sinks = [Batches() for _ in models]
+    handles = [
+        torchtrace.instrument(model, exporter="none", export_interval_ms=10, sinks=[sink])
+        for model, sink in zip(models, sinks)
+    ]
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its own single worker delivers every handle's calls without a flush
+            code = 1
+            try:
+                for model in models:
+                    model(torch.randn(2, 4))
+                delivered = wait_until(lambda: all(sink.calls >= 1 for sink in sinks), timeout=10)
+                code = 0 if delivered and len(dispatch_threads()) == 1 else 3
+                for handle in handles:
+                    handle.remove()
+                code = code or (0 if dispatch_threads() == [] else 4)
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not done[0]:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0
+        assert len(dispatch_threads()) == 1 and all(sink.calls == 0 for sink in sinks)  # the parent's: untouched
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_torchtrace_run_with_many_models_runs_one_worker(tmp_path, capsys) -> None:
+    script = tmp_path / "many.py"
+    script.write_text(
+        "import threading, torch\n"
+        "layers = [torch.nn.Linear(2, 2) for _ in range(400)]\n"
+        "for layer in layers:\n"
+        "    layer(torch.randn(1, 2))\n"
+        "print('threads', sum(t.name == 'torchtrace-dispatch' for t in threading.enumerate()))\n"
+    )
+    assert main(["run", "--exporter", "none", "--no-summary", str(script)]) == 0
+    assert "threads 1\n" in capsys.readouterr().out

@@ -1,0 +1,118 @@
+"""One dispatch worker thread per process, shared by every handle's ``Dispatcher``.
+
+Started by the first handle, ended when the last one leaves: ``remove()``, or its handle collected without one
+(dispatchers are held weakly, so a dropped handle keeps neither the thread nor anything it references alive).
+Each dispatcher keeps its own ``export_interval_ms``: the worker sleeps until the earliest due one, drains each
+due one under that dispatcher's own lock (one handle's batches stay in order), and schedules its next drain an
+interval after that drain ended. A drain that raises is logged; the other handles' drains go on.
+
+After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
+live handles back, which starts the child's own worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from torch.cuda import is_initialized as cuda_initialized
+
+from torchtrace._device import tolerate_graph_captures
+
+_logger = logging.getLogger(__name__)
+THREAD_NAME = "torchtrace-dispatch"
+_JOIN_TIMEOUT_S = 10.0  # a stalled export is bounded by the exporter's own timeout; this only caps the wait
+_MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's timeout has a maximum)
+
+
+class DispatchWorker:
+    """The process's dispatch thread and the dispatchers it serves (each with ``interval_s``, ``next_drain``,
+    ``drain(wait=False)``)."""
+
+    def __init__(self) -> None:
+        self.after_fork()
+
+    def after_fork(self) -> None:
+        """A fresh, empty state: no members, no thread, a lock nobody holds (a forked child inherits it held
+        when the parent's worker had it at the fork)."""
+        # Reentrant: a member's weakref callback may run in the thread holding it (a collection while it is held).
+        self._condition = threading.Condition(threading.RLock())
+        self._members: dict[int, weakref.ref] = {}  # id(dispatcher) -> weak reference
+        self._thread: threading.Thread | None = None
+
+    def add(self, dispatcher: Any) -> None:
+        """Serve ``dispatcher`` from now on (its first drain one interval from now); starts the thread if needed."""
+        with self._condition:
+            dispatcher.next_drain = time.monotonic() + dispatcher.interval_s
+            self._members[id(dispatcher)] = weakref.ref(dispatcher, self._on_collected)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                self._thread.start()
+            self._condition.notify()
+
+    def discard(self, dispatcher: Any) -> None:
+        """Stop serving ``dispatcher``. The last one out ends the thread and waits for it (its drain in progress,
+        if any, finishes first), unless called on the worker thread itself."""
+        with self._condition:
+            ref = self._members.get(id(dispatcher))
+            if ref is not None and ref() is dispatcher:
+                del self._members[id(dispatcher)]
+            thread = self._thread if not self._live_members() else None
+            self._condition.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_JOIN_TIMEOUT_S)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The running worker thread, if any."""
+        return self._thread
+
+    def _on_collected(self, _: weakref.ref) -> None:
+        with self._condition:  # wake the worker: it prunes the dead reference and ends if nothing is left
+            self._condition.notify()
+
+    def _live_members(self) -> list:
+        """Strong references to the live members; dead references pruned. Called holding the lock."""
+        live = []
+        for key, ref in list(self._members.items()):
+            dispatcher = ref()
+            if dispatcher is None:
+                del self._members[key]
+            else:
+                live.append(dispatcher)
+        return live
+
+    def _run(self) -> None:
+        capture_safe = False
+        condition = self._condition
+        while True:
+            with condition:
+                live = self._live_members()
+                if not live:
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return
+                now = time.monotonic()
+                due = [dispatcher for dispatcher in live if dispatcher.next_drain <= now]
+                if not due:
+                    timeout = min(dispatcher.next_drain for dispatcher in live) - now
+                    del live  # hold no member while asleep: a dropped handle must be collectable
+                    condition.wait(min(timeout, _MAX_SLEEP_S))
+                    continue
+                del live
+            if not capture_safe and cuda_initialized():  # before the first event query
+                tolerate_graph_captures()
+                capture_safe = True
+            for dispatcher in due:
+                try:
+                    dispatcher.drain(wait=False)
+                except Exception:  # one handle's failure must not stop the others' exports
+                    _logger.exception("torchtrace: a background drain failed; it is retried at the next interval")
+                dispatcher.next_drain = time.monotonic() + dispatcher.interval_s
+            del due, dispatcher
+
+
+WORKER = DispatchWorker()
