@@ -38,6 +38,7 @@ ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-grad
 ENV_CUDA_EVENTS = "TORCHTRACE_CUDA_EVENTS"  # true (default): CUDA module durations from events, not the host clock
 ENV_TRITON = "TORCHTRACE_TRITON"  # false: CUDA statistics with torch ops, never the Triton kernel (process-wide)
 ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
+ENV_HANDLE_SIGTERM = "TORCHTRACE_HANDLE_SIGTERM"  # false: install no SIGTERM handler (no flush on a stop)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
 DEFAULT_TRACE_FILE = os.path.join("torchtrace-traces", "traces.jsonl")
@@ -87,6 +88,7 @@ class Options:
     on_nonfinite: Any = None  # None, "raise" or callable(NonFiniteError)
     comm_hook: Any = None  # (hook, state): a DDP comm hook of the user's, timed instead of the default all-reduce
     cuda_events: bool = True  # time CUDA forwards with events (execution) rather than the host clock (launch)
+    handle_sigterm: bool = True  # on SIGTERM: deliver what was recorded, then end as the signal would have
 
 
 def _env(name: str) -> str | None:
@@ -331,6 +333,7 @@ def resolve_options(**kwargs: Any) -> Options:
         on_nonfinite=_nonfinite_option(kwargs.get("on_nonfinite")),
         comm_hook=_comm_hook_option(kwargs.get("comm_hook")),
         cuda_events=_bool_option("cuda_events", pick("cuda_events", ENV_CUDA_EVENTS, _parse_bool)),
+        handle_sigterm=_bool_option("handle_sigterm", pick("handle_sigterm", ENV_HANDLE_SIGTERM, _parse_bool)),
     )
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)

@@ -13,7 +13,10 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace import _fork  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
+from torchtrace import (
+    _fork,  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
+    _signals,
+)
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
@@ -79,6 +82,11 @@ class TraceHandle:
         # a model dropped without remove() must not leave the worker thread running
         weakref.finalize(model, _remove_if_alive, weakref.ref(self))
         self._dispatcher.start()
+        if options.handle_sigterm:
+            _signals.hold(self, self._flush_within)
+
+    def _flush_within(self, seconds: float) -> None:
+        self.flush(timeout_millis=int(seconds * 1000))
 
     # -- verbs ------------------------------------------------------------------------------------------------------
 
@@ -137,6 +145,7 @@ class TraceHandle:
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]
         _live_handles.discard(self)
+        _signals.release(self)
 
     def step(self) -> None:
         """Close the current training step (one trace: its forwards, backward and optimizer step) and start the
@@ -412,6 +421,7 @@ def instrument(
     on_nonfinite: str | Callable[[NonFiniteError], Any] | None = None,
     comm_hook: tuple[Callable, Any] | None = None,
     cuda_events: bool | None = None,
+    handle_sigterm: bool | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, TextIO
 
-from torchtrace import _config
+from torchtrace import _config, _signals
 
 # option -> the TORCHTRACE_* variable it reads (options without one are keyword-only)
 OPTION_ENV: dict[str, tuple[str, ...]] = {
@@ -204,7 +204,7 @@ def run_script(
     """Runs ``script`` as ``__main__`` with every model traced; returns its exit status."""
     err = err or sys.stderr
     keywords = {key: value for key, value in (keywords or {}).items() if value is not None}
-    _config.resolve_options(**keywords)  # invalid options: fail before the script starts
+    options = _config.resolve_options(**keywords)  # invalid options: fail before the script starts
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script}")
     from torchtrace.instrumentation import TorchInstrumentor
@@ -212,6 +212,8 @@ def run_script(
     provider, owned = _install_tracer_provider(keywords.get("trace_file"))  # --trace-file: the app's spans too
     instrumentor = TorchInstrumentor()
     instrumentor.instrument(**_model_options(keywords, provider))
+    if options.handle_sigterm:  # installed before the first model runs; the script's own spans are delivered too
+        _signals.hold(provider, lambda seconds: provider.force_flush(int(seconds * 1000)))
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = [script, *args]
     if sys.path:
@@ -237,6 +239,7 @@ def run_script(
             sys.path[0] = saved_path0
         handles = instrumentor.traced_handles  # models already gone (a main() returned) included
         instrumentor.uninstrument()  # removes the hooks, delivers every pending span
+        _signals.release(provider)
         if summary:
             _print_summaries(handles, err)
         if owned:

@@ -1,0 +1,278 @@
+"""A stop by SIGTERM (docker, Kubernetes, systemd, torchrun's agent) delivers what was recorded, then ends the
+process as the signal would have. Real signals sent to real child processes; spans counted where they landed.
+
+Each script prints (or writes) its number of finished forwards after every forward and exports only every 60 s, so
+without the handler nothing would be delivered. A signal that lands between a forward's end and the count being
+written leaves one forward more than reported: the sinks must hold N or N + 1 whole forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fault_receivers import wait_until
+from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401 - fixture
+
+import torchtrace
+from torchtrace import _signals
+
+ROOT = Path(__file__).resolve().parent.parent
+SPANS_PER_FORWARD = 4  # Sequential + 3 children
+
+LOOP = """
+import os, signal, sys, time, torch, torchtrace
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+x = torch.randn(2, 8)
+{setup}
+count_file = os.environ["COUNT_FILE"]
+n = 0
+while True:
+    model(x)
+    n += 1
+    with open(count_file + ".tmp", "w") as f:
+        f.write(str(n))
+    os.replace(count_file + ".tmp", count_file)
+"""
+
+INSTRUMENT = 'handle = torchtrace.instrument(model, exporter="file", trace_file=os.environ["TRACE_FILE"])'
+
+
+def _env(**updates: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.update({"TORCHTRACE_EXPORT_INTERVAL_MS": "60000", "TORCHTRACE_PRINT_SUMMARY": "false"}, **updates)
+    return env
+
+
+def _count(path: Path) -> int:
+    try:
+        return int(path.read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _file_spans(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [
+        span
+        for line in lines
+        for resource in json.loads(line)["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+
+
+def _forwards(spans: list, name_of=lambda span: span["name"]) -> int:
+    """Whole forwards among the spans: one Sequential root and its three children each."""
+    roots = sum(1 for span in spans if name_of(span) == "Sequential")
+    assert len(spans) == SPANS_PER_FORWARD * roots, "a forward was delivered in part"
+    return roots
+
+
+def _start_and_terminate(argv: list[str], env: dict[str, str], count_file: Path, after: int = 50) -> tuple:
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_until(lambda: _count(count_file) >= after or process.poll() is not None, timeout=120)
+    assert process.poll() is None, process.communicate()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    return process.returncode, _count(count_file), err
+
+
+def _run_loop(tmp_path: Path, setup: str, **env: str) -> tuple[int, int, list[dict], str]:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.format(setup=setup))
+    trace_file, count_file = tmp_path / "traces.jsonl", tmp_path / "count"
+    code, count, err = _start_and_terminate(
+        [sys.executable, str(script)], _env(TRACE_FILE=str(trace_file), COUNT_FILE=str(count_file), **env), count_file
+    )
+    return code, count, _file_spans(trace_file), err
+
+
+def test_sigterm_delivers_every_finished_forward_and_ends_with_the_signal(tmp_path: Path) -> None:
+    code, count, spans, err = _run_loop(tmp_path, INSTRUMENT)
+    assert code == -signal.SIGTERM, err  # killed by the signal, as without torchtrace
+    assert _forwards(spans) in (count, count + 1)
+
+
+def test_opting_out_leaves_sigterm_alone(tmp_path: Path) -> None:
+    code, count, spans, err = _run_loop(tmp_path, INSTRUMENT, TORCHTRACE_HANDLE_SIGTERM="false")
+    assert code == -signal.SIGTERM, err
+    assert count >= 50 and spans == []  # nothing delivered: the 60 s export interval never came
+
+
+def test_the_applications_handler_runs_after_the_flush(tmp_path: Path) -> None:
+    setup = textwrap.dedent(
+        """
+        def stop(signum, frame):
+            print("app handler", file=sys.stderr, flush=True)
+            sys.exit(3)
+        signal.signal(signal.SIGTERM, stop)
+        """
+        + INSTRUMENT
+    )
+    code, count, spans, err = _run_loop(tmp_path, setup)
+    assert code == 3 and "app handler" in err
+    assert _forwards(spans) in (count, count + 1)
+
+
+def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:
+    script = tmp_path / "ignore.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal, time, torch, torchtrace
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+            {INSTRUMENT}
+            model(torch.randn(2, 8))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            print("alive", signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)
+            """
+        )
+    )
+    trace_file = tmp_path / "traces.jsonl"
+    result = subprocess.run(
+        [sys.executable, str(script)], env=_env(TRACE_FILE=str(trace_file)), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "alive True"
+    assert _forwards(_file_spans(trace_file)) == 1  # delivered at exit, as always
+
+
+def test_torchtrace_run_delivers_at_sigterm_to_a_real_receiver(tmp_path: Path, otlp_http_receiver) -> None:  # noqa: F811
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.format(setup=""))
+    count_file = tmp_path / "count"
+    env = _env(
+        COUNT_FILE=str(count_file),
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_http_receiver.endpoint,
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+    )
+    argv = [sys.executable, "-m", "torchtrace", "run", "--no-summary", str(script)]
+    code, count, err = _start_and_terminate(argv, env, count_file)
+    assert code == -signal.SIGTERM, err
+    spans = otlp_http_receiver.spans()
+    assert _forwards(spans, lambda span: span.name) in (count, count + 1)
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist, torchtrace
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+handle = torchtrace.instrument(model, exporter="file", trace_file=os.path.join(os.environ["OUT"], f"rank{rank}.jsonl"))
+x = torch.randn(2, 8)
+count_file = os.path.join(os.environ["OUT"], f"count{rank}")
+n = 0
+while True:
+    model(x)
+    n += 1
+    with open(count_file + ".tmp", "w") as f:
+        f.write(str(n))
+    os.replace(count_file + ".tmp", count_file)
+"""
+
+
+def test_a_torchrun_job_stopped_by_sigterm_delivers_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=0",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", str(script),
+    ]  # fmt: skip
+    env = _env(OUT=str(tmp_path), OMP_NUM_THREADS="1")
+    agent = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    counts = [tmp_path / "count0", tmp_path / "count1"]
+    assert wait_until(lambda: min(map(_count, counts)) >= 50 or agent.poll() is not None, timeout=180)
+    assert agent.poll() is None, agent.communicate()
+    agent.send_signal(signal.SIGTERM)  # the agent stops its ranks with SIGTERM
+    _, err = agent.communicate(timeout=90)
+    assert agent.returncode != 0
+    for rank, count_file in enumerate(counts):
+        spans = _file_spans(tmp_path / f"rank{rank}.jsonl")
+        count = _count(count_file)
+        assert count >= 50
+        assert _forwards(spans) in (count, count + 1), (rank, err[-2000:])
+
+
+def test_sigkill_leaves_no_torn_line(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.format(setup=INSTRUMENT))
+    trace_file, count_file = tmp_path / "traces.jsonl", tmp_path / "count"
+    # exports every millisecond, so that the kill lands while lines are being written
+    env = _env(TRACE_FILE=str(trace_file), COUNT_FILE=str(count_file), TORCHTRACE_EXPORT_INTERVAL_MS="1")
+    process = subprocess.Popen([sys.executable, str(script)], env=env)
+    assert wait_until(lambda: _count(count_file) >= 300, timeout=120)
+    process.kill()
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    assert trace_file.read_text().endswith("\n")
+    assert 0 < _forwards(_file_spans(trace_file)) <= _count(count_file) + 1  # every line parses
+
+
+# --- in this process: installed at the first instrument(), restored at the last remove() ------------------------
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+
+def test_the_handler_is_installed_once_and_the_previous_one_restored(tmp_path: Path) -> None:
+    def application_handler(signum, frame) -> None:
+        pass
+
+    before = signal.signal(signal.SIGTERM, application_handler)
+    try:
+        models = [_model(), _model()]  # kept: a model dropped removes its handle
+        first = torchtrace.instrument(models[0], exporter="none")
+        second = torchtrace.instrument(models[1], exporter="none")
+        assert _signals.installed()
+        first.remove()
+        assert _signals.installed()  # one handle still wants it
+        second.remove()
+        assert signal.getsignal(signal.SIGTERM) is application_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_nothing_is_installed_when_opted_out_or_off_the_main_thread() -> None:
+    model = _model()
+    with torchtrace.instrument(model, exporter="none", handle_sigterm=False):
+        assert not _signals.installed()
+    handles = []
+    thread = threading.Thread(target=lambda: handles.append(torchtrace.instrument(model, exporter="none")))
+    thread.start()
+    thread.join()
+    assert not _signals.installed()
+    handles[0].remove()
+
+
+def test_handle_sigterm_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "off")
+    model = _model()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        assert handle.options.handle_sigterm is False and not _signals.installed()
+    monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "maybe")
+    with pytest.raises(ValueError, match="TORCHTRACE_HANDLE_SIGTERM"):
+        torchtrace.instrument(model, exporter="none")
+
+
+def test_a_stop_is_bounded_when_the_flush_cannot_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    stuck = threading.Event()
+    monkeypatch.setattr(_signals, "_holders", {1: lambda seconds: stuck.wait(30)})
+    started = time.monotonic()
+    _signals._flush_all(0.3)
+    assert time.monotonic() - started < 2
+    stuck.set()
