@@ -94,3 +94,16 @@ def test_longrun_smoke_reports_rss_and_loses_nothing() -> None:
     assert report["rss_samples"] == 11
     assert isinstance(report["rss_growth_mib_after_warmup"], float)
     assert report["trace_file_mib"] > 0
+
+
+def test_latency_quick_reports_percentiles_and_full_collections_per_variant() -> None:
+    report, stdout = run_benchmark("latency.py", "--quick", "--models", "linear8")
+    assert set(report) == {"linear8", "duration_s"}
+    variants = report["linear8"]["variants"]
+    assert set(variants) == {"untraced", "traced", "traced_gc_freeze"}
+    for name, values in variants.items():
+        assert values["forwards"] > 0, name
+        assert 0 < values["p50_ms"] <= values["p99_ms"] <= values["max_ms"], (name, values)
+        assert isinstance(values["gen2"], int) and values["gen2_total_ms"] >= values["gen2_max_ms"] >= 0, name
+    assert math.isfinite(report["linear8"]["p99_ratio"])
+    assert "extra full collections per minute" in stdout

@@ -3,6 +3,9 @@ module, ``handle.records`` all calls in call order, with what the user's functio
 
 from __future__ import annotations
 
+import gc
+from dataclasses import fields
+
 import pytest
 import torch
 from seed_models import TestForHook as SeedModel
@@ -70,7 +73,8 @@ def test_records_per_module_path():
         ]
         with pytest.raises(KeyError, match="not_a_layer"):  # a typo, not a silent empty list (a dict would raise too)
             handle["not_a_layer"]
-        assert handle[0] is handle.records[0] and handle[-2:] == handle.records[-2:]  # by position, like records
+        ids = [call.span_id for call in handle.records]
+        assert handle[0].span_id == ids[0] and [call.span_id for call in handle[-2:]] == ids[-2:]  # by position
 
 
 def test_records_are_in_call_order_with_depth_and_parents():
@@ -468,3 +472,39 @@ def test_handle_of_gives_back_a_handle_that_was_not_kept():
     torchtrace.handle_of(model).remove()
     assert torchtrace.handle_of(model) is None
     torchtrace.instrument(model, exporter="none").remove()  # free to instrument again
+
+
+def test_kept_records_cost_the_garbage_collector_nothing() -> None:
+    """Records live long: kept as ModuleCall objects (and attribute dicts) they would be promoted by the thousand
+    to the oldest generation and trigger full collections of the whole heap (benchmarks/latency.py)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with torchtrace.instrument(model, exporter="none", max_records=3000) as handle:
+        for _ in range(20):  # warm-up: whatever the first calls create once
+            model(torch.randn(2, 4))
+        handle.clear_recorded_data()
+        gc.collect()
+        tracked_before = len(gc.get_objects())
+        for _ in range(1000):
+            model(torch.randn(2, 4))
+        handle.flush()
+        gc.collect()
+        grown = len(gc.get_objects()) - tracked_before
+        records = handle.records
+    assert len(records) == 3000 and {call.path for call in records} == {"", "0", "1"}
+    assert grown < 300  # 3,000 records kept, not one tracked object each
+
+
+def test_a_record_reads_back_field_by_field_as_it_was_delivered() -> None:
+    delivered = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with torchtrace.instrument(model, exporter="none", sinks=[delivered.extend], module_attributes="weight") as handle:
+        model(torch.randn(2, 4))
+        records = handle.records
+    assert len(records) == len(delivered) == 3
+    for kept, original in zip(records, delivered):
+        for field in fields(ModuleCall):
+            value = getattr(kept, field.name)
+            if field.name == "module_attributes":
+                assert value.keys() == original.module_attributes.keys()
+            else:
+                assert value == getattr(original, field.name), field.name

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import threading
 import time
@@ -75,14 +76,29 @@ def test_the_worker_starts_again_on_a_new_instrument() -> None:
     assert dispatch_threads() == []
 
 
-def test_each_handle_keeps_its_own_interval() -> None:
+class TimedExports:
+    """Wraps a handle's exporter: when each batch went out (the file exporter still writes it)."""
+
+    def __init__(self, handle) -> None:
+        dispatcher = handle._dispatcher
+        (self.exporter,) = dispatcher.exporters
+        dispatcher.exporters[0] = self
+        self.times: list[float] = []
+
+    def __call__(self, calls) -> None:
+        if calls:
+            self.times.append(time.monotonic())
+        self.exporter(calls)
+
+
+def test_each_handle_exports_at_its_own_interval(tmp_path) -> None:
     fast_model, slow_model = nn.Linear(4, 4), nn.Linear(4, 4)
-    fast, slow = Batches(), Batches()
     started = time.monotonic()
     with (
-        torchtrace.instrument(fast_model, exporter="none", export_interval_ms=20, sinks=[fast]),
-        torchtrace.instrument(slow_model, exporter="none", export_interval_ms=300, sinks=[slow]),
+        torchtrace.instrument(fast_model, exporter="file", trace_file=str(tmp_path / "f"), export_interval_ms=20) as a,
+        torchtrace.instrument(slow_model, exporter="file", trace_file=str(tmp_path / "s"), export_interval_ms=300) as b,
     ):
+        fast, slow = TimedExports(a), TimedExports(b)
         while len(slow.times) < 3 and time.monotonic() - started < 30:
             fast_model(torch.randn(2, 4))
             slow_model(torch.randn(2, 4))
@@ -91,11 +107,27 @@ def test_each_handle_keeps_its_own_interval() -> None:
     slow_times = [t for t in slow.times if t < stopped]  # remove() delivers the rest at once
     fast_times = [t for t in fast.times if t < stopped]
     assert len(slow_times) >= 3
-    # a background drain comes no sooner than an interval after the previous one ended (or the handle started)
+    # a background export comes no sooner than an interval after the previous one ended (or the handle started)
     assert slow_times[0] - started >= 0.3
     assert all(later - earlier >= 0.3 for earlier, later in zip(slow_times, slow_times[1:]))
     assert all(later - earlier >= 0.02 for earlier, later in zip(fast_times, fast_times[1:]))
     assert len(fast_times) > 2 * len(slow_times)  # the slow handle does not hold the fast one back
+    lines = [len((tmp_path / name).read_text().splitlines()) for name in ("f", "s")]
+    assert lines == [len(fast.times), len(slow.times)]  # one line per batch: nothing sent between them
+
+
+def test_in_process_sinks_get_calls_long_before_the_export_interval(tmp_path) -> None:
+    model, sink = nn.Linear(4, 4), Batches()
+    trace_file = tmp_path / "t"
+    with torchtrace.instrument(
+        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000, sinks=[sink]
+    ) as handle:
+        exports = TimedExports(handle)
+        model(torch.randn(2, 4))
+        assert wait_until(lambda: sink.calls == 1, timeout=10)  # resolved young (see _worker), no flush
+        assert exports.times == [] and not trace_file.exists()
+        handle.flush()
+        assert len(exports.times) == 1 and len(trace_file.read_text().splitlines()) == 1
 
 
 def test_a_failing_sink_or_drain_of_one_handle_does_not_stop_the_others(monkeypatch) -> None:
@@ -179,3 +211,33 @@ def test_torchtrace_run_with_many_models_runs_one_worker(tmp_path, capsys) -> No
     )
     assert main(["run", "--exporter", "none", "--no-summary", str(script)]) == 0
     assert "threads 1\n" in capsys.readouterr().out
+
+
+def test_a_forked_child_does_not_export_what_the_parent_resolved(tmp_path) -> None:
+    trace_file = tmp_path / "spans.jsonl"
+    model, sink = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Batches()
+    with torchtrace.instrument(
+        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000, sinks=[sink]
+    ) as handle:
+        model(torch.randn(2, 4))
+        assert wait_until(lambda: sink.calls == 3, timeout=10)  # resolved, not exported yet
+        pid = os.fork()
+        if pid == 0:  # the child: one forward of its own, exported by its flush
+            code = 1
+            try:
+                model(torch.randn(2, 4))
+                code = 0 if handle.flush() and handle.exported_spans == 3 else 3
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0
+    span_ids = [
+        span["spanId"]
+        for line in trace_file.read_text().splitlines()
+        for resource in json.loads(line)["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+    assert len(span_ids) == len(set(span_ids)) == 6  # the parent's forward once, the child's once

@@ -399,19 +399,34 @@ def _wait_for_device(item: RawForward | StepRecord) -> None:
 
 
 class Dispatcher:
-    """Drains the record buffer into the sinks, on a worker thread and on demand."""
+    """Drains the record buffer into the sinks, on the shared worker thread and on demand.
+
+    Two paces, so that nothing the garbage collector tracks waits long (see ``_worker``): every
+    ``RESOLVE_INTERVAL_S`` the worker resolves what the hooks left and hands it to the in-process ``sinks``
+    (records, summary, metrics, the user's); ``exporters`` (OTLP, file, SDK spans) get the calls in batches every
+    ``interval_s``, or at once on ``drain()``.
+    """
 
     def __init__(
-        self, buffer: RecordBuffer, modules: Sequence[ModuleInfo], sinks: Sequence[Sink], interval_s: float
+        self,
+        buffer: RecordBuffer,
+        modules: Sequence[ModuleInfo],
+        sinks: Sequence[Sink],
+        interval_s: float,
+        exporters: Sequence[Sink] = (),
     ) -> None:
         self.buffer = buffer
         self.modules = modules
-        self.sinks = list(sinks)
+        self.exporters = list(exporters)
+        self.sinks = [*self.exporters, *sinks]  # every sink, exporters first
+        self._in_process = list(sinks)
         self.interval_s = interval_s
         self.sink_errors = 0
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
         self._waiting: list = []  # taken from the buffer, device work not yet complete
+        self._unexported: list[ModuleCall] = []  # resolved, delivered in process, waiting for the exporters
+        self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
 
     def start(self) -> None:
@@ -429,42 +444,74 @@ class Dispatcher:
         except Exception:
             _logger.exception("torchtrace: the on_nonfinite callback failed")
 
+    def after_fork(self) -> None:
+        """In a forked child: a free lock; what was taken or resolved belongs to the parent, which exports it."""
+        self._lock = threading.Lock()
+        self._waiting = []
+        self._unexported = []
+        self._resolved = 0
+
+    def has_unresolved(self) -> bool:
+        """Whether forwards wait in the buffer (or for their device work)."""
+        return bool(len(self.buffer) or self._waiting)
+
+    def resolve(self) -> None:
+        """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the
+        exporters get it at the next drain."""
+        with self._lock:
+            self._resolve(wait=False)
+
     def drain(self, wait: bool = True) -> int:
-        """Processes everything buffered so far; returns the number of calls handed to the sinks.
+        """Processes everything buffered so far; returns the number of calls resolved since the last drain, all of
+        which have now reached every sink.
 
         Forwards whose device work is still running are read once it completes: waited for when ``wait``, else
         kept (in order) for a later drain, so the worker never blocks on a GPU.
         """
         with self._lock:
-            items = self._waiting + self.buffer.take_all()
-            ready = len(items)
-            for position, item in enumerate(items):
-                if wait:
-                    _wait_for_device(item)
-                elif not _device_done(item):
-                    ready = position
-                    break
-            forwards, self._waiting = items[:ready], items[ready:]
-            if not forwards:
-                return 0
-            calls: list[ModuleCall] = []
-            for item in forwards:
-                try:
-                    if isinstance(item, StepRecord):
-                        calls.extend(resolve_step(item, self.modules))
-                    else:
-                        calls.extend(resolve_forward(item, self.modules))
-                except Exception:  # one unreadable forward must not take the batch (or the worker) with it
-                    self.sink_errors += 1
-                    _logger.exception("torchtrace: could not read a traced %s; its calls are lost", type(item).__name__)
-            if self.on_nonfinite is not None:
-                for call in calls:
-                    if isinstance(call.error, NonFiniteError):
-                        self._notify_nonfinite(call.error)
-            for sink in self.sinks:
-                try:
-                    sink(calls)
-                except Exception:
-                    self.sink_errors += 1
-                    _logger.exception("torchtrace: sink %r failed on %d calls", sink, len(calls))
-            return len(calls)
+            self._resolve(wait)
+            calls, self._unexported = self._unexported, []
+            self._deliver(self.exporters, calls)
+            resolved, self._resolved = self._resolved, 0
+            return resolved
+
+    def _resolve(self, wait: bool) -> None:
+        items = self._waiting + self.buffer.take_all()
+        ready = len(items)
+        for position, item in enumerate(items):
+            if wait:
+                _wait_for_device(item)
+            elif not _device_done(item):
+                ready = position
+                break
+        forwards, self._waiting = items[:ready], items[ready:]
+        if not forwards:
+            return
+        calls: list[ModuleCall] = []
+        for item in forwards:
+            try:
+                if isinstance(item, StepRecord):
+                    calls.extend(resolve_step(item, self.modules))
+                else:
+                    calls.extend(resolve_forward(item, self.modules))
+            except Exception:  # one unreadable forward must not take the batch (or the worker) with it
+                self.sink_errors += 1
+                _logger.exception("torchtrace: could not read a traced %s; its calls are lost", type(item).__name__)
+        if self.on_nonfinite is not None:
+            for call in calls:
+                if isinstance(call.error, NonFiniteError):
+                    self._notify_nonfinite(call.error)
+        self._deliver(self._in_process, calls)
+        if self.exporters:
+            self._unexported.extend(calls)
+        self._resolved += len(calls)
+
+    def _deliver(self, sinks: list[Sink], calls: list[ModuleCall]) -> None:
+        if not calls:
+            return
+        for sink in sinks:
+            try:
+                sink(calls)
+            except Exception:
+                self.sink_errors += 1
+                _logger.exception("torchtrace: sink %r failed on %d calls", sink, len(calls))

@@ -71,8 +71,7 @@ def after_fork_in_child() -> None:
             buffer._forwards.clear()
             buffer.pending_calls = 0
             dispatcher = handle._dispatcher
-            dispatcher._lock = threading.Lock()
-            dispatcher._waiting = []  # forwards waiting for a device: the parent's
+            dispatcher.after_fork()
             if handle._steps is not None:
                 handle._steps.forget_after_fork()
             for sink in dispatcher.sinks:

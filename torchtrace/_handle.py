@@ -57,8 +57,11 @@ class TraceHandle:
         self.exporter, export_sinks, self._flushers = _export_sinks(options)
         self.metrics = _metrics_sink(options.metrics, model)
         metrics_sinks = [self.metrics] if self.metrics is not None else []
-        sinks = [*export_sinks, self._records, self._summary, *metrics_sinks, *options.sinks]
-        self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000)
+        # OTLP / file exports go out in batches every export_interval_ms; SDK spans go to the provider's processors
+        # at once (they batch): first, as they may write the provider's ids back into the calls
+        batched = export_sinks if self.exporter in ("otlp", "file") else []
+        sinks = [*(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks, *options.sinks]
+        self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000, batched)
         if callable(options.on_nonfinite):
             self._dispatcher.on_nonfinite = options.on_nonfinite
         if is_ddp(model):
@@ -197,7 +200,7 @@ class TraceHandle:
         ``records``. A path that is not traced raises KeyError (one that is, but was not called yet, gives [])."""
         self._drain_for_reading()
         if isinstance(key, (int, slice)):
-            return self._records.all()[key]
+            return self._records.at(key)
         if key not in self._monitored:
             raise KeyError(f"{key!r} is not a traced module path; traced: {self.monitored_layers[:10]}")
         return self._records.for_path(key)

@@ -1,14 +1,63 @@
-"""Sink: the in-memory records API (spikingjelly monitor style), bounded: it keeps statistics, not tensors."""
+"""Sink: the in-memory records API (spikingjelly monitor style), bounded: it keeps statistics, not tensors.
+
+Records live long (the latest ``max_records`` calls), so they are kept in a form Python's garbage collector stops
+tracking: a plain tuple of atomic values (the attribute keys interned, the values a tuple) is untracked at the
+first collection it survives, where a ``ModuleCall`` and its attribute dict stay tracked. Tracked records would be
+promoted to the oldest generation by the thousand per second and trigger a full collection of the whole heap every
+second or two (hundreds of milliseconds each in a torch process). ``ModuleCall`` objects are rebuilt on reading.
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
 from collections.abc import Callable, Sequence
+from operator import attrgetter
+from typing import Any
 
 from torchtrace._calls import ModuleCall
 
 _logger = logging.getLogger(__name__)
+
+# Every field of ModuleCall but its attributes, in declaration order: (path, ..., end_ns) precede attributes.
+_HEAD = attrgetter("path", "type_name", "depth", "trace_id", "span_id", "parent_span_id", "start_ns", "end_ns")
+_TAIL = attrgetter(
+    "error",
+    "thread_id",
+    "parent_is_remote",
+    "trace_flags",
+    "trace_state",
+    "output_value",
+    "input_value",
+    "tensors",
+    "module_attributes",
+    "kind",
+)
+_HEAD_SIZE = 8
+_KEYS = _HEAD_SIZE + 10  # the attribute keys follow the fields, the attribute values follow them
+_KIND = _KEYS - 1
+_TENSORS = _KEYS - 3  # "tensors", then "module_attributes"
+_MAX_KEY_TUPLES = 10_000  # attribute layouts kept interned (ever-new output structures: start over)
+_key_tuples: dict[tuple, tuple] = {}
+
+
+def pack(call: ModuleCall) -> tuple:
+    """``call`` as one tuple: GC-untracked once it survives a collection, when all its values are atomic."""
+    attributes = call.attributes
+    keys = tuple(attributes)
+    interned = _key_tuples.get(keys)
+    if interned is None:
+        if len(_key_tuples) >= _MAX_KEY_TUPLES:
+            _key_tuples.clear()
+        interned = _key_tuples[keys] = keys
+    # flat: a tuple inside a tuple is untracked one collection later than it (the inner one is visited last)
+    return (*_HEAD(call), *_TAIL(call), interned, *attributes.values())
+
+
+def unpack(packed: tuple) -> ModuleCall:
+    """A new ``ModuleCall`` equal, field by field, to the one packed."""
+    keys = packed[_KEYS]
+    return ModuleCall(*packed[:_HEAD_SIZE], dict(zip(keys, packed[_KEYS + 1 :])), *packed[_HEAD_SIZE:_KEYS])
 
 
 class RecordStore:
@@ -18,17 +67,18 @@ class RecordStore:
         self.max_records = max_records
         self.dropped = 0
         self._on_drop = on_drop  # e.g. gives a dropped call's captured tensors back to the capture budget
-        self._records: collections.deque[ModuleCall] = collections.deque()
-        self._by_path: dict[tuple[str, str], collections.deque[ModuleCall]] = {}  # (kind, path) -> calls
+        self._records: collections.deque[tuple] = collections.deque()  # packed calls
+        self._by_path: dict[tuple[str, str], collections.deque[tuple]] = {}  # (kind, path) -> packed calls
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         records, by_path = self._records, self._by_path
         for call in calls:
-            records.append(call)
-            by_path.setdefault((call.kind, call.path), collections.deque()).append(call)
+            packed = pack(call)
+            records.append(packed)
+            by_path.setdefault((call.kind, call.path), collections.deque()).append(packed)
         while len(records) > self.max_records:
             oldest = records.popleft()
-            by_path[(oldest.kind, oldest.path)].popleft()  # the oldest of its path too: both are in call order
+            by_path[(oldest[_KIND], oldest[0])].popleft()  # the oldest of its path too: both are in call order
             if not self.dropped:
                 _logger.info(
                     "torchtrace: more than max_records=%d calls: the oldest leave the records (handle.dropped_records);"
@@ -36,15 +86,26 @@ class RecordStore:
                     self.max_records,
                 )
             self.dropped += 1
-            if self._on_drop is not None:
-                self._on_drop(oldest)
+            if self._on_drop is not None and _holds_objects(oldest):
+                self._on_drop(unpack(oldest))
 
     def all(self) -> list[ModuleCall]:
-        return list(self._records)
+        return [unpack(packed) for packed in self._records]
+
+    def at(self, key: int | slice) -> Any:
+        """``all()[key]``, rebuilding only the calls asked for."""
+        if isinstance(key, slice):
+            return [unpack(packed) for packed in list(self._records)[key]]
+        return unpack(self._records[key])
 
     def for_path(self, path: str, kind: str = "forward") -> list[ModuleCall]:
-        return list(self._by_path.get((kind, path), ()))
+        return [unpack(packed) for packed in self._by_path.get((kind, path), ())]
 
     def clear(self) -> None:
         self._records.clear()
         self._by_path.clear()
+
+
+def _holds_objects(packed: tuple) -> bool:
+    """Whether a packed call holds captured tensors or module attribute values (what ``on_drop`` is for)."""
+    return packed[_TENSORS] is not None or packed[_TENSORS + 1] is not None

@@ -6,6 +6,12 @@ Each dispatcher keeps its own ``export_interval_ms``: the worker sleeps until th
 due one under that dispatcher's own lock (one handle's batches stay in order), and schedules its next drain an
 interval after that drain ended. A drain that raises is logged; the other handles' drains go on.
 
+In between, every ``RESOLVE_INTERVAL_S`` while forwards wait, it resolves them (``Dispatcher.resolve``): the hooks'
+raw entries (a list and two dicts per call, all tracked by the garbage collector) then die young. Left for a whole
+export interval they would outlive the collector's young generations, be promoted by the ten thousand per second
+and trigger a full collection of the whole heap every second or two: pauses of 100-400 ms in a torch process
+(measured 2026-11-23; benchmarks/latency.py).
+
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
 """
@@ -25,6 +31,7 @@ from torchtrace._device import tolerate_graph_captures
 _logger = logging.getLogger(__name__)
 THREAD_NAME = "torchtrace-dispatch"
 _JOIN_TIMEOUT_S = 10.0  # a stalled export is bounded by the exporter's own timeout; this only caps the wait
+RESOLVE_INTERVAL_S = 0.02  # well under the young generations' lifetime (~50 ms between gen1 collections, traced)
 _MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's timeout has a maximum)
 
 
@@ -88,6 +95,7 @@ class DispatchWorker:
     def _run(self) -> None:
         capture_safe = False
         condition = self._condition
+        next_resolve = 0.0
         while True:
             with condition:
                 live = self._live_members()
@@ -97,22 +105,31 @@ class DispatchWorker:
                     return
                 now = time.monotonic()
                 due = [dispatcher for dispatcher in live if dispatcher.next_drain <= now]
-                if not due:
-                    timeout = min(dispatcher.next_drain for dispatcher in live) - now
+                young = []
+                if now >= next_resolve:
+                    young = [d for d in live if d.next_drain > now and d.has_unresolved()]
+                    next_resolve = now + RESOLVE_INTERVAL_S
+                if not due and not young:
+                    wake = min(next_resolve, *(dispatcher.next_drain for dispatcher in live))
                     del live  # hold no member while asleep: a dropped handle must be collectable
-                    condition.wait(min(timeout, _MAX_SLEEP_S))
+                    condition.wait(min(wake - now, _MAX_SLEEP_S))
                     continue
                 del live
             if not capture_safe and cuda_initialized():  # before the first event query
                 tolerate_graph_captures()
                 capture_safe = True
+            for dispatcher in young:
+                try:
+                    dispatcher.resolve()
+                except Exception:  # one handle's failure must not stop the others' exports
+                    _logger.exception("torchtrace: a background drain failed; it is retried at the next interval")
             for dispatcher in due:
                 try:
                     dispatcher.drain(wait=False)
-                except Exception:  # one handle's failure must not stop the others' exports
+                except Exception:
                     _logger.exception("torchtrace: a background drain failed; it is retried at the next interval")
                 dispatcher.next_drain = time.monotonic() + dispatcher.interval_s
-            del due, dispatcher
+            del due, young, dispatcher
 
 
 WORKER = DispatchWorker()
