@@ -266,6 +266,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
             attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in comm) / 1e9
         root = record.root_span_id
         calls = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
+        calls[0].parent_is_remote = rank.rank != 0  # the root is rank 0's span: another process, another clock
         if rank.rank == 0:
             root_attributes = {"torchtrace.step": record.number, "torchtrace.world_size": rank.world_size}
             calls.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
@@ -288,6 +289,11 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
         start, end = record.optimizer_ns
         calls.append(phase("optimizer.step", start + offset, end + offset))
     calls.extend(_backward_calls(record, forward_of, phase, on_step_clock))
+    steps = [call for call in calls if call.kind == "step"]
+    start = min(call.start_ns for call in calls)
+    end = max(call.end_ns for call in calls)
+    for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
+        step.start_ns, step.end_ns = min(step.start_ns, start), max(step.end_ns, end)
     for forward in record.forwards:
         _release(forward)
     if record.device is not None:
@@ -364,14 +370,18 @@ def _backward_calls(
             kind="backward",
         )
         grads_of[key] = (grad_inputs, grad_outputs)
-    for key, span in spans.items():  # nest like the forward calls: under the nearest ancestor with a backward
+    # Nest like the forward calls: under the nearest ancestor with a backward, which is stretched to hold it (a
+    # container's own hooks miss its children's work when its inputs take no gradient, e.g. token ids). Deepest
+    # first, so that a child is final (holds its own descendants) before its parent is stretched over it.
+    for key in sorted(spans, key=lambda k: -spans[k].depth):
+        span = spans[key]
         _, entry, entries = forward_of[key]
         position = entry[PARENT]
         while position >= 0:
             ancestor = spans.get(id(entries[position]))
             if ancestor is not None:
                 span.parent_span_id = ancestor.span_id
-                ancestor.start_ns = min(ancestor.start_ns, span.start_ns)  # a container holds its children
+                ancestor.start_ns = min(ancestor.start_ns, span.start_ns)
                 ancestor.end_ns = max(ancestor.end_ns, span.end_ns)
                 break
             position = entries[position][PARENT]

@@ -9,6 +9,7 @@ these hooks on its own threads: they only append to the step's event list, never
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import sys
@@ -134,29 +135,43 @@ class StepTracker:
         """
         if not torch.is_grad_enabled():
             return
-        outputs = [t for t in _tensors(output) if t.requires_grad]
+        outputs = _named_outputs(output)
         if not outputs:
             return
         if timer is not None:
             self.timer = timer
         events = self.events
 
-        # Each hook fires once: a leaf (a parameter, a leaf input) outlives this graph, and its hook would fire
-        # again in a later backward (gradient accumulation, a second loss) and stretch this call's span.
-        start_handle: list = []
+        # One hook per output, each firing once: a leaf (a parameter, a leaf input) outlives this graph, and its
+        # hook would fire again in a later backward (gradient accumulation, a second loss) and stretch this span.
+        # The first gradient to arrive starts the span; each output's gradient is summarised under its forward
+        # name, and an output that got none is called with None (or not at all) and left out.
+        grad_outputs: dict[str, dict] = {}
+        started: list = []  # non-empty once a gradient arrived (the span started)
         end_handle: list = []
 
-        def started(grad: torch.Tensor) -> None:
+        def received(name: str, handles: list, grad: torch.Tensor | None) -> None:
             now = time.perf_counter_ns()
-            _remove_once(start_handle)
-            stats = self._grad_stats([grad])  # its kernels run before the mark: they are not the module's backward
-            value = _user_value(self.on_grad_output, grad, stats)
-            events.append((entry, BACKWARD_START, now, stats, timer.mark() if timer is not None else None, value))
+            _remove_once(handles)
+            if grad is None:
+                return
+            # the statistics' kernels run before the mark: they are not the module's backward
+            grad_outputs.update(self._grad_stats([grad], [name]))
+            if len(outputs) > 1:  # in the forward's order, whatever order the gradients arrived in
+                for other, _ in outputs:
+                    if other in grad_outputs:
+                        grad_outputs[other] = grad_outputs.pop(other)
+            if started:
+                return
+            value = _user_value(self.on_grad_output, grad, grad_outputs)
+            started.append(True)
+            mark = timer.mark() if timer is not None else None
+            events.append((entry, BACKWARD_START, now, grad_outputs, mark, value))
 
         def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             now = time.perf_counter_ns()
             _remove_once(end_handle)
-            if start_handle:  # its output got no gradient: not this module's backward, but a shared input's
+            if not started:  # its outputs got no gradient: not this module's backward, but a shared input's
                 return
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
             grads = [grads] if isinstance(grads, torch.Tensor) else grads
@@ -164,8 +179,10 @@ class StepTracker:
             value = _user_value(self.on_grad_input, grads[0] if len(grads) == 1 else tuple(grads), stats)
             events.append((entry, BACKWARD_END, now, stats, mark, value))
 
-        start_handle.append(register_multi_grad_hook(outputs, started, mode="any"))
-        self.hook_handles.append(start_handle[0])
+        for name, tensor in outputs:
+            handles: list = []
+            handles.append(tensor.register_hook(functools.partial(received, name, handles)))
+            self.hook_handles.append(handles[0])
         sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -229,7 +246,8 @@ class StepTracker:
         device_stats(norms, self.device_rows(norms.device), NORM_ONLY, stats)
         return stats
 
-    def _grad_stats(self, grads: Any) -> dict[str, dict]:
+    def _grad_stats(self, grads: Any, names: list[str] | None = None) -> dict[str, dict]:
+        """Statistics of each gradient, by its position or, given ``names``, by its name."""
         summaries: dict[str, dict] = {}
         for index, grad in enumerate(grads):
             if grad is None or not grad.numel():  # an expert that got no tokens: nothing to summarise
@@ -240,7 +258,7 @@ class StepTracker:
                 reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
             except Exception as error:  # a statistic must never break the user's backward
                 stats = {"stats_error": error_text(error)}
-            summaries[str(index)] = stats
+            summaries[names[index] if names else str(index)] = stats
         return summaries
 
     # -- step boundary ------------------------------------------------------------------------------------------
@@ -309,6 +327,11 @@ def _remove_once(handles: list) -> None:
     """Removes the hook whose handle is in ``handles``, if no other thread did already (never raises in a hook)."""
     with contextlib.suppress(IndexError):
         handles.pop().remove()
+
+
+def _named_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """The output tensors that take a gradient, by their forward names (a bare tensor is output "0")."""
+    return [(name or "0", t) for name, t in find_tensors(output, limit=sys.maxsize)[0] if t.requires_grad]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
