@@ -46,3 +46,28 @@ def _no_leftover_instrumentation():
 
 
 # --- OTLP receiver fixtures (tests/otlp_receiver.py) go below this line -------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _every_exported_trace_is_well_formed(monkeypatch: pytest.MonkeyPatch):
+    """Checks the spans of every capture_spans() and every OTLP receiver of a test with torchtrace.testing's
+    check_traces (parents present and holding their children in time, ids, attribute types) when it ends."""
+    from otlp_receiver import _Collector
+
+    from torchtrace.testing import CapturedSpans, check_traces
+
+    sources: list = []
+    for cls in (CapturedSpans, _Collector):
+        monkeypatch.setattr(cls, "__init__", _recorded_in(sources, cls.__init__))
+    yield
+    for source in sources:
+        spans = source.exporter.get_finished_spans() if isinstance(source, CapturedSpans) else source.spans()
+        check_traces(spans)
+
+
+def _recorded_in(sources: list, init):
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        sources.append(self)
+
+    return recording_init
