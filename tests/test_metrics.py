@@ -420,3 +420,44 @@ def test_gauges_are_nan_when_the_latest_output_is_nan():
     with torchtrace.instrument(model, exporter="none", sinks=[MetricsSink(registry, model="Tiny")]):
         model(torch.full((1, 4), float("nan")))
     assert math.isnan(registry.get_sample_value("torchtrace_output_mean", labels("linear_1", "Linear")))
+
+
+@pytest.mark.parametrize("given_as", ["metrics", "sinks"])
+def test_a_sink_serving_a_live_model_is_refused_for_a_second_one_and_free_again_after(given_as):
+    registry = CollectorRegistry()
+    sink = MetricsSink(registry, model="Tiny")
+    first, second = tiny_model(), nn.Sequential(nn.Tanh())
+    option = {"metrics": sink} if given_as == "metrics" else {"sinks": [sink]}
+    with torchtrace.instrument(first, exporter="none", **option) as handle:
+        first(torch.randn(2, 4))
+        with pytest.raises(ValueError, match="already aggregates the calls of a live instrumented Sequential"):
+            torchtrace.instrument(second, exporter="none", **option)
+        second(torch.randn(2, 4))  # not traced: the refusal left no hook behind
+        handle.flush()
+    assert registry.get_sample_value("torchtrace_module_calls_total", labels("relu", "ReLU")) == 1
+    assert registry.get_sample_value("torchtrace_module_calls_total", labels("0", "Tanh")) is None
+    with torchtrace.instrument(second, exporter="none", **option) as other:  # the first handle is removed
+        second(torch.randn(2, 4))
+        other.flush()
+    assert registry.get_sample_value("torchtrace_module_calls_total", labels("0", "Tanh")) == 1
+
+
+def readme_metric_names() -> set[str]:
+    """The metric names in the README's metrics table (`_std` after `torchtrace_output_mean`: torchtrace_output_std)."""
+    section = (ROOT / "README.md").read_text(encoding="utf-8").split("\n## Metrics\n", 1)[1]
+    table = section.split("| metric | type |", 1)[1].split("\n\n", 1)[0]
+    names: set[str] = set()
+    for row in table.splitlines()[2:]:
+        full = ""
+        for name in row.split("|")[1].replace("`", "").split(","):
+            name = name.strip()
+            full = full.rsplit("_", 1)[0] + name if name.startswith("_") else name
+            names.add(full)
+    return names
+
+
+def test_the_readme_metrics_table_lists_exactly_what_the_collector_exposes():
+    exposed = set()
+    for family in MetricsSink(registry=None, model="Tiny").describe():
+        exposed.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    assert readme_metric_names() == exposed

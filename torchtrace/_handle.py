@@ -54,8 +54,9 @@ class TraceHandle:
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
-        self.exporter, export_sinks, self._flushers = _export_sinks(options)
         self.metrics = _metrics_sink(options.metrics, model)
+        _claim_metrics_sinks([self.metrics, *options.sinks], self)  # before anything starts: a refusal leaks nothing
+        self.exporter, export_sinks, self._flushers = _export_sinks(options)
         metrics_sinks = [self.metrics] if self.metrics is not None else []
         # OTLP / file exports go out in batches every export_interval_ms; SDK spans go to the provider's processors
         # at once (they batch): first, as they may write the provider's ids back into the calls
@@ -341,6 +342,14 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
     sink = MetricsSink(registry=None, model=type(model.module if is_ddp(model) else model).__name__)
     INSTRUMENTED_MODELS.add(sink)  # one collector on the global registry for every model instrumented so
     return sink
+
+
+def _claim_metrics_sinks(sinks: list, handle: TraceHandle) -> None:
+    """Each MetricsSink among ``sinks`` serves this handle alone (MetricsSink.claim refuses a shared one)."""
+    metrics = sys.modules.get("torchtrace._metrics")  # imported once a MetricsSink exists: none if not imported
+    for sink in sinks:
+        if metrics is not None and isinstance(sink, metrics.MetricsSink):
+            sink.claim(handle)
 
 
 def _remove_if_alive(handle_ref: weakref.ref) -> None:

@@ -55,6 +55,7 @@ OUTPUT_STATS: dict[str, tuple[str, str, str]] = {
     "zero_fraction": ("output_zero", "ratio", "Fraction of zeros in the module's main output tensor, latest call."),
 }
 _OUTPUT_PREFIX = "torchtrace.output"
+_GRAD_OUTPUT_PREFIX = "torchtrace.grad_output."
 _NON_STAT_KEYS = ("truncated", "stats_error")
 
 
@@ -215,6 +216,7 @@ class MetricsSink(Collector):
         self._comm_seconds = 0.0  # all-reduce time of traced steps (DDP): the straggler waits least
         self._recorded = 0
         self._watched: list[_Watched] = []
+        self._owner: weakref.ref | None = None  # the handle whose calls this sink aggregates
         if registry is not None:
             registry.register(self)
 
@@ -245,7 +247,9 @@ class MetricsSink(Collector):
         state = self._path(call).state
         if isinstance(call.error, NonFiniteError):
             state.nonfinite_first += 1
-        norm = call.attributes.get("torchtrace.grad_output.0.norm")
+        norm = next(  # the first output that got a gradient (a bare tensor is output "0")
+            (v for k, v in call.attributes.items() if k.startswith(_GRAD_OUTPUT_PREFIX) and k.endswith(".norm")), None
+        )
         if norm is not None:
             state.grad_norm = norm
 
@@ -291,6 +295,20 @@ class MetricsSink(Collector):
             slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
             histogram = self._histograms[call.type_name] = _HistogramState([0] * slots, [None] * slots)
         return _PathEntry(state, histogram, state_is_named=label != OVERFLOW_MODULE)
+
+    def claim(self, handle: Any) -> None:
+        """Called by ``instrument()`` for each MetricsSink among its sinks. Refuses a sink that already aggregates
+        another live handle's calls: the calls carry no model, so two models would be merged into one series set
+        (their module labels and types mixed). After that handle is removed, the sink may serve another."""
+        with self._lock:
+            owner = self._owner() if self._owner is not None else None
+            if owner is not None and owner is not handle and not getattr(owner, "_removed", True):
+                raise ValueError(
+                    f"this MetricsSink already aggregates the calls of a live instrumented {owner.model_name}: give "
+                    "each instrument() its own MetricsSink (each on its own registry, or registry=None and "
+                    "register it yourself), or use metrics=True, which labels each model's series apart"
+                )
+            self._owner = weakref.ref(handle)
 
     # -- export health ------------------------------------------------------------------------------------------
 
@@ -347,7 +365,8 @@ class MetricsSink(Collector):
         )
         grad_norm = GaugeMetricFamily(
             f"{ns}_gradient_norm",
-            "L2 norm of the gradient reaching the module's output, latest traced backward.",
+            "L2 norm of the gradient reaching the module's output (its first output that got one), latest traced "
+            "backward.",
             labels=per_module,
         )
         comm_wait = CounterMetricFamily(
