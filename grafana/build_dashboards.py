@@ -4,8 +4,8 @@
     python grafana/build_dashboards.py --check  # exit 1 if a committed file differs from what this script makes
 
 The generated files are committed; a test checks they equal this script's output, and a test against a real
-Prometheus runs every panel's PromQL (``panel_queries()``). Only metrics that torchtrace exports today appear:
-gradient norms, step time and per-rank stragglers wait for backward / step tracing.
+Prometheus runs every panel's PromQL (``panel_queries()``). Only metrics that torchtrace exports appear; the step
+time, gradient norm, all-reduce wait and NaN/Inf provenance panels fill once steps are traced (``backward=True``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 HERE = Path(__file__).resolve().parent
+# Grafana's Explore URL (10+: "panes", one pane per key; the old "left=" form is gone), on the Jaeger datasource
+_JAEGER_PANE = {"datasource": "jaeger", "queries": [{"refId": "A", "datasource": {"type": "jaeger", "uid": "jaeger"}}]}
+JAEGER_EXPLORE_URL = "/explore?schemaVersion=1&panes=" + quote(
+    json.dumps({"traces": {**_JAEGER_PANE, "range": {"from": "now-1h", "to": "now"}}}, separators=(",", ":"))
+)
 PROMETHEUS_UID = "prometheus"
 JAEGER_UID = "jaeger"
 DASHBOARD_UID = "torchtrace-layers"
@@ -331,7 +337,7 @@ def layers_dashboard() -> dict[str, Any]:
             {
                 "title": "Traces in Jaeger",
                 "type": "link",
-                "url": '/explore?left={"datasource":"jaeger"}',
+                "url": JAEGER_EXPLORE_URL,
                 "targetBlank": True,
             }
         ],  # fmt: skip
