@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -9,8 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from torchtrace.cli import build_parser, main
+from torchtrace.testing import check_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = 3
@@ -59,10 +63,36 @@ def test_demo_writes_otlp_json_lines_to_the_trace_file(demo: tuple[subprocess.Co
         for resource_spans in request["resourceSpans"]:
             for scope_spans in resource_spans["scopeSpans"]:
                 spans.extend(scope_spans["spans"])
-    assert len(spans) == BATCHES * CALLS_PER_FORWARD
+    assert len(spans) == BATCHES * (CALLS_PER_FORWARD + 1)  # the model's spans under one request span per batch
     assert {span["name"] for span in spans} >= {"DemoTransformer", "encoder.layers.0.self_attn", "head"}
+    requests = {span["spanId"]: span for span in spans if span["name"] == "demo.inference"}
+    models = [span for span in spans if span["name"] == "DemoTransformer"]
+    assert len(requests) == len(models) == BATCHES
+    assert {span["parentSpanId"] for span in models} == set(requests)
+    assert all("parentSpanId" not in span for span in requests.values())
+    check_traces(_otlp_spans(trace_file))
     assert str(trace_file) in result.stdout
-    assert f"{BATCHES * CALLS_PER_FORWARD} spans" in result.stdout
+    assert f"{BATCHES * CALLS_PER_FORWARD} model spans under {BATCHES} demo.inference spans" in result.stdout
+
+
+def _otlp_spans(path: Path) -> list:
+    """The protobuf spans of an OTLP JSON lines file, parsed as the OTLP/JSON spec says (hex ids)."""
+    spans = []
+    for line in path.read_text().splitlines():
+        request = json.loads(line)
+        for resource_spans in request["resourceSpans"]:
+            for scope_spans in resource_spans["scopeSpans"]:
+                for span in scope_spans["spans"]:
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if span.get(key):  # protobuf's JSON mapping reads bytes as base64
+                            span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+        spans.extend(
+            span
+            for resource_spans in json_format.ParseDict(request, ExportTraceServiceRequest()).resource_spans
+            for scope_spans in resource_spans.scope_spans
+            for span in scope_spans.spans
+        )
+    return spans
 
 
 def test_no_subcommand_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:

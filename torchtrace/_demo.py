@@ -10,10 +10,13 @@ from typing import TextIO
 
 import torch
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from torch import nn
 
 import torchtrace
 from torchtrace._calls import ModuleCall
+from torchtrace._exporters import create_sdk_span_exporter, default_resource, otlp_endpoint_configured
 
 SEED = 0
 VOCAB = 1000
@@ -75,14 +78,16 @@ def _exporter_counts(handle: torchtrace.TraceHandle) -> tuple[int, int] | None:
     return handle.exported_spans, handle.failed_spans
 
 
-def _where(handle: torchtrace.TraceHandle, spans: int) -> str:
+def _where(handle: torchtrace.TraceHandle, spans: int, requests: int = 0) -> str:
+    """Where the model's ``spans`` went, and the demo's own ``requests`` spans (0: the application's provider's)."""
     counts = _exporter_counts(handle)
     failed = f" ({counts[1]} failed to export)" if counts and counts[1] else ""
     if counts:
         spans = counts[0]
-    if handle.exporter == "file":
+    what = f"{spans} model spans under {requests} demo.inference" if requests else str(spans)
+    if handle.exporter == "file" or (requests and handle.exporter == "sdk"):  # sdk: the demo's own, to the file
         path = os.path.abspath(handle.options.trace_file)
-        return f"traces: {spans} spans appended as OTLP JSON lines to {path}{failed}"
+        return f"traces: {what} spans appended as OTLP JSON lines to {path}{failed}"
     if handle.exporter == "otlp":
         protocol = (
             os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
@@ -94,9 +99,9 @@ def _where(handle: torchtrace.TraceHandle, spans: int) -> str:
             endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             if protocol == "http/protobuf":  # the generic variable is a base URL: the exporter appends the path
                 endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return f"traces: {spans} spans sent over OTLP ({protocol}) to {endpoint}{failed}"
+        return f"traces: {what} spans sent over OTLP ({protocol}) to {endpoint}{failed}"
     if handle.exporter == "sdk":
-        return f"traces: {spans} spans handed to the OpenTelemetry SDK TracerProvider (its exporters decide where)"
+        return f"traces: {what} spans handed to the OpenTelemetry SDK TracerProvider (its exporters decide where)"
     return f"traces: not exported (exporter={handle.exporter!r}); {spans} calls recorded"
 
 
@@ -127,25 +132,43 @@ def run_demo(
     inputs = [torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=generator) for _ in range(min(batches, 8))]
 
     counter = _CallCounter()
+    provider, owned = _request_tracer_provider(trace_file)
     handle = torchtrace.instrument(
         model,
         exporter="otlp" if otlp_endpoint else None,
+        # no endpoint: the model's spans go through the same provider as the requests, to the same file
+        tracer_provider=None if otlp_endpoint_configured() else provider,
         trace_file=trace_file,
         stats=None if stats else False,
         sinks=[counter],
         print_summary=False,  # the demo prints its own table, with where the traces went
     )
-    tracer = trace.get_tracer("torchtrace.demo", torchtrace.__version__)  # no-op unless an SDK provider is set
+    tracer = provider.get_tracer("torchtrace.demo", torchtrace.__version__)
     try:
         with torch.inference_mode():
             for batch in _progress(range(batches), batches, progress):
+                # the production pattern: each request a span of the application, the model's spans its children
                 with tracer.start_as_current_span("demo.inference", attributes={"demo.batch": batch}):
                     model(inputs[batch % len(inputs)])
         handle.flush()
         print(handle.summary(limit=20), file=out)
         print(file=out)
-        print(_where(handle, counter.calls), file=out)
+        print(_where(handle, counter.calls, batches if owned else 0), file=out)
         counts = _exporter_counts(handle)
     finally:
         handle.remove()
+        if owned:
+            provider.shutdown()  # delivers the request spans
     return 1 if counts and counts[1] else 0
+
+
+def _request_tracer_provider(trace_file: str | None) -> tuple[trace.TracerProvider, bool]:
+    """The SDK TracerProvider of the demo's request spans: the application's, when one is installed (e.g. by
+    ``opentelemetry-instrument``), else one of the demo's own exporting where torchtrace does (the endpoint, else
+    the trace file); and whether it is the demo's own."""
+    current = trace.get_tracer_provider()
+    if hasattr(current, "add_span_processor"):
+        return current, False
+    provider = TracerProvider(resource=default_resource(), shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(create_sdk_span_exporter(trace_file)))
+    return provider, True

@@ -42,8 +42,9 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
         description=(
             "Builds a small transformer (embedding, 4 encoder layers, linear head; fixed seed), instruments it with "
             "torchtrace.instrument() using the default options, runs inference under a 'demo.inference' span per "
-            "batch, then prints the per-layer summary and where the traces went. Without an OTLP endpoint "
-            "(--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT) spans are appended as OTLP JSON lines to a file."
+            "batch (exported with the model's spans, their parent), then prints the per-layer summary and where "
+            "the traces went. Without an OTLP endpoint (--otlp-endpoint or OTEL_EXPORTER_OTLP_ENDPOINT) spans are "
+            "appended as OTLP JSON lines to a file."
         ),
     )
     demo.add_argument("--batches", type=_positive_int, default=50, help="inference batches to run (default: 50)")
