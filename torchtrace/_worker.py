@@ -6,11 +6,12 @@ Each dispatcher keeps its own ``export_interval_ms``: the worker sleeps until th
 due one under that dispatcher's own lock (one handle's batches stay in order), and schedules its next drain an
 interval after that drain ended. A drain that raises is logged; the other handles' drains go on.
 
-In between, every ``RESOLVE_INTERVAL_S`` while forwards wait, it resolves them (``Dispatcher.resolve``): the hooks'
-raw entries (a list and two dicts per call, all tracked by the garbage collector) then die young. Left for a whole
-export interval they would outlive the collector's young generations, be promoted by the ten thousand per second
-and trigger a full collection of the whole heap every second or two: pauses of 100-400 ms in a torch process
-(measured 2026-11-23; benchmarks/latency.py).
+In between, every ``RESOLVE_INTERVAL_S`` while forwards keep coming (backing off to ``_IDLE_RESOLVE_INTERVAL_S``
+when they stop), it resolves them (``Dispatcher.resolve``): the hooks' raw entries (a list and two dicts per call,
+all tracked by the garbage collector) then die young. Left for a whole export interval they would outlive the
+collector's young generations, be promoted by the ten thousand per second and trigger a full collection of the
+whole heap every second or two: pauses of 100-400 ms in a torch process (measured 2026-11-23;
+benchmarks/latency.py).
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
@@ -31,7 +32,10 @@ from torchtrace._device import tolerate_graph_captures
 _logger = logging.getLogger(__name__)
 THREAD_NAME = "torchtrace-dispatch"
 _JOIN_TIMEOUT_S = 10.0  # a stalled export is bounded by the exporter's own timeout; this only caps the wait
-RESOLVE_INTERVAL_S = 0.02  # well under the young generations' lifetime (~50 ms between gen1 collections, traced)
+# While forwards keep coming: well under the young generations' lifetime (~50 ms between gen1 collections, traced),
+# and small batches (the worker holds the GIL for less than a forward's worth at a time). Idle: back off.
+RESOLVE_INTERVAL_S = 0.005
+_IDLE_RESOLVE_INTERVAL_S = 0.1
 _MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's timeout has a maximum)
 
 
@@ -96,6 +100,7 @@ class DispatchWorker:
         capture_safe = False
         condition = self._condition
         next_resolve = 0.0
+        resolve_interval = RESOLVE_INTERVAL_S
         while True:
             with condition:
                 live = self._live_members()
@@ -108,7 +113,11 @@ class DispatchWorker:
                 young = []
                 if now >= next_resolve:
                     young = [d for d in live if d.next_drain > now and d.has_unresolved()]
-                    next_resolve = now + RESOLVE_INTERVAL_S
+                    busy = young or any(d.has_unresolved() for d in due)
+                    resolve_interval = (
+                        RESOLVE_INTERVAL_S if busy else min(2 * resolve_interval, _IDLE_RESOLVE_INTERVAL_S)
+                    )
+                    next_resolve = now + resolve_interval
                 if not due and not young:
                     wake = min(next_resolve, *(dispatcher.next_drain for dispatcher in live))
                     del live  # hold no member while asleep: a dropped handle must be collectable
