@@ -90,3 +90,155 @@ class NonFiniteError(ArithmeticError):
 
 # A sink receives each batch of finished calls, in start order per forward, off the hot path.
 Sink = Callable[[Sequence[ModuleCall]], None]
+
+
+class CallBatch(Sequence[ModuleCall]):
+    """The calls of one traced forward as columns, as the worker resolved them: ``ModuleCall`` objects are made
+    only when something reads them (records, metrics, a sink of your own). Exporters and the summary read the
+    columns. A slice is a view of the same columns.
+
+    Columns, one entry per call in start order: ``module`` (index into ``modules``), ``start_ns`` / ``end_ns``
+    (epoch ns), ``parent`` (position of the parent call, -1 for the root), ``depth``, ``span_id``;
+    ``attributes[i]`` is None for a call with only the module path and type; ``sparse`` holds what few calls have
+    (position -> (error, output value, input value, tensors, module attributes)).
+    """
+
+    __slots__ = (
+        "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "attributes", "sparse", "trace_id",
+        "root_parent_id", "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_made",
+    )  # fmt: skip
+
+    def __init__(self, modules: Sequence[Any], trace_id: int, root_parent_id: int, parent_is_remote: bool,
+                 trace_flags: int, trace_state: Any, thread_id: int) -> None:  # fmt: skip
+        self.modules = modules
+        self.module: list[int] = []
+        self.start_ns: list[int] = []
+        self.end_ns: list[int] = []
+        self.parent: list[int] = []
+        self.depth: list[int] = []
+        self.span_id: list[int] = []
+        self.attributes: list[dict | None] = []
+        self.sparse: dict[int, list] = {}
+        self.trace_id = trace_id
+        self.root_parent_id = root_parent_id
+        self.parent_is_remote = parent_is_remote
+        self.trace_flags = trace_flags
+        self.trace_state = trace_state
+        self.thread_id = thread_id
+        self.lo, self.hi = 0, 0
+        self._made: list = [None]  # the ModuleCall objects once made, shared by every view of these columns
+
+    @property
+    def made(self) -> bool:
+        """Whether ModuleCall objects exist: they are then the truth (a sink may have changed them)."""
+        return self._made[0] is not None
+
+    def calls(self) -> list[ModuleCall]:
+        """Every call of the columns (not only of this view), made once."""
+        made = self._made[0]
+        if made is None:
+            made = self._made[0] = [self._make(i) for i in range(len(self.module))]
+        return made
+
+    def _make(self, i: int) -> ModuleCall:
+        info = self.modules[self.module[i]]
+        parent = self.parent[i]
+        sparse = self.sparse.get(i)
+        error, output_value, input_value, tensors, module_attributes = sparse if sparse is not None else _NO_EXTRAS
+        attributes = self.attributes[i]
+        if attributes is None:
+            attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+        return ModuleCall(
+            info.path,
+            info.type_name,
+            self.depth[i],
+            self.trace_id,
+            self.span_id[i],
+            self.span_id[parent] if parent >= 0 else self.root_parent_id,
+            self.start_ns[i],
+            self.end_ns[i],
+            attributes,
+            error,
+            self.thread_id,
+            parent < 0 and self.parent_is_remote,
+            self.trace_flags,
+            self.trace_state,
+            output_value,
+            input_value,
+            tensors,
+            module_attributes,
+        )
+
+    def error(self, i: int) -> BaseException | None:
+        sparse = self.sparse.get(i)
+        return sparse[0] if sparse is not None else None
+
+    def set_error(self, i: int, error: BaseException) -> None:
+        sparse = self.sparse.get(i)
+        if sparse is None:
+            sparse = self.sparse[i] = list(_NO_EXTRAS)
+        sparse[0] = error
+        if self.made:
+            self._made[0][i].error = error
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __iter__(self):
+        return iter(self.calls()[self.lo : self.hi])
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(len(self))
+            if step != 1:
+                return self.calls()[self.lo : self.hi][key]
+            view = object.__new__(CallBatch)
+            for name in CallBatch.__slots__:
+                setattr(view, name, getattr(self, name))
+            view.lo, view.hi = self.lo + lo, self.lo + max(lo, hi)
+            return view
+        return self.calls()[self.lo : self.hi][key]
+
+
+_NO_EXTRAS = (None, None, None, None, None)
+
+
+class Calls(Sequence[ModuleCall]):
+    """A batch handed to the sinks: segments (``CallBatch`` columns of one forward, or lists of ``ModuleCall``:
+    training steps) read as one sequence. Sinks that know columns read ``segments``."""
+
+    __slots__ = ("segments", "_length")
+
+    def __init__(self, segments: Sequence[Sequence[ModuleCall]]) -> None:
+        self.segments = [segment for segment in segments if len(segment)]
+        self._length = sum(len(segment) for segment in self.segments)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self):
+        for segment in self.segments:
+            yield from segment
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(self._length)
+            if step != 1:
+                return list(self)[key]
+            segments = []
+            offset = 0
+            for segment in self.segments:
+                end = offset + len(segment)
+                if end > lo and offset < hi:
+                    segments.append(segment[max(lo - offset, 0) : min(hi, end) - offset])
+                offset = end
+            return Calls(segments)
+        if key < 0:
+            key += self._length
+        if not 0 <= key < self._length:
+            raise IndexError("call index out of range")
+        for segment in self.segments:
+            if key < len(segment):
+                return segment[key]
+            key -= len(segment)
+        raise IndexError("call index out of range")

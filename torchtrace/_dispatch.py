@@ -12,10 +12,11 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import ModuleCall, NonFiniteError, Sink
+from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink
 from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
     END,
@@ -68,8 +69,9 @@ def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] |
         attributes.update(zip(keys, stats.values()))
 
 
-def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> list[ModuleCall]:
-    """One raw forward -> its calls, parents before children, ids assigned. Runs once per traced call: lean.
+def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> CallBatch:
+    """One raw forward -> its calls as columns, parents before children, ids assigned. Runs once per traced call:
+    lean (no object per call; ``ModuleCall`` objects are made only if something reads them).
 
     ``release``: give its device buffers and events back afterwards (a step keeps them for its backward).
     """
@@ -79,17 +81,19 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         flags, trace_state = int(parent.trace_flags), parent.trace_state
     else:
         trace_id, root_parent_id, flags, trace_state = random.getrandbits(128) or 1, 0, 1, None
+    entries = forward.entries
+    batch = CallBatch(modules, trace_id, root_parent_id, parent.is_remote, flags, trace_state, forward.thread_id)
+    n = len(entries)
     offset = forward.clock_offset_ns
-    thread_id = forward.thread_id
-    getrandbits = random.getrandbits
-    calls: list[ModuleCall] = []
-    append = calls.append
+    module_column, start_column, end_column = batch.module, batch.start_ns, batch.end_ns
+    parent_column, depth_column, attribute_column = batch.parent, batch.depth, batch.attributes
+    sparse = batch.sparse
     device = forward.device
     # Device timing: each call's start is placed after the root's host start by the events' distance, so the
     # spans show execution on the device, nested as the events were recorded on one stream.
-    origin = forward.entries[0][START_EVENT] if device is not None and device.timer is not None else None
-    origin_ns = forward.entries[0][START]
-    for (
+    origin = entries[0][START_EVENT] if device is not None and device.timer is not None else None
+    origin_ns = entries[0][START]
+    for position, (
         module,
         start,
         end,
@@ -104,55 +108,52 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         tensors,
         start_event,
         end_event,
-    ) in forward.entries:
+    ) in enumerate(entries):
         if origin is not None and start_event is not None:
             host_duration = (end if end is not None else start) - start
             start = origin_ns + elapsed_ns(origin, start_event)
             end = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
-        info = modules[module]
-        attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
-        if outputs:
-            _stat_attributes(attributes, OUTPUT_PREFIX, outputs)
-        if inputs:
-            _stat_attributes(attributes, INPUT_PREFIX, inputs)
-        if attrs:
-            for name, value in attrs.items():
-                if isinstance(value, (str, bool, int, float)):
-                    attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
-        if error is not None and error == "interrupted":
-            error = CallInterrupted("call interrupted")
-        if parent_position >= 0:
-            parent_call = calls[parent_position]
-            depth, parent_id, remote = parent_call.depth + 1, parent_call.span_id, False
+        module_column.append(module)
+        start_column.append(start + offset)
+        end_column.append((end if end is not None else start) + offset)
+        parent_column.append(parent_position)
+        depth_column.append(depth_column[parent_position] + 1 if parent_position >= 0 else 0)
+        if outputs or inputs or attrs:
+            info = modules[module]
+            attributes: dict[str, Any] = {
+                "torchtrace.module.path": info.path,
+                "torchtrace.module.type": info.type_name,
+            }
+            if outputs:
+                _stat_attributes(attributes, OUTPUT_PREFIX, outputs)
+            if inputs:
+                _stat_attributes(attributes, INPUT_PREFIX, inputs)
+            if attrs:
+                for name, value in attrs.items():
+                    if isinstance(value, (str, bool, int, float)):
+                        attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
+            attribute_column.append(attributes)
         else:
-            depth, parent_id, remote = 0, root_parent_id, parent.is_remote
-        append(
-            ModuleCall(  # positional: keywords cost a microsecond per call here
-                info.path,
-                info.type_name,
-                depth,
-                trace_id,
-                getrandbits(64) or 1,
-                parent_id,
-                start + offset,
-                (end if end is not None else start) + offset,
-                attributes,
-                error,
-                thread_id,
-                remote,
-                flags,
-                trace_state,
-                output_value,
-                input_value,
-                tensors,
-                attrs,
-            )
-        )
-    entries = forward.entries
-    _mark_first_nonfinite(calls, [entry[OUTPUTS] for entry in entries], [entry[INPUTS] for entry in entries], "output")
+            attribute_column.append(None)
+        if not (error is None and output_value is None and input_value is None and tensors is None and attrs is None):
+            if error is not None and error == "interrupted":
+                error = CallInterrupted("call interrupted")
+            sparse[position] = [error, output_value, input_value, tensors, attrs]
+    batch.span_id = _span_ids(n)
+    batch.hi = n
+    if any(entry[OUTPUTS] for entry in entries):
+        _mark_first_nonfinite_output(batch, [entry[OUTPUTS] for entry in entries], [entry[INPUTS] for entry in entries])
     if release:
         _release(forward)
-    return calls
+    return batch
+
+
+def _span_ids(n: int) -> list[int]:
+    """``n`` random non-zero 64-bit span ids, drawn at once."""
+    ids = np.frombuffer(random.randbytes(8 * n), dtype=np.uint64)
+    if not ids.all():  # one chance in 2**64 per id
+        ids = np.where(ids == 0, np.uint64(1), ids)
+    return ids.tolist()
 
 
 def _release(forward: RawForward) -> None:
@@ -197,6 +198,19 @@ def _mark_first_nonfinite(
     tensor = f"{what}.{name}" if name else what
     if call.error is None:
         call.error = NonFiniteError(f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}", call)
+
+
+def _mark_first_nonfinite_output(batch: CallBatch, summaries: list, received: list) -> None:
+    """The forward's call that first produced NaN/Inf in its output gets a NonFiniteError naming the tensor."""
+    found = _first_nonfinite(zip(batch.end_ns, range(len(summaries)), summaries, received))
+    if found is None:
+        return
+    position, name, nans, infs = found
+    if batch.error(position) is None:
+        call = batch.calls()[position]
+        tensor = f"output.{name}" if name else "output"
+        message = f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}"
+        batch.set_error(position, NonFiniteError(message, call))
 
 
 def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | None:
@@ -408,6 +422,15 @@ def _wait_for_device(item: RawForward | StepRecord) -> None:
         work.wait()
 
 
+def _errors(calls: Calls) -> Iterable[BaseException]:
+    """The errors of a batch's calls, without making ModuleCall objects for the forwards' columns."""
+    for segment in calls.segments:
+        if isinstance(segment, CallBatch) and not segment.made:
+            yield from (extras[0] for extras in segment.sparse.values() if extras[0] is not None)
+        else:
+            yield from (call.error for call in segment if call.error is not None)
+
+
 class Dispatcher:
     """Drains the record buffer into the sinks, on the shared worker thread and on demand.
 
@@ -435,7 +458,7 @@ class Dispatcher:
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
         self._waiting: list = []  # taken from the buffer, device work not yet complete
-        self._unexported: list[ModuleCall] = []  # resolved, delivered in process, waiting for the exporters
+        self._unexported: list[Sequence[ModuleCall]] = []  # resolved segments, delivered in process, to export
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
 
@@ -480,8 +503,8 @@ class Dispatcher:
         """
         with self._lock:
             self._resolve(wait)
-            calls, self._unexported = self._unexported, []
-            self._deliver(self.exporters, calls)
+            segments, self._unexported = self._unexported, []
+            self._deliver(self.exporters, Calls(segments))
             resolved, self._resolved = self._resolved, 0
             return resolved
 
@@ -497,26 +520,27 @@ class Dispatcher:
         forwards, self._waiting = items[:ready], items[ready:]
         if not forwards:
             return
-        calls: list[ModuleCall] = []
+        segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
             try:
                 if isinstance(item, StepRecord):
-                    calls.extend(resolve_step(item, self.modules))
+                    segments.append(resolve_step(item, self.modules))
                 else:
-                    calls.extend(resolve_forward(item, self.modules))
+                    segments.append(resolve_forward(item, self.modules))
             except Exception:  # one unreadable forward must not take the batch (or the worker) with it
                 self.sink_errors += 1
                 _logger.exception("torchtrace: could not read a traced %s; its calls are lost", type(item).__name__)
+        calls = Calls(segments)
         if self.on_nonfinite is not None:
-            for call in calls:
-                if isinstance(call.error, NonFiniteError):
-                    self._notify_nonfinite(call.error)
+            for error in _errors(calls):
+                if isinstance(error, NonFiniteError):
+                    self._notify_nonfinite(error)
         self._deliver(self._in_process, calls)
         if self.exporters:
-            self._unexported.extend(calls)
+            self._unexported.extend(calls.segments)
         self._resolved += len(calls)
 
-    def _deliver(self, sinks: list[Sink], calls: list[ModuleCall]) -> None:
+    def _deliver(self, sinks: list[Sink], calls: Sequence[ModuleCall]) -> None:
         if not calls:
             return
         for sink in sinks:
