@@ -23,7 +23,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Trace
 from opentelemetry.trace.status import Status as SdkStatus
 from opentelemetry.trace.status import StatusCode
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import CallBatch, Calls, ModuleCall
+from torchtrace._hooks import ModuleInfo
 from torchtrace._otlp_encoding import clear_template_cache, encode_export_request
 
 TRACE_ID = 0x0123456789ABCDEF0123456789ABCDEF
@@ -254,3 +255,38 @@ def test_a_stat_that_changes_type_is_encoded_with_its_own_type():
     assert ours == sdk_request(calls)
     kinds = [[kv.value.WhichOneof("value") for kv in s.attributes] for s in ours.resource_spans[0].scope_spans[0].spans]
     assert kinds == [["double_value", "double_value"], ["int_value", "double_value"], ["double_value", "int_value"]]
+
+
+def timing_batch(root_parent_id: int = 0, remote: bool = False, trace_state: Any = None) -> CallBatch:
+    """A resolved forward (columns) of a model with nested modules, traced without statistics."""
+    modules = [ModuleInfo("", "Net", 0), ModuleInfo("0", "Linear", 1), ModuleInfo("1", "Seq", 1),
+               ModuleInfo("1.0", "ReLU", 2)]  # fmt: skip
+    batch = CallBatch(modules, TRACE_ID, root_parent_id, remote, 1, trace_state, 7)
+    # module, parent position: Net > (Linear, Seq > ReLU, Linear again)
+    for module, parent, start, end in [(0, -1, 0, 100), (1, 0, 5, 20), (2, 0, 25, 60), (3, 2, 30, 50), (1, 0, 70, 90)]:
+        batch.module.append(module)
+        batch.parent.append(parent)
+        batch.depth.append(0 if parent < 0 else batch.depth[parent] + 1)
+        batch.start_ns.append(T0 + start)
+        batch.end_ns.append(T0 + end)
+        batch.attributes.append(None)
+    batch.span_id = [0x100 + i for i in range(5)]
+    batch.span_id[3] = 0xFFFFFFFFFFFFFFFF
+    batch.hi = 5
+    return batch
+
+
+@pytest.mark.parametrize(
+    "root",
+    [{}, {"root_parent_id": 0x99}, {"root_parent_id": 0x99, "remote": True, "trace_state": TraceState([("v", "1")])}],
+    ids=["new_trace", "local_parent", "remote_parent"],
+)
+def test_a_forward_traced_without_statistics_encodes_from_its_columns_as_from_its_calls(root) -> None:
+    batch = timing_batch(**root)
+    from_columns = encode_export_request(Calls([batch, batch[1:4]]), RESOURCE, *SCOPE)
+    assert not batch.made  # the columns were enough
+    assert from_columns == encode_export_request([*batch.calls(), *batch.calls()[1:4]], RESOURCE, *SCOPE)
+    spans = decode(from_columns).resource_spans[0].scope_spans[0].spans
+    assert [span.name for span in spans] == ["Net", "0", "1", "1.0", "0", "0", "1", "1.0"]
+    assert spans[3].parent_span_id == (0x102).to_bytes(8, "big")
+    assert spans[3].span_id == bytes(8 * [0xFF])

@@ -144,7 +144,7 @@ class CallBatch(Sequence[ModuleCall]):
         info = self.modules[self.module[i]]
         parent = self.parent[i]
         sparse = self.sparse.get(i)
-        error, output_value, input_value, tensors, module_attributes = sparse if sparse is not None else _NO_EXTRAS
+        error, output_value, input_value, tensors, module_attributes = sparse if sparse is not None else NO_EXTRAS
         attributes = self.attributes[i]
         if attributes is None:
             attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
@@ -176,7 +176,7 @@ class CallBatch(Sequence[ModuleCall]):
     def set_error(self, i: int, error: BaseException) -> None:
         sparse = self.sparse.get(i)
         if sparse is None:
-            sparse = self.sparse[i] = list(_NO_EXTRAS)
+            sparse = self.sparse[i] = list(NO_EXTRAS)
         sparse[0] = error
         if self.made:
             self._made[0][i].error = error
@@ -200,7 +200,7 @@ class CallBatch(Sequence[ModuleCall]):
         return self.calls()[self.lo : self.hi][key]
 
 
-_NO_EXTRAS = (None, None, None, None, None)
+NO_EXTRAS = (None, None, None, None, None)  # a call with no error, no user values, no captures
 
 
 class Calls(Sequence[ModuleCall]):

@@ -41,7 +41,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
-from torchtrace._calls import ModuleCall, error_text, exception_event_attributes
+from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 
 _logger = logging.getLogger(__name__)
 
@@ -329,6 +329,7 @@ _FLOAT_TYPES = frozenset((float,))
 
 def clear_template_cache() -> None:
     _shapes.clear()
+    _timing_templates.clear()
 
 
 _get_trace_id = attrgetter("trace_id")
@@ -339,6 +340,35 @@ def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) ->
     """Concatenated ScopeSpans.spans entries for ``calls``, in order, within ``limits`` (default: from env)."""
     if limits is None:
         limits = _Limits()
+    if isinstance(calls, (Calls, CallBatch)):
+        segments = calls.segments if isinstance(calls, Calls) else [calls]
+        return b"".join(_encode_segments(group, limits) for group in _runs(segments))
+    return _encode_call_list(calls, limits)
+
+
+def _runs(segments: Sequence[Sequence[ModuleCall]]) -> list[list]:
+    """Consecutive segments grouped: runs of timing-only columns, and single other segments, in order."""
+    runs: list[list] = []
+    timing_run = False
+    for segment in segments:
+        timing = _timing_only(segment)
+        if timing and timing_run:
+            runs[-1].append(segment)
+        else:
+            runs.append([segment])
+        timing_run = timing
+    return runs
+
+
+def _encode_segments(group: list, limits: _Limits) -> bytes:
+    if _timing_only(group[0]):
+        encoded = _encode_timing_only(group, limits)
+        if encoded is not None:
+            return encoded
+    return _encode_call_list([call for segment in group for call in segment], limits)
+
+
+def _encode_call_list(calls: Sequence[ModuleCall], limits: _Limits) -> bytes:
     max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
     check_lengths = limits.value_length is not None
     rows: list[bytes] = []
@@ -405,19 +435,25 @@ def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) ->
 def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: list[_Template], floats: list) -> None:
     """Write ids, timestamps and doubles of all template-encoded spans into ``buf`` at once."""
     n = len(calls)
-    base = np.asarray(starts, dtype=np.intp)
     trace_ids = list(map(_get_trace_id, calls))
-
-    # trace id: usually one per batch (one forward), then a single broadcast write
-    tid_off = base + np.fromiter(map(attrgetter("tid"), temps), dtype=np.intp, count=n)
-    if trace_ids.count(trace_ids[0]) == n:
+    if trace_ids.count(trace_ids[0]) == n:  # usually one per batch (one forward): a single broadcast write
         tid_bytes = np.frombuffer(trace_ids[0].to_bytes(16, "big"), dtype=np.uint8)
     else:
         tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
+    nums = np.fromiter(chain.from_iterable(map(_get_ids, calls)), dtype=np.uint64, count=4 * n).reshape(n, 4)
+    _fill_slots(buf, np.asarray(starts, dtype=np.intp), temps, tid_bytes, nums, floats)
+
+
+def _fill_slots(
+    buf: np.ndarray, base: np.ndarray, temps: list[_Template], tid_bytes: np.ndarray, nums: np.ndarray, floats: list
+) -> None:
+    """Write trace ids (16 bytes, or n x 16), the (span id, parent id, start, end) rows of ``nums`` and the
+    doubles of every template-encoded span into ``buf`` at the rows' offsets ``base``."""
+    n = len(temps)
+    tid_off = base + np.fromiter(map(attrgetter("tid"), temps), dtype=np.intp, count=n)
     buf[tid_off[:, None] + _AR16] = tid_bytes
 
     # span id, parent id (big-endian bytes), start and end (fixed64, little-endian)
-    nums = np.fromiter(chain.from_iterable(map(_get_ids, calls)), dtype=np.uint64, count=4 * n).reshape(n, 4)
     sid_off = base + np.fromiter(map(attrgetter("sid"), temps), dtype=np.intp, count=n)
     buf[sid_off[:, None] + _AR8] = nums[:, 0].astype(">u8").view(np.uint8).reshape(n, 8)
     pid_rel = np.fromiter(map(attrgetter("pid"), temps), dtype=np.intp, count=n)
@@ -431,12 +467,104 @@ def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: li
     buf[(start_off + 9)[:, None] + _AR8] = nums[:, 3].astype("<u8").view(np.uint8).reshape(n, 8)
 
     # doubles: every float attribute of every span
+    if not floats:
+        return
     counts = np.fromiter(map(attrgetter("n_doubles"), temps), dtype=np.intp, count=n)
     total = int(counts.sum())
     if total:
         values = np.fromiter(chain.from_iterable(floats), dtype="<f8", count=total)
         offs = np.concatenate([t.doubles for t in temps]) + np.repeat(base, counts)
         buf[offs[:, None] + _AR8] = values.view(np.uint8).reshape(total, 8)
+
+
+# --- columns: forwards whose calls carry only the module path and type ---------------------------------------
+
+_CHILD, _ROOT, _ROOT_UNDER_LOCAL, _ROOT_UNDER_REMOTE = range(4)  # parent kinds
+# (id(modules), trace state) -> (modules, one template list per parent kind, indexed by module index)
+_timing_templates: dict[tuple[int, str | None], tuple[Any, list[list]]] = {}
+
+
+def _timing_template_lists(modules: Sequence[Any], trace_state: str | None) -> list[list]:
+    key = (id(modules), trace_state)
+    cached = _timing_templates.get(key)
+    if cached is None or cached[0] is not modules:
+        if len(_timing_templates) >= 64:  # handles come and go: stay bounded
+            _timing_templates.clear()
+        cached = _timing_templates[key] = (modules, [[None] * len(modules) for _ in range(4)])
+    return cached[1]
+
+
+def _timing_template(modules: Sequence[Any], index: int, kind: int, trace_state: str | None, limits: _Limits) -> Any:
+    """The template of a call of ``modules[index]`` with only the path and type attributes, made once; False if
+    such a call is over the span limits (it takes the general path)."""
+    info = modules[index]
+    attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+    if len(attributes) > (limits.attributes if limits.attributes is not None else 1 << 62) or (
+        limits.value_length is not None and _over_limits(attributes, limits)
+    ):
+        return False
+    parent_id, remote = (0, False) if kind == _ROOT else (1, kind == _ROOT_UNDER_REMOTE)
+    call = ModuleCall(info.path, info.type_name, 0, 1, 1, parent_id, 0, 0, attributes, parent_is_remote=remote)
+    return _build(call, call.name, trace_state, frozenset())
+
+
+def _timing_only(batch: Sequence[ModuleCall]) -> bool:
+    """A forward's columns whose calls carry only the module path and type, and no error."""
+    if not isinstance(batch, CallBatch) or batch.made:
+        return False
+    lo, hi = batch.lo, batch.hi
+    return not any(batch.attributes[lo:hi]) and not any(
+        extras[0] is not None for position, extras in batch.sparse.items() if lo <= position < hi
+    )
+
+
+def _encode_timing_only(batches: list[CallBatch], limits: _Limits) -> bytes | None:
+    """The spans of forwards traced without statistics or errors, straight from their columns: one template per
+    module, tiled; ids and times of all of them written with numpy at once. None when a call is over the limits."""
+    temps: list[_Template] = []
+    span_ids: list[int] = []
+    parent_ids: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    trace_ids: list[int] = []
+    for batch in batches:
+        lo, hi = batch.lo, batch.hi
+        trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
+        lists = _timing_template_lists(batch.modules, trace_state)
+        if not batch.root_parent_id:
+            root_kind = _ROOT
+        else:
+            root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
+        children, ids, parents = lists[_CHILD], batch.span_id, batch.parent[lo:hi]
+        for index, parent in zip(batch.module[lo:hi], parents):
+            kind_list = children if parent >= 0 else lists[root_kind]
+            template = kind_list[index]
+            if template is None:
+                template = kind_list[index] = _timing_template(
+                    batch.modules, index, _CHILD if parent >= 0 else root_kind, trace_state, limits
+                )
+            if template is False:
+                return None
+            temps.append(template)
+        span_ids += ids[lo:hi]
+        root_parent = batch.root_parent_id
+        parent_ids += [ids[parent] if parent >= 0 else root_parent for parent in parents]
+        starts += batch.start_ns[lo:hi]
+        ends += batch.end_ns[lo:hi]
+        trace_ids.append(batch.trace_id)
+        trace_ids += [batch.trace_id] * (hi - lo - 1)
+    rows = [template.row for template in temps]
+    n = len(rows)
+    base = np.zeros(n, dtype=np.intp)
+    np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=n - 1), out=base[1:])
+    nums = np.array([span_ids, parent_ids, starts, ends], dtype=np.uint64).T
+    if trace_ids.count(trace_ids[0]) == n:
+        tid_bytes = np.frombuffer(trace_ids[0].to_bytes(16, "big"), dtype=np.uint8)
+    else:
+        tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
+    out = bytearray(b"".join(rows))
+    _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, [])
+    return bytes(out)
 
 
 # --- request ------------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall
 
 _logger = logging.getLogger(__name__)
 
@@ -44,14 +44,46 @@ _key_tuples: dict[tuple, tuple] = {}
 def pack(call: ModuleCall) -> tuple:
     """``call`` as one tuple: GC-untracked once it survives a collection, when all its values are atomic."""
     attributes = call.attributes
-    keys = tuple(attributes)
+    # flat: a tuple inside a tuple is untracked one collection later than it (the inner one is visited last)
+    return (*_HEAD(call), *_TAIL(call), _interned(tuple(attributes)), *attributes.values())
+
+
+_TIMING_KEYS = ("torchtrace.module.path", "torchtrace.module.type")
+
+
+def pack_columns(batch: CallBatch) -> Iterator[tuple]:
+    """The calls of a forward's columns, packed as ``pack`` packs them, without making ``ModuleCall`` objects."""
+    modules, ids, sparse = batch.modules, batch.span_id, batch.sparse
+    trace_id, root_parent, remote = batch.trace_id, batch.root_parent_id, batch.parent_is_remote
+    flags, trace_state, thread_id = batch.trace_flags, batch.trace_state, batch.thread_id
+    lo, hi = batch.lo, batch.hi
+    for position, index, depth, parent, start, end, attributes in zip(
+        range(lo, hi),
+        batch.module[lo:hi],
+        batch.depth[lo:hi],
+        batch.parent[lo:hi],
+        batch.start_ns[lo:hi],
+        batch.end_ns[lo:hi],
+        batch.attributes[lo:hi],
+    ):
+        info = modules[index]
+        error, output_value, input_value, tensors, module_attributes = sparse.get(position) or NO_EXTRAS
+        head = (info.path, info.type_name, depth, trace_id, ids[position], ids[parent] if parent >= 0 else root_parent,
+                start, end, error, thread_id, parent < 0 and remote, flags, trace_state, output_value, input_value,
+                tensors, module_attributes, "forward")  # fmt: skip
+        if attributes is None:
+            yield (*head, _TIMING_KEYS, info.path, info.type_name)
+        else:
+            yield (*head, _interned(tuple(attributes)), *attributes.values())
+
+
+def _interned(keys: tuple) -> tuple:
     interned = _key_tuples.get(keys)
     if interned is None:
         if len(_key_tuples) >= _MAX_KEY_TUPLES:
             _key_tuples.clear()
         interned = _key_tuples[keys] = keys
-    # flat: a tuple inside a tuple is untracked one collection later than it (the inner one is visited last)
-    return (*_HEAD(call), *_TAIL(call), interned, *attributes.values())
+    return interned
 
 
 def unpack(packed: tuple) -> ModuleCall:
@@ -72,10 +104,17 @@ class RecordStore:
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         records, by_path = self._records, self._by_path
-        for call in calls:
-            packed = pack(call)
-            records.append(packed)
-            by_path.setdefault((call.kind, call.path), collections.deque()).append(packed)
+        for segment in calls.segments if isinstance(calls, Calls) else [calls]:
+            if isinstance(segment, CallBatch) and not segment.made:
+                packed_calls: Iterable[tuple] = pack_columns(segment)
+            else:
+                packed_calls = map(pack, segment)
+            for packed in packed_calls:
+                records.append(packed)
+                path_records = by_path.get((packed[_KIND], packed[0]))
+                if path_records is None:
+                    path_records = by_path[(packed[_KIND], packed[0])] = collections.deque()
+                path_records.append(packed)
         while len(records) > self.max_records:
             oldest = records.popleft()
             by_path[(oldest[_KIND], oldest[0])].popleft()  # the oldest of its path too: both are in call order

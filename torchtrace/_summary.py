@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import CallBatch, Calls, ModuleCall
 
 _RESERVOIR = 4096  # durations kept per layer for the p95: the latest ones, bounded
 
@@ -42,23 +42,63 @@ class SummarySink:
         self._root_ns = 0  # time in outermost forward calls: the denominator of "share"
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
-        layers = self._layers
+        for segment in calls.segments if isinstance(calls, Calls) else [calls]:
+            if isinstance(segment, CallBatch) and not segment.made:
+                self._add_columns(segment)
+            else:
+                self._add_calls(segment)
+
+    def _layer(self, name: str, type_name: str) -> _Layer:
+        layer = self._layers.get(name)
+        if layer is None:
+            layer = self._layers[name] = _Layer(type_name)
+        return layer
+
+    def _add_calls(self, calls: Sequence[ModuleCall]) -> None:
         outermost: dict[str, tuple[int, int]] = {}  # name -> (trace id, end) of its latest call not nested in itself
         for call in calls:  # in start order within each forward
-            duration = call.end_ns - call.start_ns
-            name = call.name
-            layer = layers.get(name)
-            if layer is None:
-                layer = layers[name] = _Layer(call.type_name)
+            self._add(
+                self._layer(call.name, call.type_name),
+                call.start_ns,
+                call.end_ns,
+                call.trace_id,
+                call.name,
+                outermost,
+                call.depth == 0 and call.kind == "forward",
+            )
+
+    def _add_columns(self, batch: CallBatch) -> None:
+        """A forward's calls from its columns (one trace): the loop of ``_add``, inlined (it runs per call)."""
+        outermost: dict[str, int] = {}  # name -> end of its latest call not nested in itself
+        modules, layers = batch.modules, self._layers
+        lo, hi = batch.lo, batch.hi
+        for index, start, end, parent in zip(
+            batch.module[lo:hi], batch.start_ns[lo:hi], batch.end_ns[lo:hi], batch.parent[lo:hi]
+        ):
+            info = modules[index]
+            name = info.path or info.type_name
+            layer = layers.get(name) or self._layer(name, info.type_name)
+            duration = end - start
             layer.calls += 1
             layer.sum_ns += duration
             layer.recent.append(duration)
-            outer = outermost.get(name)
-            if outer is None or outer[0] != call.trace_id or call.end_ns > outer[1]:
-                outermost[name] = (call.trace_id, call.end_ns)
+            if end > outermost.get(name, 0):
+                outermost[name] = end
                 layer.total_ns += duration  # a recursive call's inner calls are inside it: counted once
-            if call.depth == 0 and call.kind == "forward":
+            if parent < 0:
                 self._root_ns += duration
+
+    def _add(self, layer: _Layer, start: int, end: int, trace_id: int, name: str, outermost: dict, root: bool) -> None:
+        duration = end - start
+        layer.calls += 1
+        layer.sum_ns += duration
+        layer.recent.append(duration)
+        outer = outermost.get(name)
+        if outer is None or outer[0] != trace_id or end > outer[1]:
+            outermost[name] = (trace_id, end)
+            layer.total_ns += duration  # a recursive call's inner calls are inside it: counted once
+        if root:
+            self._root_ns += duration
 
     def rows(self) -> list[LayerSummary]:
         rows = []
