@@ -28,6 +28,8 @@ from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, find_tensors
 
 _UNKNOWN = object()
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
+_compiler = torch.compiler
 
 
 class SummaryMarker:
@@ -71,7 +73,12 @@ class RawForward:
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
 
 
-class _ThreadState(threading.local):
+class _ThreadState:
+    """What the hooks of one instrumentation keep per thread (plain slots: read many times per call)."""
+
+    __slots__ = ("stats", "stack", "entries", "skip_depth", "skip_root", "root_frame", "parent", "clock_offset_ns",
+                 "timer")  # fmt: skip
+
     def __init__(self, options: Options, steps: Any) -> None:
         # per thread: it batches per forward; in training, device statistics share the step's rows
         self.stats = StatComputer(
@@ -123,20 +130,31 @@ class HookRecorder:
         self.steps = steps  # a StepTracker when forwards belong to training steps
         self.warned_compiled = False
         self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
-        self._state = _ThreadState(options, steps)
+        self._local = threading.local()  # .state: this thread's _ThreadState
+
+    def _thread_state(self) -> _ThreadState:
+        try:
+            return self._local.state
+        except AttributeError:
+            state = self._local.state = _ThreadState(self.options, self.steps)
+            return state
 
     # -- hook factories -------------------------------------------------------------------------------------------
 
     def forward_pre_hook(self, index: int):
-        state = self._state
+        local = self._local
+        thread_state = self._thread_state
         perf_counter_ns = time.perf_counter_ns
         exc_info = sys.exc_info
         input_work = self._input_work
-        is_compiling = torch.compiler.is_compiling
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
-            if is_compiling():  # constant-folded by dynamo: a compiled region contains no hook work (see README)
-                return
+            if _dynamo_compiling() or _compiler._is_compiling_flag:  # constant-folded by dynamo: a compiled
+                return  # region contains no hook work (see README); the flag: torch.export's non-strict tracing
+            try:
+                state = local.state
+            except AttributeError:
+                state = thread_state()
             if state.skip_depth:
                 if index != state.skip_root or _on_call_stack(state.root_frame):
                     state.skip_depth += 1
@@ -169,15 +187,19 @@ class HookRecorder:
         return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
 
     def forward_post_hook(self, index: int):
-        state = self._state
+        local = self._local
+        thread_state = self._thread_state
         perf_counter_ns = time.perf_counter_ns
-        is_compiling = torch.compiler.is_compiling
         output_work = self._output_work
 
         def post_hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if is_compiling():
+            if _dynamo_compiling() or _compiler._is_compiling_flag:
                 return
             end = perf_counter_ns()  # first: the span times the module, not our bookkeeping
+            try:
+                state = local.state
+            except AttributeError:
+                state = thread_state()
             if state.skip_depth:
                 state.skip_depth -= 1
                 if not state.skip_depth:
@@ -348,12 +370,12 @@ class HookRecorder:
     def _output_backward(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if self.steps.pending_calls >= self.options.max_pending_calls:
             return  # a step that is never closed: its forwards are dropped, so are their backward hooks
-        timer = self._state.timer if entry[START_EVENT] is not None else None  # on the timer's device only
+        timer = self._thread_state().timer if entry[START_EVENT] is not None else None  # on the timer's device only
         self.steps.watch_backward(entry, module, args, output, timer)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
-        summarise = self._state.stats
+        summarise = self._thread_state().stats
         summaries = {name: summarise(tensor) for name, tensor in tensors}
         if truncated:
             summaries[TRUNCATED] = {"truncated": True}
