@@ -258,7 +258,8 @@ def test_a_stat_that_changes_type_is_encoded_with_its_own_type():
 
 
 def timing_batch(root_parent_id: int = 0, remote: bool = False, trace_state: Any = None) -> CallBatch:
-    """A resolved forward (columns) of a model with nested modules, traced without statistics."""
+    """A resolved forward (columns) of a model with nested modules, traced without statistics: every call has
+    only the module path and type."""
     modules = [ModuleInfo("", "Net", 0), ModuleInfo("0", "Linear", 1), ModuleInfo("1", "Seq", 1),
                ModuleInfo("1.0", "ReLU", 2)]  # fmt: skip
     batch = CallBatch(modules, TRACE_ID, root_parent_id, remote, 1, trace_state, 7)
@@ -290,3 +291,18 @@ def test_a_forward_traced_without_statistics_encodes_from_its_columns_as_from_it
     assert [span.name for span in spans] == ["Net", "0", "1", "1.0", "0", "0", "1", "1.0"]
     assert spans[3].parent_span_id == (0x102).to_bytes(8, "big")
     assert spans[3].span_id == bytes(8 * [0xFF])
+
+
+def test_a_forward_with_statistics_encodes_from_its_columns_as_from_its_calls() -> None:
+    import numpy as np
+
+    batch = timing_batch(root_parent_id=0x99)
+    stats = {"torchtrace.output.shape": (1, 32), "torchtrace.output.mean": 0.5, "torchtrace.output.nan_count": 0}
+    batch.attributes[1] = {"torchtrace.module.path": "0", "torchtrace.module.type": "Linear", **stats}
+    batch.attributes[4] = {**batch.attributes[1], "torchtrace.output.shape": (2, 32), "torchtrace.output.mean": 1.5}
+    batch.attributes[3] = {"torchtrace.module.path": "1.0", "odd": np.float32(2.0)}  # marshal cannot key it
+    payload = encode_export_request(Calls([batch]), RESOURCE, *SCOPE)
+    assert not batch.made
+    assert decode(payload) == decode(encode_export_request(batch.calls(), RESOURCE, *SCOPE))
+    spans = decode(payload).resource_spans[0].scope_spans[0].spans
+    assert attrs(spans[4].attributes)["torchtrace.output.mean"] == 1.5

@@ -347,22 +347,22 @@ def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) ->
 
 
 def _runs(segments: Sequence[Sequence[ModuleCall]]) -> list[list]:
-    """Consecutive segments grouped: runs of timing-only columns, and single other segments, in order."""
+    """Consecutive segments grouped: runs of columns, and single other segments, in order."""
     runs: list[list] = []
-    timing_run = False
+    columns_run = False
     for segment in segments:
-        timing = _timing_only(segment)
-        if timing and timing_run:
+        columns = _from_columns(segment)
+        if columns and columns_run:
             runs[-1].append(segment)
         else:
             runs.append([segment])
-        timing_run = timing
+        columns_run = columns
     return runs
 
 
 def _encode_segments(group: list, limits: _Limits) -> bytes:
-    if _timing_only(group[0]):
-        encoded = _encode_timing_only(group, limits)
+    if _from_columns(group[0]):
+        encoded = _encode_columns(group, limits)
         if encoded is not None:
             return encoded
     return _encode_call_list([call for segment in group for call in segment], limits)
@@ -477,7 +477,7 @@ def _fill_slots(
         buf[offs[:, None] + _AR8] = values.view(np.uint8).reshape(total, 8)
 
 
-# --- columns: forwards whose calls carry only the module path and type ---------------------------------------
+# --- columns: forwards encoded without ModuleCall objects ---------------------------------------------------
 
 _CHILD, _ROOT, _ROOT_UNDER_LOCAL, _ROOT_UNDER_REMOTE = range(4)  # parent kinds
 # (id(modules), trace state) -> (modules, one template list per parent kind, indexed by module index)
@@ -508,20 +508,26 @@ def _timing_template(modules: Sequence[Any], index: int, kind: int, trace_state:
     return _build(call, call.name, trace_state, frozenset())
 
 
-def _timing_only(batch: Sequence[ModuleCall]) -> bool:
-    """A forward's columns whose calls carry only the module path and type, and no error."""
+def _from_columns(batch: Sequence[ModuleCall]) -> bool:
+    """A forward's columns with no error among its calls (an exception event takes the general path)."""
     if not isinstance(batch, CallBatch) or batch.made:
         return False
     lo, hi = batch.lo, batch.hi
-    return not any(batch.attributes[lo:hi]) and not any(
-        extras[0] is not None for position, extras in batch.sparse.items() if lo <= position < hi
-    )
+    return not any(extras[0] is not None for position, extras in batch.sparse.items() if lo <= position < hi)
 
 
-def _encode_timing_only(batches: list[CallBatch], limits: _Limits) -> bytes | None:
-    """The spans of forwards traced without statistics or errors, straight from their columns: one template per
-    module, tiled; ids and times of all of them written with numpy at once. None when a call is over the limits."""
+def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
+    """The spans of forwards straight from their columns, all of them at once: a call with only the module path
+    and type takes its module's template; one with statistics the template of its attribute keys and non-float
+    values (as ``_encode_call_list``); ids, times and doubles are written with numpy. None: a double slot would
+    get a non-float (the general path then encodes span by span)."""
+    max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
+    check_lengths = limits.value_length is not None
+    shapes = _shapes
+    rows: list[bytes] = []
     temps: list[_Template] = []
+    templated: list[int] = []  # positions in rows of the spans with a template (the others are complete rows)
+    floats: list[tuple] = []
     span_ids: list[int] = []
     parent_ids: list[int] = []
     starts: list[int] = []
@@ -535,35 +541,74 @@ def _encode_timing_only(batches: list[CallBatch], limits: _Limits) -> bytes | No
             root_kind = _ROOT
         else:
             root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
-        children, ids, parents = lists[_CHILD], batch.span_id, batch.parent[lo:hi]
-        for index, parent in zip(batch.module[lo:hi], parents):
-            kind_list = children if parent >= 0 else lists[root_kind]
-            template = kind_list[index]
-            if template is None:
-                template = kind_list[index] = _timing_template(
-                    batch.modules, index, _CHILD if parent >= 0 else root_kind, trace_state, limits
-                )
-            if template is False:
-                return None
+        modules, ids, trace_id, root_parent = batch.modules, batch.span_id, batch.trace_id, batch.root_parent_id
+        children = lists[_CHILD]
+        for position, index, parent, attrs, start, end in zip(
+            range(lo, hi),
+            batch.module[lo:hi],
+            batch.parent[lo:hi],
+            batch.attributes[lo:hi],
+            batch.start_ns[lo:hi],
+            batch.end_ns[lo:hi],
+        ):
+            template = None
+            if attrs is None:
+                kind = _CHILD if parent >= 0 else root_kind
+                kind_list = children if parent >= 0 else lists[root_kind]
+                template = kind_list[index]
+                if template is None:
+                    template = kind_list[index] = _timing_template(modules, index, kind, trace_state, limits)
+                values: tuple = ()
+            elif not (len(attrs) > max_attributes or (check_lengths and _over_limits(attrs, limits))):
+                vals = tuple(attrs.values())
+                info = modules[index]
+                name = info.path or info.type_name
+                key = (name, parent >= 0 or root_parent != 0, parent < 0 and batch.parent_is_remote, trace_state,
+                       tuple(attrs))  # fmt: skip
+                shape = shapes.get(key)
+                if shape is None:
+                    if len(shapes) >= _MAX_TEMPLATES:
+                        shapes.clear()
+                    shape = shapes[key] = _Shape(vals)
+                try:  # marshal: as in _encode_call_list
+                    vkey = marshal.dumps(shape.others(vals), 2)
+                except ValueError:
+                    pass
+                else:
+                    template = shape.variants.get(vkey)
+                    if template is None:
+                        if len(shape.variants) >= _MAX_VARIANTS:
+                            shape.variants.clear()
+                        template = shape.variants[vkey] = _build(
+                            batch._make(position), name, trace_state, shape.float_positions
+                        )
+                    values = shape.floats(vals)
+            if not template:  # over the span limits, or values marshal cannot key: this span alone, complete
+                rows.append(_encode_span_row(batch._make(position), trace_state, limits))
+                continue
+            templated.append(len(rows))
+            rows.append(template.row)
             temps.append(template)
-        span_ids += ids[lo:hi]
-        root_parent = batch.root_parent_id
-        parent_ids += [ids[parent] if parent >= 0 else root_parent for parent in parents]
-        starts += batch.start_ns[lo:hi]
-        ends += batch.end_ns[lo:hi]
-        trace_ids.append(batch.trace_id)
-        trace_ids += [batch.trace_id] * (hi - lo - 1)
-    rows = [template.row for template in temps]
-    n = len(rows)
-    base = np.zeros(n, dtype=np.intp)
-    np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=n - 1), out=base[1:])
-    nums = np.array([span_ids, parent_ids, starts, ends], dtype=np.uint64).T
-    if trace_ids.count(trace_ids[0]) == n:
-        tid_bytes = np.frombuffer(trace_ids[0].to_bytes(16, "big"), dtype=np.uint8)
-    else:
-        tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
+            floats.append(values)
+            span_ids.append(ids[position])
+            parent_ids.append(ids[parent] if parent >= 0 else root_parent)
+            starts.append(start)
+            ends.append(end)
+            trace_ids.append(trace_id)
+    if not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
+        return None
     out = bytearray(b"".join(rows))
-    _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, [])
+    if temps:
+        offsets = np.zeros(len(rows), dtype=np.intp)
+        np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=len(rows) - 1), out=offsets[1:])
+        n = len(temps)
+        nums = np.array([span_ids, parent_ids, starts, ends], dtype=np.uint64).T
+        if trace_ids.count(trace_ids[0]) == n:
+            tid_bytes = np.frombuffer(trace_ids[0].to_bytes(16, "big"), dtype=np.uint8)
+        else:
+            tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
+        base = offsets if n == len(rows) else offsets[np.asarray(templated, dtype=np.intp)]
+        _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, floats)
     return bytes(out)
 
 
