@@ -11,11 +11,12 @@ Reported per variant (medians over repetitions, per forward):
 
 Models: "cheap" = 64 x (Linear(32, 32) + ReLU) at batch 1 (default grad mode: 129 module calls per forward, the
 tracer dominates); "encoder" = 6 x TransformerEncoderLayer(256, nhead=8, batch_first=True) in eval mode at batch 8,
-seq 64 under torch.inference_mode(). Any forward hook on a TransformerEncoderLayer (or its submodules) disables
+seq 64 under torch.inference_mode(); "varlen" = the same encoder fed a new sequence length every forward (7..160, as
+requests are; every variant sees the same lengths in the same order). Any forward hook on a TransformerEncoderLayer (or its submodules) disables
 torch's fused encoder fast path, so every encoder variant runs with torch.backends.mha fast path OFF (same math for
 all); the extra `none_fastpath` variant (encoder only) shows what the fast path alone is worth.
 
-Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder] [--otlp-protocol P]
+Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder,varlen] [--otlp-protocol P]
 The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}}}, ...}
 """
 
@@ -53,7 +54,7 @@ import torchtrace  # noqa: E402
 BSP_QUEUE = 1 << 17
 
 # model -> (forwards per timed repetition, repetitions) for a normal and a --quick run
-PLAN = {"cheap": ((20, 40), (10, 5)), "encoder": ((3, 25), (1, 2))}
+PLAN = {"cheap": ((20, 40), (10, 5)), "encoder": ((3, 25), (1, 2)), "varlen": ((6, 25), (2, 2))}
 
 
 class DiscardExporter(SpanExporter):
@@ -96,7 +97,15 @@ def encoder_model() -> tuple[nn.Module, torch.Tensor, Callable[[], Any]]:
     return model, torch.randn(8, 64, 256), torch.inference_mode
 
 
-MODELS = {"cheap": cheap_model, "encoder": encoder_model}
+def varlen_model() -> tuple[nn.Module, list[torch.Tensor], Callable[[], Any]]:
+    """The encoder fed a different sequence length every forward (7..160), as inference on real requests is."""
+    model, _, grad_context = encoder_model()
+    torch.manual_seed(1)
+    lengths = [7 + (i * 37) % 154 for i in range(154)]  # every length once, in a scrambled order
+    return model, [torch.randn(8, length, 256) for length in lengths], grad_context
+
+
+MODELS = {"cheap": cheap_model, "encoder": encoder_model, "varlen": varlen_model}
 
 
 def count_calls(model: nn.Module, x: torch.Tensor, grad_context: Callable[[], Any]) -> int:
@@ -338,19 +347,20 @@ def discard_receiver(protocol: str):
 # -- measuring -------------------------------------------------------------------------------------------------------
 
 
-def timed_repetition(variant: Variant, x: torch.Tensor, forwards: int) -> int:
-    """Nanoseconds per forward for N forwards plus the variant's flush."""
+def timed_repetition(variant: Variant, inputs: list[torch.Tensor], forwards: int, first: int = 0) -> int:
+    """Nanoseconds per forward for N forwards (inputs taken in turn from ``first``) plus the variant's flush."""
     model, flush = variant.model, variant.flush
     start = time.perf_counter_ns()
     with variant.window():
-        for _ in range(forwards):
-            model(x)
+        for i in range(first, first + forwards):
+            model(inputs[i % len(inputs)])
         flush()
     return (time.perf_counter_ns() - start) // forwards
 
 
 def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]], args: argparse.Namespace) -> dict:
     base, x, grad_context = MODELS[name]()
+    inputs = x if isinstance(x, list) else [x]
     (forwards, repeats), (quick_forwards, quick_repeats) = PLAN[name]
     if args.quick:
         forwards, repeats = quick_forwards, quick_repeats
@@ -358,22 +368,23 @@ def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]]
         repeats = args.repeats
     if args.forwards:
         forwards = args.forwards
-    encoder = name == "encoder"
+    encoder = name in ("encoder", "varlen")
     fastpath_before = torch.backends.mha.get_fastpath_enabled()
     if encoder:
         torch.backends.mha.set_fastpath_enabled(False)  # hooks disable it anyway: same math for every variant
         factories = [*factories, make_none_fastpath]
-    calls = count_calls(base, x, grad_context)
+    calls = count_calls(base, inputs[0], grad_context)
     variants = [factory(copy.deepcopy(base)) for factory in factories]
     try:
         with grad_context():
             for variant in variants:  # warm-up round, not timed (first calls, lazy imports, thread starts)
-                timed_repetition(variant, x, 1)
+                timed_repetition(variant, inputs, 1)
             for round_index in range(repeats):
                 shift = round_index % len(variants)
                 for variant in variants[shift:] + variants[:shift]:
                     gc.collect()
-                    variant.times_ns.append(timed_repetition(variant, x, forwards))
+                    # every variant gets the same inputs in a round (varlen: a new length each forward)
+                    variant.times_ns.append(timed_repetition(variant, inputs, forwards, round_index * forwards))
     finally:
         for variant in variants:
             variant.close()
@@ -418,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test; < 60 s)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
-    parser.add_argument("--models", default="cheap,encoder", help="comma-separated: cheap, encoder")
+    parser.add_argument("--models", default="cheap,encoder,varlen", help="comma-separated: cheap, encoder, varlen")
     parser.add_argument("--otlp-protocol", default="http/protobuf", choices=("http/protobuf", "grpc"))
     parser.add_argument("--serve-discard", choices=("http/protobuf", "grpc"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

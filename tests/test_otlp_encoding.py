@@ -306,3 +306,28 @@ def test_a_forward_with_statistics_encodes_from_its_columns_as_from_its_calls() 
     assert decode(payload) == decode(encode_export_request(batch.calls(), RESOURCE, *SCOPE))
     spans = decode(payload).resource_spans[0].scope_spans[0].spans
     assert attrs(spans[4].attributes)["torchtrace.output.mean"] == 1.5
+
+
+def test_shapes_are_data_one_template_serves_every_sequence_length() -> None:
+    from torchtrace import _otlp_encoding
+
+    clear_template_cache()
+    calls = [
+        call("enc", 0x40 + length, 0, 0, 10, {"torchtrace.output.shape": (8, length, 256), "mean": 0.5})
+        for length in range(7, 161)
+    ]
+    ours = decode(encode_export_request(calls, RESOURCE, *SCOPE))
+    assert ours == sdk_request(calls)
+    (shape,) = _otlp_encoding._shapes.values()
+    assert len(shape.variants) == 1  # not one per length
+
+
+@pytest.mark.parametrize(
+    "odd", [(8, -1, 256), (2**35, 1), (True, 3), (), (1.5, 2)], ids=["jagged", "huge", "bool", "empty", "float"]
+)
+def test_shapes_that_fit_no_dimension_slot_are_encoded_exactly(odd) -> None:
+    calls = [
+        call("enc", 0x50, 0, 0, 10, {"torchtrace.output.shape": (8, 7, 256), "mean": 0.5}),
+        call("enc", 0x51, 0, 0, 10, {"torchtrace.output.shape": odd, "mean": 0.5}),
+    ]
+    assert decode(encode_export_request(calls, RESOURCE, *SCOPE)) == sdk_request(calls)

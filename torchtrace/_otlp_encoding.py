@@ -58,6 +58,9 @@ _FLAGS_TAG = b"\x85\x01"  # Span.flags, field 16, fixed32
 _FLAG_HAS_IS_REMOTE, _FLAG_IS_REMOTE = 0x100, 0x200
 _STATUS_UNSET = b"\x7a\x00"  # the SDK always sets Status, so an empty one is present
 _AR8 = np.arange(8, dtype=np.intp)
+_AR5 = np.arange(5, dtype=np.intp)
+_SHIFTS7 = np.arange(0, 35, 7, dtype=np.uint64)
+_CONTINUE = np.array([0x80, 0x80, 0x80, 0x80, 0], dtype=np.uint8)
 _AR16 = np.arange(16, dtype=np.intp)
 
 
@@ -203,13 +206,34 @@ def _exception_event(error: BaseException, time_ns: int, limits: _Limits | None 
 class _Template:
     """One encoded ScopeSpans.spans entry with zeroed fixed-width slots, and where the slots are."""
 
-    __slots__ = ("row", "tid", "sid", "pid", "start", "doubles", "n_doubles")
+    __slots__ = ("row", "tid", "sid", "pid", "start", "doubles", "n_doubles", "dims", "n_dims")
 
-    def __init__(self, row: bytes, tid: int, sid: int, pid: int, start: int, doubles: list[int]) -> None:
+    def __init__(
+        self, row: bytes, tid: int, sid: int, pid: int, start: int, doubles: list[int], dims: list[int] = ()
+    ) -> None:
         self.row = row
         self.tid, self.sid, self.pid, self.start = tid, sid, pid, start  # end is at start + 9; pid -1: no parent
         self.doubles = np.asarray(doubles, dtype=np.intp)
         self.n_doubles = len(doubles)
+        self.dims = np.asarray(dims, dtype=np.intp)  # 5-byte varint slots of the int arrays (shapes), in order
+        self.n_dims = len(dims)
+
+
+# A shape changes from call to call (sequence lengths): its dimensions are written into fixed 5-byte varint slots
+# (non-minimal varints, which every protobuf parser reads as the same numbers), so the template stays the same.
+_DIM_LIMIT = 1 << 35  # what 5 varint bytes hold
+_DIM_SLOT = b"\x0a\x06\x18" + bytes(5)  # ArrayValue.values: AnyValue{int_value: <5-byte varint>}
+
+
+def _dims_key_value(key: str, rank: int) -> bytes:
+    """KeyValue{key, AnyValue{array_value}} of ``rank`` zeroed dimension slots; each slot's varint is its last
+    5 bytes."""
+    return _ld(b"\x0a", key.encode("utf-8")) + _ld(b"\x12", _ld(b"\x2a", _DIM_SLOT * rank))
+
+
+def _is_dims(value: Any) -> bool:
+    """A non-empty tuple of plain ints (a shape): encoded into dimension slots."""
+    return type(value) is tuple and len(value) > 0 and all(type(item) is int for item in value)
 
 
 def _build(
@@ -218,13 +242,16 @@ def _build(
     trace_state: str | None,
     float_slots: frozenset[int],
     limits: _Limits | None = None,
+    dims_slots: frozenset[int] = frozenset(),
 ) -> _Template:
-    """Encode ``call`` as a template; attribute values at positions ``float_slots`` become zeroed 8-byte slots.
-    With ``limits``, attributes are bounded first (the slow path only: then there are no float slots)."""
+    """Encode ``call`` as a template; attribute values at positions ``float_slots`` become zeroed 8-byte slots,
+    int tuples at ``dims_slots`` zeroed 5-byte varint slots. With ``limits``, attributes are bounded first (the
+    slow path only: then there are no slots)."""
     parts: list[bytes] = []
     size = 0
     slots: dict[str, int] = {}
     doubles: list[int] = []
+    dims: list[int] = []
 
     def put(b: bytes) -> None:
         nonlocal size
@@ -256,6 +283,11 @@ def _build(
             put(_ld(b"\x4a", kb + b"\x12\x09\x21" + bytes(8))[:-8])
             doubles.append(size)
             put(bytes(8))
+        elif position in dims_slots:
+            field = _ld(b"\x4a", _dims_key_value(key, len(value)))
+            first = size + len(field) - len(_DIM_SLOT) * len(value) + 3  # each slot: tag, length, tag, varint
+            dims.extend(first + i * len(_DIM_SLOT) for i in range(len(value)))
+            put(field)
         elif (kv := _key_value(key, value)) is not None:
             put(_ld(b"\x4a", kv))
     if dropped:
@@ -281,6 +313,7 @@ def _build(
         slots["pid"] + h if slots["pid"] >= 0 else -1,
         slots["start"] + h,
         [d + h for d in doubles],
+        [d + h for d in dims],
     )
 
 
@@ -304,13 +337,28 @@ class _Shape:
     type check in ``_encode_spans``, and a float where a non-float was is part of the variant key (constant).
     """
 
-    __slots__ = ("float_positions", "floats", "others", "variants")
+    __slots__ = ("float_positions", "dims_positions", "floats", "dims", "others", "variants")
 
-    def __init__(self, values: tuple) -> None:
+    def __init__(self, values: tuple, dims: bool = True) -> None:
         self.float_positions = frozenset(i for i, v in enumerate(values) if type(v) is float)
+        # with ``dims``, shapes are slots too (their ranks are part of the variant key)
+        self.dims_positions = frozenset(i for i, v in enumerate(values) if dims and _is_dims(v))
         self.floats = _getter(sorted(self.float_positions))
-        self.others = _getter([i for i in range(len(values)) if i not in self.float_positions])
-        self.variants: dict[bytes, Any] = {}  # marshal(non-float values) -> template (protobuf or JSON)
+        self.dims = _getter(sorted(self.dims_positions))
+        slots = self.float_positions | self.dims_positions
+        self.others = _getter([i for i in range(len(values)) if i not in slots])
+        self.variants: dict[bytes, Any] = {}  # marshal(other values, ranks) -> template (protobuf or JSON)
+
+    def variant(self, values: tuple) -> bytes:
+        """The variant key of ``values``: marshal keeps True/1/1.0 and list/tuple apart, so equal keys mean
+        identical encodings; it raises ValueError on types it does not know (numpy scalars...)."""
+        if not self.dims_positions:
+            return marshal.dumps(self.others(values), 2)  # version 2: no back-references
+        return marshal.dumps((self.others(values), tuple(map(_rank, self.dims(values)))), 2)
+
+
+def _rank(value: Any) -> int:
+    return len(value) if type(value) is tuple else -1  # not a tuple any more: a new variant (then checked)
 
 
 def _getter(indices: list[int]) -> Any:
@@ -376,6 +424,7 @@ def _encode_call_list(calls: Sequence[ModuleCall], limits: _Limits) -> bytes:
     starts: list[int] = []  # its row's offset in the output
     temps: list[_Template] = []
     floats: list[tuple] = []
+    dims: list[tuple] = []
     pos = 0
     ts_memo: dict[int, str] = {}
     shapes = _shapes
@@ -402,37 +451,52 @@ def _encode_call_list(calls: Sequence[ModuleCall], limits: _Limits) -> bytes:
                     shapes.clear()
                 shape = shapes[key] = _Shape(vals)
             try:
-                # marshal keeps True/1/1.0 and list/tuple apart, so equal keys mean identical encodings;
-                # it raises on types it does not know (numpy scalars...), which take the slow path.
-                vkey = marshal.dumps(shape.others(vals), 2)  # version 2: no back-references
-            except ValueError:
+                vkey = shape.variant(vals)
+            except ValueError:  # a type marshal does not know: the slow path
                 row = _encode_span_row(c, ts, limits)
             else:
                 t = shape.variants.get(vkey)
                 if t is None:
                     if len(shape.variants) >= _MAX_VARIANTS:
                         shape.variants.clear()
-                    t = shape.variants[vkey] = _build(c, name, ts, shape.float_positions)
+                    t = shape.variants[vkey] = _build(c, name, ts, shape.float_positions, None, shape.dims_positions)
                 row = t.row
                 fast.append(c)
                 starts.append(pos)
                 temps.append(t)
                 floats.append(shape.floats(vals))
+                dims.append(shape.dims(vals))
         rows.append(row)
         pos += len(row)
 
-    if fast and not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
+    if fast and not _slots_fit(floats, dims):
         # a non-float where the template has a double slot (rare): encode this batch span by span
         return b"".join(
             _encode_span_row(c, _trace_state_str(c.trace_state) if c.trace_state else None, limits) for c in calls
         )
     out = bytearray(b"".join(rows))
     if fast:
-        _fill(np.frombuffer(out, dtype=np.uint8), fast, starts, temps, floats)
+        _fill(np.frombuffer(out, dtype=np.uint8), fast, starts, temps, floats, dims)
     return bytes(out)
 
 
-def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: list[_Template], floats: list) -> None:
+def _slots_fit(floats: list[tuple], dims: list[tuple]) -> bool:
+    """Whether every double slot got a float and every dimension slot an int tuple that 5 varint bytes hold (a
+    value that changed type is rare: the batch is then encoded span by span)."""
+    if not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
+        return False
+    arrays = list(chain.from_iterable(dims))
+    if not arrays:
+        return True
+    if not all(map(_is_dims, arrays)):
+        return False
+    flat = list(chain.from_iterable(arrays))
+    return min(flat) >= 0 and max(flat) < _DIM_LIMIT
+
+
+def _fill(
+    buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: list[_Template], floats: list, dims: list
+) -> None:
     """Write ids, timestamps and doubles of all template-encoded spans into ``buf`` at once."""
     n = len(calls)
     trace_ids = list(map(_get_trace_id, calls))
@@ -441,14 +505,20 @@ def _fill(buf: np.ndarray, calls: list[ModuleCall], starts: list[int], temps: li
     else:
         tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
     nums = np.fromiter(chain.from_iterable(map(_get_ids, calls)), dtype=np.uint64, count=4 * n).reshape(n, 4)
-    _fill_slots(buf, np.asarray(starts, dtype=np.intp), temps, tid_bytes, nums, floats)
+    _fill_slots(buf, np.asarray(starts, dtype=np.intp), temps, tid_bytes, nums, floats, dims)
 
 
 def _fill_slots(
-    buf: np.ndarray, base: np.ndarray, temps: list[_Template], tid_bytes: np.ndarray, nums: np.ndarray, floats: list
+    buf: np.ndarray,
+    base: np.ndarray,
+    temps: list[_Template],
+    tid_bytes: np.ndarray,
+    nums: np.ndarray,
+    floats: list,
+    dims: list,
 ) -> None:
-    """Write trace ids (16 bytes, or n x 16), the (span id, parent id, start, end) rows of ``nums`` and the
-    doubles of every template-encoded span into ``buf`` at the rows' offsets ``base``."""
+    """Write trace ids (16 bytes, or n x 16), the (span id, parent id, start, end) rows of ``nums``, the doubles
+    and the dimensions of every template-encoded span into ``buf`` at the rows' offsets ``base``."""
     n = len(temps)
     tid_off = base + np.fromiter(map(attrgetter("tid"), temps), dtype=np.intp, count=n)
     buf[tid_off[:, None] + _AR16] = tid_bytes
@@ -467,14 +537,23 @@ def _fill_slots(
     buf[(start_off + 9)[:, None] + _AR8] = nums[:, 3].astype("<u8").view(np.uint8).reshape(n, 8)
 
     # doubles: every float attribute of every span
-    if not floats:
-        return
-    counts = np.fromiter(map(attrgetter("n_doubles"), temps), dtype=np.intp, count=n)
-    total = int(counts.sum())
-    if total:
-        values = np.fromiter(chain.from_iterable(floats), dtype="<f8", count=total)
-        offs = np.concatenate([t.doubles for t in temps]) + np.repeat(base, counts)
-        buf[offs[:, None] + _AR8] = values.view(np.uint8).reshape(total, 8)
+    if floats:
+        counts = np.fromiter(map(attrgetter("n_doubles"), temps), dtype=np.intp, count=n)
+        total = int(counts.sum())
+        if total:
+            values = np.fromiter(chain.from_iterable(floats), dtype="<f8", count=total)
+            offs = np.concatenate([t.doubles for t in temps]) + np.repeat(base, counts)
+            buf[offs[:, None] + _AR8] = values.view(np.uint8).reshape(total, 8)
+
+    # dimensions: 5-byte varints, 7 bits a byte, the continuation bit on all but the last
+    if dims:
+        counts = np.fromiter(map(attrgetter("n_dims"), temps), dtype=np.intp, count=n)
+        total = int(counts.sum())
+        if total:
+            values = np.fromiter(chain.from_iterable(chain.from_iterable(dims)), dtype=np.uint64, count=total)
+            offs = np.concatenate([t.dims for t in temps]) + np.repeat(base, counts)
+            varints = ((values[:, None] >> _SHIFTS7) & np.uint64(0x7F)).astype(np.uint8) | _CONTINUE
+            buf[offs[:, None] + _AR5] = varints
 
 
 # --- columns: forwards encoded without ModuleCall objects ---------------------------------------------------
@@ -528,6 +607,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     temps: list[_Template] = []
     templated: list[int] = []  # positions in rows of the spans with a template (the others are complete rows)
     floats: list[tuple] = []
+    dims: list[tuple] = []
     span_ids: list[int] = []
     parent_ids: list[int] = []
     starts: list[int] = []
@@ -552,6 +632,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             batch.end_ns[lo:hi],
         ):
             template = None
+            shape_dims: tuple = ()
             if attrs is None:
                 kind = _CHILD if parent >= 0 else root_kind
                 kind_list = children if parent >= 0 else lists[root_kind]
@@ -570,8 +651,8 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
                     if len(shapes) >= _MAX_TEMPLATES:
                         shapes.clear()
                     shape = shapes[key] = _Shape(vals)
-                try:  # marshal: as in _encode_call_list
-                    vkey = marshal.dumps(shape.others(vals), 2)
+                try:
+                    vkey = shape.variant(vals)
                 except ValueError:
                     pass
                 else:
@@ -580,9 +661,10 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
                         if len(shape.variants) >= _MAX_VARIANTS:
                             shape.variants.clear()
                         template = shape.variants[vkey] = _build(
-                            batch._make(position), name, trace_state, shape.float_positions
+                            batch._make(position), name, trace_state, shape.float_positions, None, shape.dims_positions
                         )
                     values = shape.floats(vals)
+                    shape_dims = shape.dims(vals)
             if not template:  # over the span limits, or values marshal cannot key: this span alone, complete
                 rows.append(_encode_span_row(batch._make(position), trace_state, limits))
                 continue
@@ -590,12 +672,13 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             rows.append(template.row)
             temps.append(template)
             floats.append(values)
+            dims.append(shape_dims)
             span_ids.append(ids[position])
             parent_ids.append(ids[parent] if parent >= 0 else root_parent)
             starts.append(start)
             ends.append(end)
             trace_ids.append(trace_id)
-    if not _FLOAT_TYPES.issuperset(map(type, chain.from_iterable(floats))):
+    if not _slots_fit(floats, dims):
         return None
     out = bytearray(b"".join(rows))
     if temps:
@@ -608,7 +691,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
         else:
             tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
         base = offsets if n == len(rows) else offsets[np.asarray(templated, dtype=np.intp)]
-        _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, floats)
+        _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, floats, dims)
     return bytes(out)
 
 

@@ -199,7 +199,7 @@ def _span_text(call: ModuleCall, trace_state: str | None, limits: _Limits, max_a
     if shape is None:
         if len(_shapes) >= _MAX_SHAPES:
             _shapes.clear()
-        shape = _shapes[key] = _Shape(values)
+        shape = _shapes[key] = _Shape(values, dims=False)
     floats = shape.floats(values)
     try:
         variant = marshal.dumps(shape.others(values), 2)  # equal keys, equal text: marshal tells True, 1, 1.0 apart
