@@ -11,10 +11,11 @@ Reported per variant (medians over repetitions, per forward):
 
 Models: "cheap" = 64 x (Linear(32, 32) + ReLU) at batch 1 (default grad mode: 129 module calls per forward, the
 tracer dominates); "encoder" = 6 x TransformerEncoderLayer(256, nhead=8, batch_first=True) in eval mode at batch 8,
-seq 64 under torch.inference_mode(); "varlen" = the same encoder fed a new sequence length every forward (7..160, as
-requests are; every variant sees the same lengths in the same order). Any forward hook on a TransformerEncoderLayer (or its submodules) disables
-torch's fused encoder fast path, so every encoder variant runs with torch.backends.mha fast path OFF (same math for
-all); the extra `none_fastpath` variant (encoder only) shows what the fast path alone is worth.
+seq 64 under torch.inference_mode(); "varlen" = the same encoder fed a new sequence length every forward (7..160,
+as requests are; every variant sees the same lengths in the same order). Any forward hook on a
+TransformerEncoderLayer (or its submodules) disables torch's fused encoder fast path, so every encoder variant runs
+with torch.backends.mha fast path OFF (same math for all); the extra `none_fastpath` variant (encoder only) shows
+what the fast path alone is worth.
 
 Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder,varlen] [--otlp-protocol P]
 The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}}}, ...}

@@ -107,3 +107,14 @@ def test_latency_quick_reports_percentiles_and_full_collections_per_variant() ->
         assert isinstance(values["gen2"], int) and values["gen2_total_ms"] >= values["gen2_max_ms"] >= 0, name
     assert math.isfinite(report["linear8"]["p99_ratio"])
     assert "extra full collections per minute" in stdout
+
+
+def test_serving_quick_reports_rates_and_memory() -> None:
+    report, stdout = run_benchmark("serving.py", "--quick", timeout=300)
+    rate, memory = report["rate"], report["memory"]
+    assert set(rate["forwards_per_s"]) == {"untraced", "background", "flushed"}, stdout
+    assert all(value > 0 for value in rate["forwards_per_s"].values())
+    assert rate["x_none"]["untraced"] == 1.0
+    assert all(count > 0 for count in rate["exported_spans"].values())  # both traced variants really exported
+    assert memory["calls"] >= 159_000 and memory["exported_spans"] >= memory["calls"]
+    assert memory["rss_at_end_mib"] > 0
