@@ -303,6 +303,7 @@ class JsonFileSender:
     """
 
     encode_request = staticmethod(encode_otlp_json)
+    max_request_bytes = None  # a line may be any length: no receiver refuses it, and halving re-encodes
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -400,7 +401,7 @@ class OtlpSink:
         self.scope_name = scope_name
         self.scope_version = scope_version
         self.max_spans_per_request = max(1, max_spans_per_request)
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = getattr(sender, "max_request_bytes", max_request_bytes) or 1 << 62
         self.retry_interval_s = retry_interval_s
         self.exported = 0
         self.failed = 0

@@ -18,12 +18,13 @@ import base64
 import json
 import marshal
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
-from torchtrace._calls import ModuleCall, error_text
+from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text
 from torchtrace._otlp_encoding import (
     _FLAG_HAS_IS_REMOTE,
     _FLAG_IS_REMOTE,
@@ -190,11 +191,38 @@ _FLOAT = frozenset((float,))
 
 
 def _span_text(call: ModuleCall, trace_state: str | None, limits: _Limits, max_attributes: int) -> str:
-    attributes = call.attributes
-    if call.error is not None or len(attributes) > max_attributes or _over_limits(attributes, limits):
+    if call.error is not None:
         return _dumps(_span(call, trace_state, limits))
+    return _templated_text(
+        call.name,
+        call.attributes,
+        call.parent_span_id != 0,
+        call.parent_is_remote,
+        trace_state,
+        (call.trace_id, call.span_id, call.parent_span_id, call.start_ns, call.end_ns),
+        lambda: call,
+        limits,
+        max_attributes,
+    )
+
+
+def _templated_text(
+    name: str,
+    attributes: Mapping[str, Any],
+    has_parent: bool,
+    remote: bool,
+    trace_state: str | None,
+    ids: tuple[int, int, int, int, int],
+    make_call: Callable[[], ModuleCall],
+    limits: _Limits,
+    max_attributes: int,
+) -> str:
+    """A span without an error from its cached template: ``ids`` are (trace, span, parent span, start, end);
+    ``make_call`` gives the call itself where a template is made or a span does not fit one (rare)."""
+    if len(attributes) > max_attributes or _over_limits(attributes, limits):
+        return _dumps(_span(make_call(), trace_state, limits))
     values = tuple(attributes.values())
-    key = (call.name, call.parent_span_id != 0, call.parent_is_remote, trace_state, tuple(attributes))
+    key = (name, has_parent, remote, trace_state, tuple(attributes))
     shape = _shapes.get(key)
     if shape is None:
         if len(_shapes) >= _MAX_SHAPES:
@@ -204,18 +232,58 @@ def _span_text(call: ModuleCall, trace_state: str | None, limits: _Limits, max_a
     try:
         variant = marshal.dumps(shape.others(values), 2)  # equal keys, equal text: marshal tells True, 1, 1.0 apart
     except ValueError:  # a type marshal does not know (numpy scalars...): built one by one
-        return _dumps(_span(call, trace_state, limits))
+        return _dumps(_span(make_call(), trace_state, limits))
     if not _FLOAT.issuperset(map(type, floats)) or not math.isfinite(sum(floats)):
         # a float slot holding something else this time, or NaN / Inf (written as strings): built as a dict
-        return _dumps(_span(call, trace_state, limits))
+        return _dumps(_span(make_call(), trace_state, limits))
     template = shape.variants.get(variant)
     if template is None:
         if len(shape.variants) >= _MAX_VARIANTS:
             shape.variants.clear()
-        template = shape.variants[variant] = _Template(call, trace_state, shape.float_positions)
+        template = shape.variants[variant] = _Template(make_call(), trace_state, shape.float_positions)
     if template.has_parent:
-        return template.text % ((call.trace_id, call.span_id, call.parent_span_id, call.start_ns, call.end_ns) + floats)
-    return template.text % ((call.trace_id, call.span_id, call.start_ns, call.end_ns) + floats)
+        return template.text % (ids + floats)
+    return template.text % ((ids[0], ids[1], ids[3], ids[4]) + floats)
+
+
+def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> list[str]:
+    """The spans of a forward's columns, without a ModuleCall per span (made only for the rare span that needs
+    one: an error, a new template)."""
+    lo, hi = batch.lo, batch.hi
+    modules, ids, trace_id = batch.modules, batch.span_id, batch.trace_id
+    root_parent, remote_root = batch.root_parent_id, batch.parent_is_remote
+    trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
+    sparse = batch.sparse
+    texts = []
+    for position, index, parent, attributes, start, end in zip(
+        range(lo, hi),
+        batch.module[lo:hi],
+        batch.parent[lo:hi],
+        batch.attributes[lo:hi],
+        batch.start_ns[lo:hi],
+        batch.end_ns[lo:hi],
+    ):
+        extras = sparse.get(position)
+        if extras is not None and extras[0] is not None:  # an error: the reference path
+            texts.append(_dumps(_span(batch._make(position), trace_state, limits)))
+            continue
+        info = modules[index]
+        if attributes is None:
+            attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+        texts.append(
+            _templated_text(
+                info.path or info.type_name,
+                attributes,
+                parent >= 0 or root_parent != 0,
+                parent < 0 and remote_root,
+                trace_state,
+                (trace_id, ids[position], ids[parent] if parent >= 0 else root_parent, start, end),
+                partial(batch._make, position),
+                limits,
+                max_attributes,
+            )
+        )
+    return texts
 
 
 def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name: str, scope_version: str) -> str:
@@ -226,13 +294,17 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
     trace_states: dict[int, str] = {}
     spans = []
-    for call in calls:
-        trace_state = None
-        if call.trace_state is not None:
-            trace_state = trace_states.get(id(call.trace_state))
-            if trace_state is None:
-                trace_state = trace_states[id(call.trace_state)] = _trace_state_str(call.trace_state)
-        spans.append(_span_text(call, trace_state, limits, max_attributes))
+    for segment in calls.segments if isinstance(calls, Calls) else [calls]:
+        if isinstance(segment, CallBatch) and not segment.made:
+            spans += _column_texts(segment, limits, max_attributes)
+            continue
+        for call in segment:
+            trace_state = None
+            if call.trace_state is not None:
+                trace_state = trace_states.get(id(call.trace_state))
+                if trace_state is None:
+                    trace_state = trace_states[id(call.trace_state)] = _trace_state_str(call.trace_state)
+            spans.append(_span_text(call, trace_state, limits, max_attributes))
     scope: dict[str, str] = {}
     if scope_name:
         scope["name"] = scope_name
