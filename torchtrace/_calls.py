@@ -135,10 +135,11 @@ class CallBatch(Sequence[ModuleCall]):
 
     def calls(self) -> list[ModuleCall]:
         """Every call of the columns (not only of this view), made once."""
-        made = self._made[0]
-        if made is None:
-            made = self._made[0] = [self._make(i) for i in range(len(self.module))]
-        return made
+        if self._made[0] is None:
+            made = [self._make(i) for i in range(len(self.module))]
+            if self._made[0] is None:  # another thread (a records reader, the worker) may have made them meanwhile
+                self._made[0] = made
+        return self._made[0]
 
     def _make(self, i: int) -> ModuleCall:
         info = self.modules[self.module[i]]
