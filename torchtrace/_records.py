@@ -129,7 +129,7 @@ class RecordStore:
                 self._on_drop(unpack(oldest))
 
     def all(self) -> list[ModuleCall]:
-        return [unpack(packed) for packed in self._records]
+        return [unpack(packed) for packed in list(self._records)]  # a C-level copy: the worker may append meanwhile
 
     def at(self, key: int | slice) -> Any:
         """``all()[key]``, rebuilding only the calls asked for."""
@@ -138,7 +138,7 @@ class RecordStore:
         return unpack(self._records[key])
 
     def for_path(self, path: str, kind: str = "forward") -> list[ModuleCall]:
-        return [unpack(packed) for packed in self._by_path.get((kind, path), ())]
+        return [unpack(packed) for packed in list(self._by_path.get((kind, path), ()))]
 
     def clear(self) -> None:
         self._records.clear()
