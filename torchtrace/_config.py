@@ -7,6 +7,7 @@ never inside a hook.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-grad
 ENV_CUDA_EVENTS = "TORCHTRACE_CUDA_EVENTS"  # true (default): CUDA module durations from events, not the host clock
 ENV_TRITON = "TORCHTRACE_TRITON"  # false: CUDA statistics with torch ops, never the Triton kernel (process-wide)
 ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
+ENV_TRACE_FILE_MAX_MB = "TORCHTRACE_TRACE_FILE_MAX_MB"  # the trace file is rotated past this size; 0: never
+ENV_TRACE_FILE_BACKUPS = "TORCHTRACE_TRACE_FILE_BACKUPS"  # rotated trace files kept (traces.jsonl.1 ... .N)
 ENV_HANDLE_SIGTERM = "TORCHTRACE_HANDLE_SIGTERM"  # false: install no SIGTERM handler (no flush on a stop)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
@@ -54,6 +57,8 @@ class Options:
     exporter: str = "auto"
     tracer_provider: Any = None
     trace_file: str = DEFAULT_TRACE_FILE
+    trace_file_max_mb: float = 100.0  # rotate the trace file past this many MiB; 0: never
+    trace_file_backups: int = 5  # rotated files kept: trace_file.1 (newest) ... trace_file.5
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     types: tuple[type, ...] = ()
@@ -297,6 +302,8 @@ def resolve_options(**kwargs: Any) -> Options:
         exporter=exporter,
         tracer_provider=kwargs.get("tracer_provider"),
         trace_file=str(pick("trace_file", ENV_TRACE_FILE)),
+        trace_file_max_mb=pick("trace_file_max_mb", ENV_TRACE_FILE_MAX_MB, _parse_float),
+        trace_file_backups=pick("trace_file_backups", ENV_TRACE_FILE_BACKUPS, _parse_int),
         include=_globs("include", pick("include", ENV_INCLUDE)),
         exclude=_globs("exclude", pick("exclude", ENV_EXCLUDE)),
         types=_types(types_value),
@@ -338,6 +345,16 @@ def resolve_options(**kwargs: Any) -> Options:
     for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
         value = getattr(options, name)
         _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
+    max_mb = options.trace_file_max_mb
+    _require(
+        isinstance(max_mb, (int, float)) and not isinstance(max_mb, bool) and math.isfinite(max_mb) and max_mb >= 0,
+        f"trace_file_max_mb ({ENV_TRACE_FILE_MAX_MB}) must be a finite number of MiB >= 0, got {max_mb!r}",
+    )
+    backups = options.trace_file_backups
+    _require(
+        isinstance(backups, int) and not isinstance(backups, bool) and backups >= 0,
+        f"trace_file_backups ({ENV_TRACE_FILE_BACKUPS}) must be an integer >= 0, got {backups!r}",
+    )
     triton_allowed()  # a malformed TORCHTRACE_TRITON raises here, not in a hook
     sample = options.stats_sample
     _require(

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 import grpc
 from google.protobuf import json_format
@@ -45,6 +46,7 @@ from torchtrace import _fork  # noqa: F401 - re-arms live handles in a forked ch
 from torchtrace._calls import ModuleCall, error_text
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json
+from torchtrace._trace_file import TraceFile
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -56,9 +58,11 @@ __all__ = [
     "SdkJsonFileExporter",
     "SpanSender",
     "create_otlp_sender",
+    "check_endpoint",
     "create_sdk_span_exporter",
     "default_resource",
     "export_timeout_s",
+    "file_sender",
     "otlp_endpoint_configured",
     "resolve_protocol",
 ]
@@ -176,9 +180,44 @@ def export_timeout_s() -> float:
     return DEFAULT_TIMEOUT_S
 
 
+_URL_SCHEMES = ("http", "https")
+
+
+def _port_ok(url: Any, required: bool) -> bool:
+    try:
+        port = url.port
+    except ValueError:  # not a number, or out of range
+        return False
+    return port is not None if required else True
+
+
+def _usable_endpoint(value: str, protocol: str) -> bool:
+    if protocol == "grpc" and "://" not in value:  # gRPC targets: host:port, unix:path
+        if value.startswith("unix:"):
+            return True
+        target = urlparse(f"//{value}")
+        return bool(target.hostname) and _port_ok(target, required=True)
+    url = urlparse(value)
+    return url.scheme in _URL_SCHEMES and bool(url.hostname) and _port_ok(url, required=False)
+
+
+def check_endpoint(protocol: str) -> None:
+    """ValueError naming the variable when the endpoint the exporter will use is not one it can reach: a URL with
+    an http(s) scheme and a host, or for gRPC also ``host:port`` (and ``unix:`` targets)."""
+    for var in (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT):
+        value = os.environ.get(var, "").strip()
+        if not value:
+            continue
+        if not _usable_endpoint(value, protocol):
+            expected = "http(s)://host[:port][/path]" + (" or host:port" if protocol == "grpc" else "")
+            raise ValueError(f"{var}={value!r} is not an endpoint torchtrace can use; expected {expected}")
+        return
+
+
 def create_otlp_sender(protocol: str | None = None) -> GrpcSender | HttpSender:
     """A sender for ``protocol`` (default: ``resolve_protocol()``), configured from the environment."""
     protocol = protocol or resolve_protocol()
+    check_endpoint(protocol)
     timeout = export_timeout_s()
     if protocol == "grpc":
         return GrpcSender(timeout=timeout)
@@ -203,13 +242,39 @@ def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -
     (``TORCHTRACE_TRACE_FILE`` or the default)."""
     if otlp_endpoint_configured():
         timeout = export_timeout_s()
-        if resolve_protocol() == "grpc":
+        protocol = resolve_protocol()
+        check_endpoint(protocol)
+        if protocol == "grpc":
             return _GrpcSpanExporter(timeout=timeout, compression=grpc_compression_none())
         return _HttpSpanExporter(timeout=timeout)
+    from torchtrace._config import resolve_options
+
+    return SdkJsonFileExporter(file_sender(resolve_options(trace_file=trace_file)))
+
+
+_MIB = 1024 * 1024
+
+
+def file_sender(options: Any) -> JsonFileSender:
+    """The ``file`` exporter's sender for ``Options``: rotation as configured, the trace directory made now (a
+    ValueError naming the option where it cannot be), symlinks refused at the default path."""
     from torchtrace._config import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
 
-    path = trace_file or os.environ.get(ENV_TRACE_FILE, "").strip() or DEFAULT_TRACE_FILE
-    return SdkJsonFileExporter(path)
+    path = options.trace_file
+    sender = JsonFileSender(
+        path,
+        max_bytes=int(options.trace_file_max_mb * _MIB),
+        backups=options.trace_file_backups,
+        follow_symlinks=os.path.normpath(path) != os.path.normpath(DEFAULT_TRACE_FILE),
+    )
+    try:
+        sender.file.make_directory()
+    except OSError as error:
+        reason = f"{error.strerror}: {error.filename}" if error.strerror else str(error)
+        raise ValueError(
+            f"trace_file ({ENV_TRACE_FILE})={path!r}: cannot create the trace directory ({reason})"
+        ) from None
+    return sender
 
 
 # --- senders --------------------------------------------------------------------------------------------------
@@ -298,17 +363,26 @@ def request_to_otlp_json(payload: bytes) -> str:
 class JsonFileSender:
     """Appends one OTLP/JSON line per request to ``path`` (the OTLP file exporter format). Thread-safe.
 
-    ``OtlpSink`` encodes straight to JSON for it (``encode_request``); protobuf bytes (the SDK exporter's) are
-    converted through protobuf objects, which costs what the SDK encoder costs.
+    The file is a ``TraceFile``: whole lines only (a failed write is cut back), rotated past ``max_bytes`` into
+    ``path.1`` (newest) ... ``path.<backups>``, followed when moved or deleted (logrotate), created 0600 in a 0700
+    directory. ``OtlpSink`` encodes straight to JSON for it (``encode_request``); protobuf bytes (the SDK
+    exporter's) are converted through protobuf objects, which costs what the SDK encoder costs.
     """
 
+    kind = "file"  # how failure warnings name this sink
     encode_request = staticmethod(encode_otlp_json)
     max_request_bytes = None  # a line may be any length: no receiver refuses it, and halving re-encodes
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int = 100 * _MIB,
+        backups: int = 5,
+        follow_symlinks: bool = True,
+    ) -> None:
         self.path = Path(path)
+        self.file = TraceFile(path, max_bytes, backups, follow_symlinks)
         self._lock = threading.Lock()
-        self._file: Any = None
         self._closed = False
 
     def send(self, spans: EncodedSpans) -> bool:
@@ -317,38 +391,21 @@ class JsonFileSender:
         with self._lock:
             if self._closed:
                 return False
-            if self._file is not None and self._moved():
-                self._file.close()  # rotated away (logrotate) or deleted: a new file at the path
-                self._file = None
-            if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open until shutdown
-            self._file.write(line)
-            self._file.flush()
+            self.file.append(line.encode())  # OSError (disk full, read-only...): counted and warned by the sink
         return True
-
-    def _moved(self) -> bool:
-        """Whether the path no longer names the open file (checked per request, as logging's WatchedFileHandler)."""
-        try:
-            on_disk = os.stat(self.path)
-        except FileNotFoundError:
-            return True
-        opened = os.fstat(self._file.fileno())
-        return (on_disk.st_dev, on_disk.st_ino) != (opened.st_dev, opened.st_ino)
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self.file.close()
 
 
 class SdkJsonFileExporter(SpanExporter):
     """SDK span exporter writing OTLP JSON lines (the SDK's encoder, then ``JsonFileSender``)."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.sender = JsonFileSender(path)
+    def __init__(self, path: str | os.PathLike[str] | JsonFileSender) -> None:
+        self.sender = path if isinstance(path, JsonFileSender) else JsonFileSender(path)
+        self._failing = False  # one warning per failure burst, not the SDK processor's one per batch
 
     def export(self, spans: Sequence[Any]) -> SpanExportResult:
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -356,7 +413,18 @@ class SdkJsonFileExporter(SpanExporter):
         if not spans:
             return SpanExportResult.SUCCESS
         payload = encode_spans(spans).SerializeToString()
-        ok = self.sender.send(EncodedSpans(payload, len(spans)))
+        try:
+            ok = self.sender.send(EncodedSpans(payload, len(spans)))
+        except OSError as error:  # disk full, read-only...: the SDK's spans are lost, said once per burst
+            if not self._failing:
+                self._failing = True
+                _logger.warning(
+                    "torchtrace: file export failed (%s); dropping spans until it recovers", error_text(error)
+                )
+            return SpanExportResult.FAILURE
+        if self._failing:
+            self._failing = False
+            _logger.warning("torchtrace: file export recovered")
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
@@ -396,6 +464,7 @@ class OtlpSink:
         max_request_bytes: int = MAX_REQUEST_BYTES,
     ) -> None:
         self.sender = sender
+        self.kind = getattr(sender, "kind", "OTLP")  # names the sink in failure warnings: "file" or "OTLP"
         self._encode = getattr(sender, "encode_request", encode_export_request)  # protobuf unless it wants JSON
         self.resource = resource if resource is not None else default_resource()
         self.scope_name = scope_name
@@ -463,11 +532,12 @@ class OtlpSink:
                 self._failing = True
                 self.failure_bursts += 1
         if ok:
-            _logger.warning("torchtrace: OTLP export recovered; %d spans were lost while it failed", lost)
+            _logger.warning("torchtrace: %s export recovered; %d spans were lost while it failed", self.kind, lost)
             return
         _logger.warning(
-            "torchtrace: OTLP export failed (%s); dropping spans until it recovers, retrying every %.3gs "
+            "torchtrace: %s export failed (%s); dropping spans until it recovers, retrying every %.3gs "
             '(counted in failed_spans / torchtrace_spans_dropped_total{reason="export_failed"})',
+            self.kind,
             reason,
             self.retry_interval_s,
         )
@@ -481,4 +551,4 @@ class OtlpSink:
         try:
             self.sender.shutdown()
         except Exception as e:
-            _logger.warning("torchtrace: OTLP sender shutdown failed: %s", e)
+            _logger.warning("torchtrace: %s sender shutdown failed: %s", self.kind, e)

@@ -374,7 +374,7 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
 
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
-    sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.JsonFileSender(options.trace_file)
+    sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.file_sender(options)
     sink = _exporters.OtlpSink(sender, _exporters.process_resource(), "torchtrace", __version__)
     return exporter, [sink], []
 
@@ -399,6 +399,8 @@ def instrument(
     exporter: str | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     trace_file: str | None = None,
+    trace_file_max_mb: float | None = None,
+    trace_file_backups: int | None = None,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     types: type | tuple[type, ...] | None = None,
