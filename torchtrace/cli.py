@@ -1,4 +1,5 @@
-"""``torchtrace`` command line: ``demo``, ``run script.py [args]`` and ``config`` (also ``python -m torchtrace``).
+"""``torchtrace`` command line: ``demo``, ``run script.py [args]``, ``config``, ``summary`` and ``perfetto`` (also
+``python -m torchtrace``).
 
 Argument parsing only; each subcommand's work lives in its own module, imported when the subcommand runs (so
 ``torchtrace --help`` does not import torch). Subcommands are registered in ``build_parser``: add ``run`` and
@@ -155,6 +156,45 @@ def _print_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
+    traces_help = "trace files of the file exporter: files (rotated parts included), directories or globs"
+    summary = subcommands.add_parser(
+        "summary",
+        help="print the per-layer table of trace files",
+        description=(
+            "Reads OTLP JSON lines trace files (as the file exporter writes them) and prints the per-layer table "
+            "that handle.summary() prints: calls, total / mean / p95 time, share of the forward."
+        ),
+    )
+    summary.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
+    summary.add_argument("--limit", type=_positive_int, metavar="N", help="the N slowest layers only")
+    summary.set_defaults(handler=_print_file_summary)
+    perfetto = subcommands.add_parser(
+        "perfetto",
+        help="convert trace files to Chrome trace-event JSON for ui.perfetto.dev",
+        description=(
+            "Writes the spans of OTLP JSON lines trace files as Chrome trace-event JSON: nested complete slices, "
+            "a process per service and rank, a thread per trace, statistics and ids as slice args. Open it in "
+            "https://ui.perfetto.dev or chrome://tracing."
+        ),
+    )
+    perfetto.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
+    perfetto.add_argument("-o", "--output", default="trace.json", metavar="PATH", help="default: trace.json")
+    perfetto.set_defaults(handler=_write_perfetto)
+
+
+def _print_file_summary(args: argparse.Namespace) -> int:
+    from torchtrace._trace_files import summary_command
+
+    return summary_command(args.traces, args.limit)
+
+
+def _write_perfetto(args: argparse.Namespace) -> int:
+    from torchtrace._perfetto import perfetto_command
+
+    return perfetto_command(args.traces, args.output)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchtrace", description="OpenTelemetry spans and tensor statistics for every PyTorch module call."
@@ -164,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subcommands)
     _add_run(subcommands)
     _add_config(subcommands)
+    _add_trace_file_commands(subcommands)
     return parser
 
 
