@@ -52,6 +52,13 @@ def test_demo_exits_zero_and_prints_the_summary(demo: tuple[subprocess.Completed
     assert "traces:" in result.stdout
 
 
+def test_demo_ends_with_the_report_beside_the_trace_file(demo: tuple[subprocess.CompletedProcess, Path]) -> None:
+    result, trace_file = demo
+    report = trace_file.parent / "report.html"
+    assert result.stdout.splitlines()[-1] == f"report: {report} (open it in a browser)"
+    assert "DemoTransformer" in report.read_text(encoding="utf-8")
+
+
 def test_demo_writes_otlp_json_lines_to_the_trace_file(demo: tuple[subprocess.CompletedProcess, Path]) -> None:
     result, trace_file = demo
     assert result.returncode == 0, result.stderr[-4000:]

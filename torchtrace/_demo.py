@@ -155,10 +155,18 @@ def run_demo(
         print(file=out)
         print(_where(handle, counter.calls, batches if owned else 0), file=out)
         counts = _exporter_counts(handle)
+        in_file = handle.exporter == "file" or (owned and handle.exporter == "sdk")
+        spans_file = os.path.abspath(handle.options.trace_file)
     finally:
         handle.remove()
         if owned:
             provider.shutdown()  # delivers the request spans
+    if in_file:
+        from torchtrace._report import write_report
+
+        report = os.path.join(os.path.dirname(spans_file), "report.html")
+        write_report([spans_file], report)
+        print(f"report: {report} (open it in a browser)", file=out)
     return 1 if counts and counts[1] else 0
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,6 +119,19 @@ class TraceHandle:
                 _logger.exception("torchtrace: flushing the exporter failed")
                 ok = False
         return ok
+
+    def report(self, path: str | os.PathLike[str] = "report.html") -> Path:
+        """Writes the HTML report (``torchtrace report``) of this handle's trace file, flushed first; returns its
+        path. The file holds earlier runs appended to it too. Only for the file exporter."""
+        if self.exporter != "file":
+            raise ValueError(
+                f"handle.report() reads the trace file of the file exporter; this handle's is {self.exporter!r}"
+            )
+        from torchtrace._report import write_report
+
+        self.flush()
+        write_report([self.options.trace_file], path)
+        return Path(path)
 
     def remove(self) -> None:
         """Remove every hook, deliver what was recorded, stop the worker. Safe to call twice."""

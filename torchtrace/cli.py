@@ -1,5 +1,5 @@
-"""``torchtrace`` command line: ``demo``, ``run script.py [args]``, ``config``, ``summary`` and ``perfetto`` (also
-``python -m torchtrace``).
+"""``torchtrace`` command line: ``demo``, ``run script.py [args]``, ``config``, and ``summary``, ``perfetto``,
+``report`` of trace files (also ``python -m torchtrace``).
 
 Argument parsing only; each subcommand's work lives in its own module, imported when the subcommand runs (so
 ``torchtrace --help`` does not import torch). Subcommands are registered in ``build_parser``: add ``run`` and
@@ -181,6 +181,18 @@ def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
     perfetto.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
     perfetto.add_argument("-o", "--output", default="trace.json", metavar="PATH", help="default: trace.json")
     perfetto.set_defaults(handler=_write_perfetto)
+    report = subcommands.add_parser(
+        "report",
+        help="write one self-contained HTML report of trace files",
+        description=(
+            "Writes one HTML file that opens offline (every script inline): an overview, the per-layer table, a "
+            "timeline of the slowest, a typical and every error / NaN trace, a layers x forwards heatmap of "
+            "activation statistics, per-module line charts and NaN/Inf provenance."
+        ),
+    )
+    report.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
+    report.add_argument("-o", "--output", default="report.html", metavar="PATH", help="default: report.html")
+    report.set_defaults(handler=_write_report)
 
 
 def _print_file_summary(args: argparse.Namespace) -> int:
@@ -193,6 +205,12 @@ def _write_perfetto(args: argparse.Namespace) -> int:
     from torchtrace._perfetto import perfetto_command
 
     return perfetto_command(args.traces, args.output)
+
+
+def _write_report(args: argparse.Namespace) -> int:
+    from torchtrace._report import report_command
+
+    return report_command(args.traces, args.output)
 
 
 def build_parser() -> argparse.ArgumentParser:

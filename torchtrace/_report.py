@@ -1,0 +1,277 @@
+"""``torchtrace report``: one self-contained HTML file from trace files (every script and style inline, no network).
+
+One streaming pass aggregates what the page shows: the overview, the per-layer table (``SummarySink``, the numbers
+of ``handle.summary()``), per forward / step a column of activation statistics per layer (down-sampled past
+``MAX_COLUMNS``), NaN/Inf provenance, and the spans of a few chosen traces (the slowest, a typical one, those with
+an error or NaN/Inf, up to a cap) for the timeline. Traces being read are kept per trace until they fall out of a
+small window of recent traces, so memory is bounded by the window, the columns and the chosen traces.
+Charts are drawn by uPlot (vendored, MIT; see torchtrace/_vendor/uplot/VERSION) and small canvas / SVG code here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import html
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from torchtrace._trace_files import Span, TraceFileError, TraceReader, summary_from_spans
+
+__all__ = ["write_report", "report_command"]
+
+MAX_COLUMNS = 2000  # forwards / steps in the heatmap and line charts; past it, every other column is dropped
+_OPEN_TRACES = 64  # traces still collecting spans (a trace's spans come in one or a few lines)
+_CHOSEN_CAP = 20  # traces with an error or NaN/Inf kept for the timeline
+_STATS = {  # the heatmap's choices: attribute, span kind
+    "abs_max": "torchtrace.output.abs_max",
+    "std": "torchtrace.output.std",
+    "zero_fraction": "torchtrace.output.zero_fraction",
+    "grad_norm": "torchtrace.grad_output.norm",
+}
+_PATH_KEY = "torchtrace.module.path"
+
+
+def _nonfinite(span: Span) -> bool:
+    attributes = span.attributes
+    return any(
+        (attributes.get(f"torchtrace.{tensor}.nan_count") or 0) > 0
+        or (attributes.get(f"torchtrace.{tensor}.inf_count") or 0) > 0
+        for tensor in ("output", "grad_output")
+    )
+
+
+def _layer(span: Span) -> str | None:
+    path = span.attributes.get(_PATH_KEY)
+    if not isinstance(path, str):
+        return None
+    return path or str(span.attributes.get("torchtrace.module.type", span.name))
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) if math.isfinite(value) else None
+    return None
+
+
+class _ReportData:
+    def __init__(self) -> None:
+        self.open: dict[str, list[Span]] = {}
+        self.layers: dict[str, int] = {}  # layer -> row, in first-seen order
+        self.columns: list[dict[str, Any]] = []  # per kept forward / step: label, values per stat, NaN layers
+        self.stride = 1  # every stride-th finished trace is a column
+        self.finished = 0
+        self.durations: list[float] = []  # sorted reservoir for the typical trace (bounded by down-sampling too)
+        self.slowest: tuple[float, list[Span]] | None = None
+        self.typical: tuple[float, list[Span]] | None = None
+        self.flagged: list[list[Span]] = []
+        self.provenance: list[dict[str, Any]] = []
+        self.flagged_total = 0
+        self.services: set[str] = set()
+        self.ranks: set[int] = set()
+        self.models: set[str] = set()
+        self.forwards = 0
+        self.steps = 0
+        self.errors = 0
+        self.start_ns: int | None = None
+        self.end_ns: int | None = None
+
+    def add(self, span: Span) -> None:
+        self.services.add(span.service)
+        if span.rank is not None:
+            self.ranks.add(span.rank)
+        self.start_ns = span.start_ns if self.start_ns is None else min(self.start_ns, span.start_ns)
+        self.end_ns = span.end_ns if self.end_ns is None else max(self.end_ns, span.end_ns)
+        if span.error is not None:
+            self.errors += 1
+        if not span.torchtrace:
+            return
+        trace = self.open.pop(span.trace_id, None) or []
+        trace.append(span)
+        self.open[span.trace_id] = trace  # most recent last
+        if len(self.open) > _OPEN_TRACES:
+            self._finish(self.open.pop(next(iter(self.open))))
+
+    def close(self) -> None:
+        for trace in self.open.values():
+            self._finish(trace)
+        self.open.clear()
+
+    def _finish(self, spans: list[Span]) -> None:
+        spans.sort(key=lambda span: (span.start_ns, -span.end_ns))
+        roots = [span for span in spans if span.attributes.get(_PATH_KEY) == "" and not span.name.endswith(" backward")]
+        step = next((span for span in spans if span.name == "train_step"), None)
+        self.forwards += len(roots)
+        self.steps += step is not None
+        self.models.update(_layer(root) or root.name for root in roots)
+        duration = (max(span.end_ns for span in spans) - spans[0].start_ns) / 1e6
+        index = self.finished
+        self.finished += 1
+        self._choose(duration, spans)
+        if index % self.stride == 0:
+            self._column(index, step, spans)
+            if len(self.columns) > MAX_COLUMNS:
+                self.columns = self.columns[::2]
+                self.stride *= 2
+
+    def _choose(self, duration: float, spans: list[Span]) -> None:
+        if self.slowest is None or duration > self.slowest[0]:
+            self.slowest = (duration, spans)
+        bisect.insort(self.durations, duration)
+        if len(self.durations) > 2 * MAX_COLUMNS:
+            self.durations = self.durations[::2]
+        median = self.durations[len(self.durations) // 2]
+        if self.typical is None or abs(duration - median) < abs(self.typical[0] - median):
+            self.typical = (duration, spans)
+        bad = [span for span in spans if _nonfinite(span)]
+        if bad or any(span.error is not None for span in spans):
+            self.flagged_total += 1
+            if len(self.flagged) < _CHOSEN_CAP:
+                self.flagged.append(spans)
+            if bad:
+                first = min(bad, key=lambda span: (span.end_ns, span.start_ns))  # children end before parents
+                self.provenance.append(
+                    {
+                        "trace": spans[0].trace_id,
+                        "column": self.finished - 1,
+                        "module": _layer(first) or first.name,
+                        "span": first.span_id,
+                        "message": first.error or "",
+                        "in_timeline": len(self.flagged) <= _CHOSEN_CAP and self.flagged[-1] is spans,
+                    }
+                )
+                del self.provenance[: -_CHOSEN_CAP * 10]
+
+    def _column(self, index: int, step: Span | None, spans: list[Span]) -> None:
+        values: dict[str, dict[int, float]] = {stat: {} for stat in _STATS}
+        nonfinite: list[int] = []
+        for span in spans:
+            layer = _layer(span)
+            if layer is None:
+                continue
+            row = self.layers.setdefault(layer.removesuffix(" backward"), len(self.layers))
+            for stat, key in _STATS.items():
+                value = _number(span.attributes.get(key))
+                if value is not None:
+                    values[stat][row] = value
+            if _nonfinite(span):
+                nonfinite.append(row)
+        label = f"step {step.attributes.get('torchtrace.step')}" if step is not None else f"#{index}"
+        self.columns.append({"label": label, "values": values, "nonfinite": sorted(set(nonfinite))})
+
+    def timeline(self) -> list[dict[str, Any]]:
+        chosen: list[tuple[str, list[Span]]] = []
+        if self.slowest is not None:
+            chosen.append(("slowest", self.slowest[1]))
+        if self.typical is not None and self.typical[1] is not (self.slowest or (0, None))[1]:
+            chosen.append(("typical", self.typical[1]))
+        chosen += [("error / NaN", spans) for spans in self.flagged if all(spans is not c[1] for c in chosen)]
+        traces = []
+        for why, spans in chosen:
+            origin = spans[0].start_ns
+            traces.append(
+                {
+                    "why": why,
+                    "trace": spans[0].trace_id,
+                    "spans": [
+                        {
+                            "id": span.span_id,
+                            "parent": span.parent_span_id,
+                            "name": span.name,
+                            "rank": span.rank,
+                            "start": (span.start_ns - origin) / 1e6,
+                            "ms": (span.end_ns - span.start_ns) / 1e6,
+                            "bad": _nonfinite(span) or span.error is not None,
+                        }
+                        for span in spans
+                    ],
+                }
+            )
+        return traces
+
+
+def _page_data(reader: TraceReader) -> dict[str, Any]:
+    data = _ReportData()
+
+    def spans() -> Iterator[Span]:
+        for span in reader:
+            data.add(span)
+            yield span
+
+    summary = summary_from_spans(spans())
+    data.close()
+    if not reader.torchtrace_spans:
+        raise reader.nothing_read("torchtrace spans")
+    rows = sorted(summary.rows(), key=lambda row: row.total_ms, reverse=True)
+    return {
+        "overview": {
+            "files": [str(part) for part in reader.parts],
+            "models": sorted(data.models),
+            "services": sorted(data.services),
+            "ranks": sorted(data.ranks),
+            "start_ns": data.start_ns,
+            "end_ns": data.end_ns,
+            "forwards": data.forwards,
+            "steps": data.steps,
+            "spans": reader.spans,
+            "torchtrace_spans": reader.torchtrace_spans,
+            "error_spans": data.errors,
+            "flagged_traces": data.flagged_total,
+            "unreadable_lines": reader.bad_lines,
+        },
+        "summary": [asdict(row) for row in rows],
+        "layers": list(data.layers),
+        "columns": data.columns,
+        "stride": data.stride,
+        "traces_read": data.finished,
+        "timeline": data.timeline(),
+        "provenance": data.provenance,
+    }
+
+
+def _vendored(name: str) -> str:
+    return resources.files("torchtrace").joinpath("_vendor", "uplot", name).read_text(encoding="utf-8")
+
+
+def _page(data: dict[str, Any]) -> str:
+    payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    template = resources.files("torchtrace").joinpath("_report_page.html").read_text(encoding="utf-8")
+    return (
+        template.replace("/*UPLOT_CSS*/", _vendored("uPlot.min.css"))
+        .replace("/*UPLOT_JS*/", _vendored("uPlot.iife.min.js").replace("</", "<\\/"))
+        .replace("/*DATA*/", payload)
+        .replace("<!--TITLE-->", html.escape(", ".join(data["overview"]["models"]) or "torchtrace"))
+    )
+
+
+def write_report(traces: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str]) -> TraceReader:
+    """Writes the HTML report of ``traces`` to ``output``; returns the reader (what was read, what was not)."""
+    reader = TraceReader(traces)
+    page = _page(_page_data(reader))
+    output = Path(output)
+    partial = output.with_name(output.name + ".partial")
+    try:
+        partial.write_text(page, encoding="utf-8")
+        os.replace(partial, output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return reader
+
+
+def report_command(traces: Sequence[str], output: str) -> int:
+    """``torchtrace report``: returns the exit status; messages on stderr."""
+    try:
+        reader = write_report(traces, output)
+    except (TraceFileError, OSError) as error:
+        print(f"torchtrace report: error: {error}", file=sys.stderr)
+        return 1
+    if reader.bad_lines:
+        print(f"torchtrace report: warning: {reader.problems()}", file=sys.stderr)
+    print(f"report of {reader.spans} spans from {len(reader.parts)} file(s) written to {output}")
+    return 0
