@@ -1,8 +1,9 @@
 """Sink: the in-memory records API (spikingjelly monitor style), bounded: it keeps statistics, not tensors.
 
 Records live long (the latest ``max_records`` calls), so they are kept in a form Python's garbage collector stops
-tracking: a plain tuple of atomic values (the attribute keys interned, the values a tuple) is untracked at the
-first collection it survives, where a ``ModuleCall`` and its attribute dict stay tracked. Tracked records would be
+tracking: one flat tuple of atomic values (the fields, the interned attribute keys, the attribute values) is
+untracked by the first young collections it survives, where a ``ModuleCall`` and its attribute dict stay tracked
+(a tuple holding a tuple, such as a shape, goes one collection after it: hence flat). Tracked records would be
 promoted to the oldest generation by the thousand per second and trigger a full collection of the whole heap every
 second or two (hundreds of milliseconds each in a torch process). ``ModuleCall`` objects are rebuilt on reading.
 """
