@@ -64,8 +64,14 @@ def exported(calls: list[ModuleCall], sampler=ALWAYS_ON, live: bool = False):
 
 @pytest.mark.parametrize(
     "sampler",
-    [ALWAYS_ON, ALWAYS_OFF, ParentBased(ALWAYS_ON), ParentBased(ALWAYS_OFF), TraceIdRatioBased(0.5),
-     ParentBased(ALWAYS_ON, local_parent_sampled=ALWAYS_OFF)],  # fmt: skip
+    [
+        ALWAYS_ON,
+        ALWAYS_OFF,
+        ParentBased(ALWAYS_ON),
+        ParentBased(ALWAYS_OFF),
+        TraceIdRatioBased(0.5),
+        ParentBased(ALWAYS_ON, local_parent_sampled=ALWAYS_OFF),
+    ],  # fmt: skip
     ids=["always_on", "always_off", "parent_on", "parent_off", "ratio", "parent_custom_local"],
 )
 def test_finished_spans_equal_started_and_ended_spans(sampler) -> None:
@@ -76,8 +82,12 @@ def test_finished_spans_equal_started_and_ended_spans(sampler) -> None:
 
 @pytest.mark.parametrize(
     "variables",
-    [{"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "3"}, {"OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": "4"},
-     {"OTEL_SPAN_EVENT_COUNT_LIMIT": "0"}, {"OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT": "1"}],  # fmt: skip
+    [
+        {"OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "3"},
+        {"OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": "4"},
+        {"OTEL_SPAN_EVENT_COUNT_LIMIT": "0"},
+        {"OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT": "1"},
+    ],  # fmt: skip
 )
 def test_span_limits_apply_as_the_sdk_applies_them(monkeypatch, variables) -> None:
     for name, value in variables.items():

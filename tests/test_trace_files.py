@@ -178,7 +178,34 @@ def test_rotated_parts_are_read_oldest_first(traced, tmp_path):
     (tmp_path / "other.log").write_text("not a trace\n")
     assert trace_parts([current]) == parts
     assert trace_parts([tmp_path]) == parts
+    for part in parts:
+        os.utime(part, (1_000_000, 1_000_000))
+    assert trace_parts([current]) == parts  # equal times: by rotation number, the current file last
     assert sum(1 for _ in TraceReader([current], progress=False)) == 12 * 8
+
+
+def test_the_sinks_own_rotation_is_read_whole(tmp_path):
+    """Size rotation by the file sink (traces.jsonl.1 newest): naming the current file reads every part."""
+    path = tmp_path / "traces.jsonl"
+    model = _model()
+    with torchtrace.instrument(
+        model,
+        exporter="file",
+        trace_file=str(path),
+        trace_file_max_mb=0.004,
+        trace_file_backups=20,
+        print_summary=False,
+    ) as handle:
+        for _ in range(12):
+            model(torch.randn(4, 8))
+            handle.flush()
+        rows = _by_path(handle.summary_rows())
+    parts = trace_parts([path])
+    assert len(parts) > 2 and parts[-1] == path
+    file_rows = _by_path(summary_from_spans(TraceReader([path], progress=False)).rows())
+    assert {name: row.calls for name, row in file_rows.items()} == {name: row.calls for name, row in rows.items()}
+    starts = [span.start_ns for span in TraceReader([path], progress=False) if span.name == "Sequential"]
+    assert starts == sorted(starts) and len(starts) == 12  # oldest part first
 
 
 def test_a_truncated_last_line_is_skipped_counted_and_reported(traced, tmp_path, capsys):

@@ -53,8 +53,10 @@ def _plain(value: Any, length: int | None) -> bool:
         return length is None or kind is not str or len(value) <= length
     if kind is tuple and value:
         first = type(value[0])
-        return first in _ATOMIC and all(type(item) is first for item in value) and (
-            length is None or first is not str or all(len(item) <= length for item in value)
+        return (
+            first in _ATOMIC
+            and all(type(item) is first for item in value)
+            and (length is None or first is not str or all(len(item) <= length for item in value))
         )
     return False
 
@@ -199,7 +201,7 @@ class _FinishedSpans:
                     span_context,
                     parent_context,
                     resource,
-                _within_limits(attributes, limits),
+                    _within_limits(attributes, limits),
                     events,
                     (),
                     SpanKind.INTERNAL,

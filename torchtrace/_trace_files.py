@@ -95,11 +95,13 @@ def _rotated_siblings(path: Path) -> list[Path]:
 
 
 def _oldest_first(paths: Iterable[Path]) -> list[Path]:
-    def key(path: Path) -> tuple[float, str]:
+    def key(path: Path) -> tuple[int, int, str]:
+        suffix = path.suffix[1:]
+        rotation = -int(suffix) if suffix.isdigit() else 0  # on equal times: traces.jsonl.2, .1, then the current
         try:
-            return (path.stat().st_mtime, path.name)
+            return (path.stat().st_mtime_ns, rotation, path.name)
         except OSError:
-            return (0.0, path.name)
+            return (0, rotation, path.name)
 
     return sorted(set(paths), key=key)
 
