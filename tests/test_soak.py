@@ -104,6 +104,10 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
 
     traced = sum(forwards) * CALLS
     exported, failed, buffer_full = handle.exported_spans, handle.failed_spans, handle.dropped_calls
+    print(
+        f"soak {SOAK_SECONDS:.0f}s: {traced} spans traced, {exported} exported, {failed} export_failed, "
+        f"{buffer_full} buffer_full; RSS {memory[0]:.0f} -> {memory[1]:.0f} MiB"
+    )
     assert modes_seen == {"ok", "stall", "error", "close"}
     assert failed > 0 and exported > 0  # the faults did cost spans, and export did recover
     assert exported + failed + buffer_full == traced  # every traced call: delivered or counted with its reason
