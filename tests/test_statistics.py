@@ -321,6 +321,22 @@ def test_a_user_statistic_appears_next_to_the_builtin_ones():
     assert got == {"mean": pytest.approx(49.5), "p99": pytest.approx(torch.quantile(tensor, 0.99).item())}
 
 
+def test_a_raising_user_statistic_costs_only_itself():
+    """The built-in statistics and the other user statistics stay; the failure is named on the span."""
+    tensor = torch.arange(100, dtype=torch.float32)
+
+    def broken(t: torch.Tensor) -> float:
+        raise RuntimeError("no such quantile")
+
+    got = output_attributes(tensor, stats=("mean", "max"), extra_stats={"broken": broken, "total": lambda t: t.sum()})
+    assert got == {
+        "mean": pytest.approx(49.5),
+        "max": 99.0,
+        "total": 4950.0,
+        "stats_error": "broken: RuntimeError: no such quantile",
+    }
+
+
 def test_max_tensors_truncates_and_says_so():
     got = output_attributes((A, B, C), stats=("mean",), max_tensors=2)
     assert got == {"0.mean": 2.0, "1.mean": 0.0, "truncated": True}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from opentelemetry import trace
 
 from torchtrace._stats import STAT_NAMES, StatFunction
 
@@ -207,7 +208,9 @@ def _schedule_option(value: Any) -> Callable[[int], bool] | None:
             return None
         from torchtrace._schedule import every
 
-        return every(_parse_int(ENV_STEP_EVERY, text))
+        n = _parse_int(ENV_STEP_EVERY, text)
+        _check_number(ENV_STEP_EVERY, n, True, 1, None)
+        return every(n)
     if not callable(value):
         raise TypeError(f"schedule must be a callable step -> bool (e.g. torchtrace.schedule(...)), got {value!r}")
     return value
@@ -229,6 +232,20 @@ def _comm_hook_option(value: Any) -> Any:
     if value is not None and not (isinstance(value, tuple) and len(value) == 2 and callable(value[0])):
         raise TypeError(f"comm_hook must be a (hook, state) pair as for DDP.register_comm_hook, got {value!r}")
     return value
+
+
+# The longest export interval: the worker waits this long with threading's timed wait (far longer overflows it).
+MAX_EXPORT_INTERVAL_MS = 24 * 3600 * 1000
+
+
+def _check_number(label: str, value: Any, integer: bool, low: float, high: float | None) -> None:
+    """``value`` is a number (an int where ``integer``; never a bool, NaN or infinity) in ``[low, high]``; the error
+    names ``label``: the keyword, or the environment variable the value came from."""
+    kind = "an integer" if integer else "a number"
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+    number = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not number or value < low or (high is not None and value > high):
+        raise ValueError(f"{label} must be {kind} {bounds}, got {value!r}")
 
 
 def _optional_bool(name: str, value: Any) -> bool | None:
@@ -254,26 +271,33 @@ def resolve_options(**kwargs: Any) -> Options:
             return parse(env_name, text) if parse else text
         return Options.__dataclass_fields__[name].default
 
-    exporter = str(pick("exporter", ENV_EXPORTER)).lower()
+    def number(name: str, env_name: str | None, low: float, high: float | None = None, integer: bool = True) -> Any:
+        """A numeric option, checked against what the hot path and the export path can take."""
+        value, label = kwargs.get(name), name
+        if value is None and env_name is not None and _env(env_name) is not None:
+            value, label = (_parse_int if integer else _parse_float)(env_name, _env(env_name)), env_name
+        if value is None:
+            return Options.__dataclass_fields__[name].default
+        _check_number(label, value, integer, low, high)
+        return value
+
+    exporter = pick("exporter", ENV_EXPORTER)
+    if not isinstance(exporter, str):
+        raise TypeError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
+    exporter = exporter.lower()
     _require(exporter in EXPORTERS, f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
     types_value = kwargs.get("types")
     if types_value is None and _env(ENV_TYPES):
         types_value = tuple(_import_type(name) for name in _split(_env(ENV_TYPES)))
-    max_depth = pick("max_depth", ENV_MAX_DEPTH, _parse_int)
-    _require(
-        max_depth is None or (isinstance(max_depth, int) and max_depth >= 0),
-        f"max_depth must be >= 0, got {max_depth!r}",
-    )
-    sample_every = pick("sample_every", ENV_SAMPLE_EVERY, _parse_int)
-    _require(
-        isinstance(sample_every, int) and sample_every >= 1,
-        f"sample_every must be an integer >= 1, got {sample_every!r}",
-    )
-    sample_ratio = pick("sample_ratio", ENV_SAMPLE_RATIO, _parse_float)
-    _require(
-        isinstance(sample_ratio, (int, float)) and 0.0 <= sample_ratio <= 1.0,
-        f"sample_ratio must be between 0 and 1, got {sample_ratio!r}",
-    )
+    max_depth = number("max_depth", ENV_MAX_DEPTH, 0)
+    sample_every = number("sample_every", ENV_SAMPLE_EVERY, 1)
+    sample_ratio = number("sample_ratio", ENV_SAMPLE_RATIO, 0, 1, integer=False)
+    trace_file = pick("trace_file", ENV_TRACE_FILE)
+    if not isinstance(trace_file, (str, os.PathLike)) or not str(trace_file):
+        raise TypeError(f"trace_file must be a path (str or os.PathLike), got {trace_file!r}")
+    provider = kwargs.get("tracer_provider")
+    if provider is not None and not isinstance(provider, trace.TracerProvider):
+        raise TypeError(f"tracer_provider must be an opentelemetry TracerProvider, got {type(provider).__name__}")
     extra_stats = dict(kwargs.get("extra_stats") or {})
     for name, function in extra_stats.items():
         _require(isinstance(name, str) and name.isidentifier(), f"extra_stats: {name!r} is not a valid statistic name")
@@ -300,10 +324,10 @@ def resolve_options(**kwargs: Any) -> Options:
 
     options = Options(
         exporter=exporter,
-        tracer_provider=kwargs.get("tracer_provider"),
-        trace_file=str(pick("trace_file", ENV_TRACE_FILE)),
-        trace_file_max_mb=pick("trace_file_max_mb", ENV_TRACE_FILE_MAX_MB, _parse_float),
-        trace_file_backups=pick("trace_file_backups", ENV_TRACE_FILE_BACKUPS, _parse_int),
+        tracer_provider=provider,
+        trace_file=os.fspath(trace_file),
+        trace_file_max_mb=number("trace_file_max_mb", ENV_TRACE_FILE_MAX_MB, 0, integer=False),
+        trace_file_backups=number("trace_file_backups", ENV_TRACE_FILE_BACKUPS, 0),
         include=_globs("include", pick("include", ENV_INCLUDE)),
         exclude=_globs("exclude", pick("exclude", ENV_EXCLUDE)),
         types=_types(types_value),
@@ -311,11 +335,11 @@ def resolve_options(**kwargs: Any) -> Options:
         stats=_stats(pick("stats", ENV_STATS)),
         extra_stats=extra_stats,
         inputs=_bool_option("inputs", pick("inputs", ENV_INPUTS, _parse_bool)),
-        max_tensors=pick("max_tensors", ENV_MAX_TENSORS, _parse_int),
-        stats_sample=pick("stats_sample", ENV_STATS_SAMPLE, _parse_int),
+        max_tensors=number("max_tensors", ENV_MAX_TENSORS, 1),
+        stats_sample=number("stats_sample", ENV_STATS_SAMPLE, 1),
         sample_every=sample_every,
         sample_ratio=float(sample_ratio),
-        max_records=pick("max_records", ENV_MAX_RECORDS, _parse_int),
+        max_records=number("max_records", ENV_MAX_RECORDS, 1),
         function_on_output=kwargs.get("function_on_output"),
         function_on_input=kwargs.get("function_on_input"),
         module_attributes=tuple(module_attributes),
@@ -326,10 +350,10 @@ def resolve_options(**kwargs: Any) -> Options:
         function_on_grad_output=kwargs.get("function_on_grad_output"),
         function_on_grad_input=kwargs.get("function_on_grad_input"),
         capture_tensors=_bool_option("capture_tensors", kwargs.get("capture_tensors", False)),
-        capture_max_bytes=pick("capture_max_bytes", None),
+        capture_max_bytes=number("capture_max_bytes", None, 1),
         capture_compress=_bool_option("capture_compress", kwargs.get("capture_compress", False)),
-        export_interval_ms=pick("export_interval_ms", ENV_EXPORT_INTERVAL, _parse_int),
-        max_pending_calls=pick("max_pending_calls", ENV_MAX_PENDING, _parse_int),
+        export_interval_ms=number("export_interval_ms", ENV_EXPORT_INTERVAL, 1, MAX_EXPORT_INTERVAL_MS),
+        max_pending_calls=number("max_pending_calls", ENV_MAX_PENDING, 1),
         sinks=sinks,
         print_summary=_optional_bool("print_summary", pick("print_summary", ENV_PRINT_SUMMARY, _parse_bool)),
         metrics=_metrics_option(kwargs.get("metrics")),
@@ -342,25 +366,7 @@ def resolve_options(**kwargs: Any) -> Options:
         cuda_events=_bool_option("cuda_events", pick("cuda_events", ENV_CUDA_EVENTS, _parse_bool)),
         handle_sigterm=_bool_option("handle_sigterm", pick("handle_sigterm", ENV_HANDLE_SIGTERM, _parse_bool)),
     )
-    for name in ("max_tensors", "max_records", "export_interval_ms", "max_pending_calls", "capture_max_bytes"):
-        value = getattr(options, name)
-        _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1, got {value!r}")
-    max_mb = options.trace_file_max_mb
-    _require(
-        isinstance(max_mb, (int, float)) and not isinstance(max_mb, bool) and math.isfinite(max_mb) and max_mb >= 0,
-        f"trace_file_max_mb ({ENV_TRACE_FILE_MAX_MB}) must be a finite number of MiB >= 0, got {max_mb!r}",
-    )
-    backups = options.trace_file_backups
-    _require(
-        isinstance(backups, int) and not isinstance(backups, bool) and backups >= 0,
-        f"trace_file_backups ({ENV_TRACE_FILE_BACKUPS}) must be an integer >= 0, got {backups!r}",
-    )
     triton_allowed()  # a malformed TORCHTRACE_TRITON raises here, not in a hook
-    sample = options.stats_sample
-    _require(
-        sample is None or (isinstance(sample, int) and not isinstance(sample, bool) and sample >= 1),
-        f"stats_sample must be None or an integer >= 1, got {sample!r}",
-    )
     if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
         raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
     return options

@@ -99,7 +99,9 @@ def _where(handle: torchtrace.TraceHandle, spans: int, requests: int = 0) -> str
             endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             if protocol == "http/protobuf":  # the generic variable is a base URL: the exporter appends the path
                 endpoint = endpoint.rstrip("/") + "/v1/traces"
-        return f"traces: {what} spans sent over OTLP ({protocol}) to {endpoint}{failed}"
+        from torchtrace._exporters import redact
+
+        return f"traces: {what} spans sent over OTLP ({protocol}) to {redact(endpoint)}{failed}"
     if handle.exporter == "sdk":
         return f"traces: {what} spans handed to the OpenTelemetry SDK TracerProvider (its exporters decide where)"
     return f"traces: not exported (exporter={handle.exporter!r}); {spans} calls recorded"

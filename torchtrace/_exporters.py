@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -73,6 +74,7 @@ DEFAULT_SERVICE_NAME = "torchtrace"
 PROTOCOLS = ("grpc", "http/protobuf")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 DEFAULT_TIMEOUT_S = 10.0  # the OTel spec's default for OTEL_EXPORTER_OTLP_TIMEOUT
+MAX_TIMEOUT_S = 3600.0  # longer is a typo (milliseconds?), and would hold remove() and exit as long
 DEFAULT_RETRY_INTERVAL_S = 1.0  # while export fails: the pause after a failed request before the next one
 
 
@@ -118,6 +120,18 @@ class SpanSender(Protocol):
     def send(self, spans: EncodedSpans) -> bool: ...
 
     def shutdown(self) -> None: ...
+
+
+# --- secrets ----------------------------------------------------------------------------------------------------
+
+# Credentials in an endpoint's userinfo: "scheme://user:pw@host" and "scheme://token@host", and "user:pw@host"
+# without a scheme, as gRPC's own messages write the target.
+_USERINFO = re.compile(r"(?<=://)[^\s/@]+@|(?<![\w.:/-])[^\s/@:'\"(\[]+:[^\s/@'\"]*@(?=[\w\[])")
+
+
+def redact(text: str) -> str:
+    """``text`` (an endpoint, or a message naming one) with any userinfo shown as ``***@``."""
+    return _USERINFO.sub("***@", text)
 
 
 # --- configuration --------------------------------------------------------------------------------------------
@@ -174,8 +188,8 @@ def export_timeout_s() -> float:
                 timeout = float(value)
             except ValueError:
                 raise ValueError(f"{var}={value!r}: expected a number of seconds") from None
-            if not timeout > 0:
-                raise ValueError(f"{var}={value!r}: expected a positive number of seconds")
+            if not 0 < timeout <= MAX_TIMEOUT_S:  # NaN and infinity too: deadlines are computed from it
+                raise ValueError(f"{var}={value!r}: expected a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}")
             return timeout
     return DEFAULT_TIMEOUT_S
 
@@ -538,7 +552,7 @@ class OtlpSink:
             "torchtrace: %s export failed (%s); dropping spans until it recovers, retrying every %.3gs "
             '(counted in failed_spans / torchtrace_spans_dropped_total{reason="export_failed"})',
             self.kind,
-            reason,
+            redact(reason or ""),
             self.retry_interval_s,
         )
 

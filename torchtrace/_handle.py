@@ -56,12 +56,25 @@ class TraceHandle:
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
+        self._hook_handles: list = []
+        self._optimizer_hooks: list = []
+        self._export_sinks: list = []
+        self.metrics: Any = None
+        try:  # all or nothing: a failure part way takes down what was set up (hooks, DDP watch, senders, metrics)
+            self._install(model, options, selected, modules)
+        except BaseException:
+            self._undo_partial(model)
+            raise
+
+    def _install(self, model: torch.nn.Module, options: Options, selected: list, modules: list[Any]) -> None:
+        """Metrics, exporter, DDP and optimizer watches, module hooks, then the worker: anything may raise."""
         self.metrics = _metrics_sink(options.metrics, model)
         _claim_metrics_sinks([self.metrics, *options.sinks], self)  # before anything starts: a refusal leaks nothing
-        self.exporter, export_sinks, self._flushers = _export_sinks(options)
+        self.exporter, self._export_sinks, self._flushers = _export_sinks(options)
         metrics_sinks = [self.metrics] if self.metrics is not None else []
         # OTLP / file exports go out in batches every export_interval_ms; SDK spans go to the provider's processors
         # at once (they batch): first, as they may write the provider's ids back into the calls
+        export_sinks = self._export_sinks
         batched = export_sinks if self.exporter in ("otlp", "file") else []
         sinks = [*(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks, *options.sinks]
         self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000, batched)
@@ -72,7 +85,6 @@ class TraceHandle:
             watch_ddp(model, self._steps, hook, state)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
-        self._hook_handles = []
         for index, (module, _) in enumerate(selected):
             pre = self._recorder.forward_pre_hook(index)
             self._hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
@@ -93,6 +105,26 @@ class TraceHandle:
 
     def _flush_within(self, seconds: float) -> None:
         self.flush(timeout_millis=int(seconds * 1000))
+
+    def _undo_partial(self, model: torch.nn.Module) -> None:
+        """instrument() failed part way: remove what it set up, so the model runs exactly as before."""
+        self._removed = True  # a MetricsSink it claimed may serve another handle
+        for handle in [*self._hook_handles, *self._optimizer_hooks]:
+            handle.remove()
+        self._hook_handles.clear()
+        self._optimizer_hooks.clear()
+        if self._steps is not None and is_ddp(model):
+            unwatch_ddp(model, self._steps)
+        for sink in self._export_sinks:
+            if hasattr(sink, "shutdown"):
+                sink.shutdown()
+        if self.options.metrics is True and self.metrics is not None:
+            from torchtrace._metrics import INSTRUMENTED_MODELS
+
+            INSTRUMENTED_MODELS.retire(self.metrics)
+        if _instrumented.get(model) is self:
+            del _instrumented[model]
+        _live_handles.discard(self)
 
     # -- verbs ------------------------------------------------------------------------------------------------------
 

@@ -120,7 +120,7 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
 
     for name in OTEL_VARIABLES:
         if _env_set(name):
-            shown = "(set, hidden)" if name in _SECRET_VARIABLES else os.environ[name]
+            shown = "(set, hidden)" if name in _SECRET_VARIABLES else _exporters.redact(os.environ[name])
             rows.append({"name": name, "value": shown, "source": "env"})
     defaults = {
         "otlp protocol": (_exporters.resolve_protocol(), "OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL"),

@@ -21,9 +21,9 @@ def schedule(
         ("repeat", repeat),
         ("skip_first_wait", skip_first_wait),
     ):
-        if not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"schedule: {name} must be an integer >= 0, got {value!r}")
-    if not isinstance(active, int) or active < 1:
+    if isinstance(active, bool) or not isinstance(active, int) or active < 1:
         raise ValueError(f"schedule: active must be an integer >= 1, got {active!r}")
     cycle = wait + warmup + active
 
@@ -42,7 +42,7 @@ def schedule(
 
 def every(n: int) -> StepSchedule:
     """Trace every ``n``-th step, starting with step 0."""
-    if not isinstance(n, int) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"every: n must be an integer >= 1, got {n!r}")
 
     def traced(step: int) -> bool:

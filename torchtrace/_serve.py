@@ -67,7 +67,9 @@ def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | 
     try:
         port = int(text)
     except ValueError:
-        raise ValueError(f"{ENV_METRICS_PORT}={text!r} is not a port number") from None
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{ENV_METRICS_PORT}={text!r} is not a port number (0 to 65535)")
     addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or DEFAULT_METRICS_ADDR
     local_rank = os.environ.get("LOCAL_RANK", "").strip()
     if port and local_rank.isdigit():

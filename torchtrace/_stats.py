@@ -147,9 +147,12 @@ class StatComputer:
         # meta tensors have no data; sparse and other layouts are described by shape/dtype/device only.
         if not n or tensor.layout is not torch.strided or (not is_cpu and tensor.is_meta):
             return stats
-        try:
-            for name, function in self.extra.items():
+        for name, function in self.extra.items():
+            try:
                 stats[name] = _user_stat(function, tensor)
+            except Exception as error:  # a user statistic that fails costs only itself
+                stats["stats_error"] = f"{name}: {error_text(error)}"
+        try:
             if self.numeric:
                 x = tensor.detach() if tensor.requires_grad else tensor
                 stride = sampling_stride(n, self.sample, stats)

@@ -1,0 +1,125 @@
+"""Every numeric option is checked against what the hot path and the export path can take, at instrument() time:
+bools, NaN, infinity, fractions where integers are meant and values past a bound are refused, naming the keyword
+or the environment variable they came from."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import torchtrace
+from torchtrace._config import MAX_EXPORT_INTERVAL_MS, resolve_options
+
+# option, its environment variable (None: keyword only), the smallest valid value, the largest (None: unbounded),
+# whether it is an integer
+NUMERIC_OPTIONS = [
+    ("max_depth", "TORCHTRACE_MAX_DEPTH", 0, None, True),
+    ("max_tensors", "TORCHTRACE_MAX_TENSORS", 1, None, True),
+    ("stats_sample", "TORCHTRACE_STATS_SAMPLE", 1, None, True),
+    ("sample_every", "TORCHTRACE_SAMPLE_EVERY", 1, None, True),
+    ("sample_ratio", "TORCHTRACE_SAMPLE_RATIO", 0, 1, False),
+    ("max_records", "TORCHTRACE_MAX_RECORDS", 1, None, True),
+    ("export_interval_ms", "TORCHTRACE_EXPORT_INTERVAL_MS", 1, MAX_EXPORT_INTERVAL_MS, True),
+    ("max_pending_calls", "TORCHTRACE_MAX_PENDING_CALLS", 1, None, True),
+    ("capture_max_bytes", None, 1, None, True),
+    ("trace_file_max_mb", "TORCHTRACE_TRACE_FILE_MAX_MB", 0, None, False),
+    ("trace_file_backups", "TORCHTRACE_TRACE_FILE_BACKUPS", 0, None, True),
+]
+
+
+def _bad_keyword_values(low, high, integer):
+    bad = [True, False, math.nan, math.inf, -math.inf, "5", low - 1]
+    if integer:
+        bad += [float(low), low + 0.5]
+    if high is not None:
+        bad.append(high + 1)
+    return bad
+
+
+def _bad_env_values(low, high, integer):
+    bad = ["inf", "nan", "-inf", "true", str(low - 1)]
+    if integer:
+        bad += ["1.5", "1e3"]
+    if high is not None:
+        bad.append(str(high + 1))
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("name", "env", "low", "high", "integer"), NUMERIC_OPTIONS, ids=[o[0] for o in NUMERIC_OPTIONS]
+)
+def test_every_numeric_option_refuses_what_the_export_path_cannot_take(monkeypatch, name, env, low, high, integer):
+    for value in _bad_keyword_values(low, high, integer):
+        with pytest.raises(ValueError, match=name):
+            resolve_options(**{name: value})
+    for value in (low, high) if high is not None else (low, low + 7):
+        assert getattr(resolve_options(**{name: value}), name) == value
+    if env is None:
+        return
+    for text in _bad_env_values(low, high, integer):
+        monkeypatch.setenv(env, text)
+        with pytest.raises(ValueError, match=env):
+            resolve_options()
+    monkeypatch.setenv(env, str(high if high is not None else low))
+    assert getattr(resolve_options(), name) == (high if high is not None else low)
+    monkeypatch.setenv(env, "not a number")
+    assert getattr(resolve_options(**{name: low}), name) == low  # the keyword wins; the variable is not read
+
+
+@pytest.mark.parametrize("text", ["inf", "nan", "-1", "0", "3601", "1e9"])
+def test_an_otlp_timeout_deadlines_cannot_use_is_refused_at_instrument_time(monkeypatch, text):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", text)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT"):
+        torchtrace.instrument(model, exporter="otlp")
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+
+
+@pytest.mark.parametrize(
+    ("env", "text"),
+    [
+        ("TORCHTRACE_STEP_EVERY", "true"),
+        ("TORCHTRACE_STEP_EVERY", "0"),
+        ("TORCHTRACE_METRICS_PORT", "99999"),
+        ("TORCHTRACE_METRICS_PORT", "-5"),
+    ],
+)
+def test_step_and_port_variables_are_checked_too(monkeypatch, env, text):
+    monkeypatch.setenv(env, text)
+    with pytest.raises(ValueError, match=env):
+        torchtrace.instrument(nn.Sequential(nn.Linear(2, 2)), exporter="none")
+
+
+def test_schedules_refuse_booleans():
+    with pytest.raises(ValueError, match="every"):
+        torchtrace.every(True)
+    with pytest.raises(ValueError, match="active"):
+        torchtrace.schedule(active=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"trace_file": 123}, "trace_file"),
+        ({"trace_file": ""}, "trace_file"),
+        ({"tracer_provider": 5}, "tracer_provider"),
+        ({"exporter": 5}, "exporter"),
+    ],
+)
+def test_options_of_the_wrong_type_raise_type_error(options, message):
+    with pytest.raises(TypeError, match=message):
+        resolve_options(**options)
+
+
+def test_the_longest_export_interval_runs_and_delivers(tmp_path):
+    """An interval the worker's timed wait can take: the worker lives, and flush() delivers at once."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    with torchtrace.instrument(model, exporter="none", export_interval_ms=MAX_EXPORT_INTERVAL_MS) as handle:
+        model(torch.ones(1, 2))
+        assert any(t.name == "torchtrace-dispatch" for t in threading.enumerate())
+        assert len(handle.records) == 2
