@@ -4,7 +4,9 @@
   ``"ok"`` (accept), ``"stall"`` (hold each request ``stall_s`` seconds, then accept), ``"error"`` (reply
   ``error_status``), ``"close"`` (close the connection without a reply).
 - ``FaultyGrpcReceiver``: an ``OtlpGrpcReceiver`` with modes ``"ok"``, ``"stall"``, ``"error"`` (abort with
-  ``error_code``).
+  ``error_code``), ``"headers"`` (send the response headers, then stall ``stall_s`` seconds).
+- ``DrippingHttpServer``: reads each request, answers 200 with a long body, one byte every ``drip_s`` seconds:
+  every socket read succeeds in time, the response never completes.
 - ``Blackhole``: a TCP listener that never accepts: connects succeed (the kernel's backlog), nothing is ever read
   or answered. A collector hung mid-request.
 - ``free_port()``: a port with nothing listening on it (connections are refused) until something binds it.
@@ -106,7 +108,9 @@ class FaultyGrpcReceiver(OtlpGrpcReceiver):
 
     def Export(self, request: ExportTraceServiceRequest, context: grpc.ServicerContext) -> ExportTraceServiceResponse:  # noqa: N802
         self.attempts += 1
-        if self.mode == "stall":
+        if self.mode == "headers":
+            context.send_initial_metadata(())
+        if self.mode in ("stall", "headers"):
             self._release.wait(self.stall_s)
         elif self.mode == "error":
             context.abort(self.error_code, "injected failure")
@@ -129,6 +133,68 @@ class FaultyGrpcReceiver(OtlpGrpcReceiver):
     def stop(self) -> None:
         self._release.set()
         super().stop()
+
+
+class DrippingHttpServer:
+    """``endpoint`` is "http://127.0.0.1:PORT". Each connection: the request is read, then "200 OK" headers with a
+    Content-Length of ``body_bytes``, then one body byte every ``drip_s`` seconds until the client goes or stop()."""
+
+    def __init__(self, drip_s: float = 0.5, body_bytes: int = 10_000) -> None:
+        self.drip_s = drip_s
+        self.body_bytes = body_bytes
+        self.requests = 0
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(16)
+        self.port = self._socket.getsockname()[1]
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(connection,), daemon=True).start()
+
+    def _drip(self, connection: socket.socket) -> None:
+        with connection:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                chunk = connection.recv(65536)
+                if not chunk:
+                    return
+                received += chunk
+            head, _, body = received.partition(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                ),
+                0,
+            )
+            while len(body) < length:
+                body += connection.recv(65536)
+            self.requests += 1
+            headers = (
+                f"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: {self.body_bytes}\r\n\r\n"
+            )
+            with contextlib.suppress(OSError):
+                connection.sendall(headers.encode())
+                for _ in range(self.body_bytes):
+                    if self._stop.wait(self.drip_s):
+                        return
+                    connection.sendall(b"\0")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._socket.close()
 
 
 class Blackhole:

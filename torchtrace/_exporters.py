@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import grpc
 from google.protobuf import json_format
+from opentelemetry.exporter.http.transport._base import BaseHTTPResult, BaseHTTPTransport
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as _GrpcSpanExporter
 from opentelemetry.exporter.otlp.proto.http._common import _is_request_too_large
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as _HttpSpanExporter
@@ -329,8 +330,74 @@ class GrpcSender(_GrpcSpanExporter):
         return self._export(spans) is SpanExportResult.SUCCESS
 
 
+@dataclass(frozen=True, slots=True)
+class _NoResponse(BaseHTTPResult):
+    """A request that got no complete response within its deadline."""
+
+    def content(self) -> bytes:
+        return b""
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class _DeadlineTransport(BaseHTTPTransport):
+    """The SDK's HTTP transport with a total deadline per request.
+
+    Its ``timeout`` bounds each socket read, not the request: a peer that sends headers and then one byte every
+    half second holds a request (and ``remove()``, and exit) for as long as it likes. Here each request runs on a
+    daemon thread that the caller waits for at most ``timeout`` seconds; one that is still running then is
+    abandoned (it ends when the peer gives up, and never holds exit). At most ``MAX_ABANDONED`` may be running at
+    once; past that, requests fail at once until one ends.
+    """
+
+    MAX_ABANDONED = 4
+
+    def __init__(self, inner: BaseHTTPTransport) -> None:
+        self._inner = inner
+        self._abandoned: list[threading.Thread] = []
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        data: bytes | None = None,
+    ) -> BaseHTTPResult:
+        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        if timeout is not None and timeout <= 0:
+            return _NoResponse(error=TimeoutError("no time left before the export deadline"))
+        if len(self._abandoned) >= self.MAX_ABANDONED:
+            return _NoResponse(error=TimeoutError(f"{len(self._abandoned)} earlier requests still have no response"))
+        outcome: list[BaseHTTPResult] = []
+
+        def send() -> None:
+            outcome.append(self._inner.request(method, url, headers=headers, timeout=timeout, data=data))
+
+        thread = threading.Thread(target=send, name="torchtrace-otlp-http", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if outcome:
+            return outcome[0]
+        self._abandoned.append(thread)
+        return _NoResponse(error=TimeoutError(f"no complete response within {timeout:.3g}s"))
+
+    def is_connection_error(self, exception: Exception | None) -> bool:
+        return self._inner.is_connection_error(exception)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class HttpSender(_HttpSpanExporter):
-    """OTLP/HTTP protobuf: the SDK's HTTP span exporter and its client (retries, headers, compression, TLS)."""
+    """OTLP/HTTP protobuf: the SDK's HTTP span exporter and its client (retries, headers, compression, TLS), each
+    request bounded by the timeout in total (``_DeadlineTransport``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._client._transport = _DeadlineTransport(self._client._transport)
 
     def send(self, spans: EncodedSpans) -> bool:
         if self._shutdown:

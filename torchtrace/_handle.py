@@ -60,6 +60,7 @@ class TraceHandle:
         self._optimizer_hooks: list = []
         self._export_sinks: list = []
         self.metrics: Any = None
+        self._losses_at_flush = (0, 0, 0)  # dropped calls, failed spans, sink errors: flush() reports news of them
         try:  # all or nothing: a failure part way takes down what was set up (hooks, DDP watch, senders, metrics)
             self._install(model, options, selected, modules)
         except BaseException:
@@ -141,7 +142,11 @@ class TraceHandle:
         return self._recorder.enabled
 
     def flush(self, timeout_millis: int = 30_000) -> bool:
-        """Every call recorded so far reaches the sinks and exporters before this returns."""
+        """Every call recorded so far reaches the sinks and exporters before this returns.
+
+        True only if everything recorded since the previous ``flush()`` was delivered: False when any of it was
+        dropped (buffer full), failed to export (refused, timed out, unwritable file), or a sink raised on it.
+        """
         self._dispatcher.drain()
         ok = True
         for flush in self._flushers:
@@ -150,6 +155,9 @@ class TraceHandle:
             except Exception:
                 _logger.exception("torchtrace: flushing the exporter failed")
                 ok = False
+        losses = (self.dropped_calls, self.failed_spans, self.sink_errors)
+        ok = ok and losses == self._losses_at_flush
+        self._losses_at_flush = losses
         return ok
 
     def report(self, path: str | os.PathLike[str] = "report.html") -> Path:
