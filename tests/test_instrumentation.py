@@ -174,7 +174,7 @@ def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor
 
 def test_invalid_torchtrace_variables_fail_at_instrument_time(instrumentor, monkeypatch) -> None:
     monkeypatch.setenv("TORCHTRACE_SAMPLE_RATIO", "-0.5")
-    with pytest.raises(ValueError, match="sample_ratio"):
+    with pytest.raises(ValueError, match="TORCHTRACE_SAMPLE_RATIO"):
         instrumentor.instrument()
     assert not torch.nn.modules.module._global_forward_pre_hooks
 
