@@ -147,6 +147,7 @@ class TraceHandle:
         True only if everything recorded since the previous ``flush()`` was delivered: False when any of it was
         dropped (buffer full), failed to export (refused, timed out, unwritable file), or a sink raised on it.
         """
+        self._recorder.close_interrupted()  # a forward Ctrl-C stopped (torch ran no hook for it) is delivered too
         self._dispatcher.drain()
         ok = True
         for flush in self._flushers:
@@ -182,6 +183,7 @@ class TraceHandle:
             handle.remove()
         self._hook_handles.clear()
         self._optimizer_hooks.clear()
+        self._recorder.close_interrupted()
         if self._steps is not None:
             model = self._model_ref()
             if model is not None and is_ddp(model):

@@ -278,13 +278,26 @@ class HookRecorder:
             return None  # the caller's trace is not sampled: neither are we (ParentBased)
         return parent if self.sampler.should_trace() else None
 
+    def close_interrupted(self) -> None:
+        """At flush / remove / exit: close this thread's open forward if it no longer runs (see
+        ``_close_interrupted``); a Ctrl-C lands on the main thread, where these are called."""
+        state = self._state
+        if state.root_frame is None or _on_call_stack(state.root_frame):
+            return  # nothing open, or called from inside the forward (a hook, the model's own code)
+        if state.skip_depth:  # an untraced forward that was interrupted: nothing to deliver, its frame is let go
+            state.skip_depth = 0
+            state.root_frame = None
+        elif state.stack:
+            self._close_interrupted(state)
+
     def _close_interrupted(self, state: _ThreadState) -> None:
-        """The outermost module of the open forward is called again, and that call is no longer running.
+        """The open forward is no longer running (its outermost module is called again, or flush / remove / exit).
 
         Torch runs always_call hooks only for ``Exception``; a KeyboardInterrupt (a notebook's stop button) leaves
-        the forward open forever: close it as interrupted and deliver it.
+        the forward open forever: close it as interrupted and deliver it. Its open calls end at the last moment the
+        hooks saw the forward (its latest start or end): when it really stopped is not known, and no earlier.
         """
-        end = time.perf_counter_ns()
+        end = max(entry[END] or entry[START] for entry in state.entries)
         for entry in state.stack:
             entry[END] = end
             entry[ERROR] = "interrupted"

@@ -1,0 +1,130 @@
+"""A forward interrupted by Ctrl-C (KeyboardInterrupt: torch runs no always_call hooks for it) is closed as
+interrupted at the next flush / remove / exit at the latest, ending at the last moment the hooks saw it run (a lower
+bound of when it really stopped), and delivered with its finished children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import torchtrace
+from torchtrace._dispatch import CallInterrupted
+
+
+class CtrlC(nn.Module):
+    """Sends this process a real SIGINT mid-forward; Python raises KeyboardInterrupt where the forward then is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+        self.interrupted_ns = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            self.interrupted_ns = time.time_ns()
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(5)  # never reached whole: the interrupt lands here
+        return x
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), CtrlC(), nn.Linear(4, 4))
+
+
+def _interrupt(model: nn.Sequential) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.ones(1, 4))
+
+
+def _assert_closed_at_the_interrupt(records, interrupted_ns: int) -> None:
+    by_path = {record.path: record for record in records}
+    assert set(by_path) == {"", "0", "1"}  # the finished child too; "2" never started
+    assert by_path["0"].error is None
+    for path in ("", "1"):
+        record = by_path[path]
+        assert isinstance(record.error, CallInterrupted)
+        # the last moment the hooks saw: no later than the interrupt, and not long before it
+        assert by_path["0"].end_ns <= record.end_ns <= interrupted_ns
+        assert interrupted_ns - record.end_ns < 50_000_000
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT via raise_signal")
+def test_an_interrupted_forward_is_delivered_at_the_next_flush_ending_when_it_stopped():
+    model = _model()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        _interrupt(model)
+        time.sleep(0.3)  # the user takes a while before flushing: not part of the forward
+        assert handle.flush() is True
+        _assert_closed_at_the_interrupt(handle.records, model[1].interrupted_ns)
+        model(torch.ones(1, 4))  # the next forward is traced whole
+        assert [record.path for record in handle.records[3:]] == ["", "0", "1", "2"]
+        assert all(record.error is None for record in handle.records[3:])
+
+
+def test_an_interrupted_forward_called_again_ends_when_it_stopped_not_at_the_next_call():
+    model = _model()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        _interrupt(model)
+        time.sleep(0.3)
+        model(torch.ones(1, 4))
+        _assert_closed_at_the_interrupt(handle.records[:3], model[1].interrupted_ns)
+
+
+def test_an_interrupted_forward_is_delivered_at_remove(tmp_path):
+    model = _model()
+    trace_file = tmp_path / "t.jsonl"
+    handle = torchtrace.instrument(model, exporter="file", trace_file=str(trace_file))
+    _interrupt(model)
+    handle.remove()
+    spans = [
+        span for line in trace_file.open() for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    ]
+    assert sorted(span["name"] for span in spans) == ["0", "1", "Sequential"]
+    assert sum(span.get("status", {}).get("code") == 2 for span in spans) == 2
+    assert handle.failed_spans == 0 and handle.dropped_calls == 0
+
+
+def test_an_interrupted_forward_is_delivered_at_exit(tmp_path):
+    """The script catches Ctrl-C and ends without calling the model again or removing the handle."""
+    trace_file = tmp_path / "t.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import signal, time, torch
+        from torch import nn
+        import torchtrace
+
+        class CtrlC(nn.Module):
+            def forward(self, x):
+                signal.raise_signal(signal.SIGINT)
+                time.sleep(5)
+                return x
+
+        model = nn.Sequential(nn.Linear(4, 4), CtrlC())
+        torchtrace.instrument(model, exporter="file", trace_file={str(trace_file)!r}, print_summary=False)
+        try:
+            model(torch.ones(1, 4))
+        except KeyboardInterrupt:
+            print("interrupted", time.time_ns(), flush=True)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    interrupted_ns = int(result.stdout.split()[1])
+    spans = [
+        span for line in trace_file.open() for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    ]
+    assert sorted(span["name"] for span in spans) == ["0", "1", "Sequential"]
+    root = next(span for span in spans if span["name"] == "Sequential")
+    assert root["status"]["code"] == 2
+    assert int(root["endTimeUnixNano"]) <= interrupted_ns
+    assert os.path.getsize(trace_file) > 0
