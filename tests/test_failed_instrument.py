@@ -7,10 +7,12 @@ import threading
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.nn.modules import module as torch_module
 
 import torchtrace
+from torchtrace import MetricsSink
 from torchtrace._handle import _live_handles
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
@@ -50,7 +52,7 @@ def _workers() -> int:
     "options",
     [
         {"exporter": "none"},
-        {"exporter": "file", "metrics": True, "backward": True},
+        {"exporter": "file", "metrics": "own sink", "backward": True},
         {"exporter": "none", "optimizer": "sgd"},
     ],
     ids=["plain", "file-metrics-backward", "optimizer"],
@@ -65,6 +67,8 @@ def test_a_failed_instrument_leaves_nothing_behind(tmp_path, options):
     optimizer = None
     if options.get("optimizer") == "sgd":
         optimizer = options["optimizer"] = torch.optim.SGD(model.parameters(), lr=0.1)
+    if options.get("metrics") == "own sink":
+        options["metrics"] = MetricsSink(registry=CollectorRegistry())
 
     with pytest.raises(RuntimeError, match="ScriptModule"):
         torchtrace.instrument(model, **options)
@@ -76,8 +80,10 @@ def test_a_failed_instrument_leaves_nothing_behind(tmp_path, options):
     assert (_workers(), len(_live_handles)) == (workers, handles)
     assert torch.equal(model(x), expected)
 
-    # a compatible selection (the scripted module left out) traces, and its remove() leaves no hook either
-    with torchtrace.instrument(model, exporter="none", exclude="2") as handle:
+    # a compatible selection (the scripted module left out) traces, and its remove() leaves no hook either; a
+    # MetricsSink the failed call had claimed serves the retry
+    retry = {"metrics": options["metrics"]} if "metrics" in options else {}
+    with torchtrace.instrument(model, exporter="none", exclude="2", **retry) as handle:
         assert torch.equal(model(x), expected)
         assert [call.path for call in handle.records] == ["", "0", "1", "3"]
     assert _hooks_left(model) == {}
