@@ -281,8 +281,8 @@ class HookRecorder:
     def close_interrupted(self) -> None:
         """At flush / remove / exit: close this thread's open forward if it no longer runs (see
         ``_close_interrupted``); a Ctrl-C lands on the main thread, where these are called."""
-        state = self._state
-        if state.root_frame is None or _on_call_stack(state.root_frame):
+        state = getattr(self._local, "state", None)
+        if state is None or state.root_frame is None or _on_call_stack(state.root_frame):
             return  # nothing open, or called from inside the forward (a hook, the model's own code)
         if state.skip_depth:  # an untraced forward that was interrupted: nothing to deliver, its frame is let go
             state.skip_depth = 0
