@@ -124,7 +124,10 @@ def test_the_applications_handler_runs_after_the_flush(tmp_path: Path) -> None:
     )
     code, count, spans, err = _run_loop(tmp_path, setup)
     assert code == 3 and "app handler" in err
-    assert _forwards(spans) in (count, count + 1)
+    # sys.exit() in the handler stops the forward it lands in: that one is delivered too, marked interrupted
+    interrupted = {span["traceId"] for span in spans if span.get("status", {}).get("code") == 2}
+    assert len(interrupted) <= 1
+    assert _forwards([span for span in spans if span["traceId"] not in interrupted]) in (count, count + 1)
 
 
 def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:

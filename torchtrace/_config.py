@@ -234,8 +234,8 @@ def _comm_hook_option(value: Any) -> Any:
     return value
 
 
-# The longest export interval: the worker waits this long with threading's timed wait (far longer overflows it).
-MAX_EXPORT_INTERVAL_MS = 24 * 3600 * 1000
+# The longest export interval, a year: the worker waits with threading's timed wait (far longer overflows it).
+MAX_EXPORT_INTERVAL_MS = 365 * 24 * 3600 * 1000
 
 
 def _check_number(label: str, value: Any, integer: bool, low: float, high: float | None) -> None:
