@@ -529,3 +529,24 @@ def test_gradients_are_sampled_too():
     sample = kept["out"].grad.reshape(-1)[::6]  # 512 elements, at most 100: every 6th
     assert attributes["torchtrace.grad_output.0.sampled"] == sample.numel() == 86
     assert attributes["torchtrace.grad_output.0.norm"] == pytest.approx(float(sample.norm()), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.relu(torch.randn(64, 1024)),
+        lambda: torch.zeros(50_000),
+        lambda: torch.cat([torch.full((20_000,), -0.0), torch.tensor([float("inf"), float("-inf"), 1e-45])]),
+        lambda: torch.relu(torch.randn(300, 200)).t(),
+        lambda: torch.relu(torch.randn(40_000)).half(),
+        lambda: torch.relu(torch.randn(40_000)).bfloat16(),
+        lambda: torch.relu(torch.randn(40_000)).double(),
+        lambda: torch.randint(-1, 2, (40_000,)),
+    ],
+    ids=["relu", "all-zero", "negative-zero-inf-denormal", "non-contiguous", "float16", "bfloat16", "float64", "int"],
+)
+def test_zero_fraction_of_large_tensors_equals_torch(make):
+    """Large tensors count non-zeros as sign(x) . sign(x): the same count as torch's, zeros of either sign."""
+    torch.manual_seed(2)
+    tensor = make()
+    assert_stats_match(output_attributes(tensor), tensor)

@@ -333,8 +333,23 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
     if nan_v or inf_v:
         std_v = math.nan  # as torch.std of data with NaN or Inf
-    nonzero = int(torch.count_nonzero(x)) if "zero_fraction" in wanted else n  # the slowest pass: only if asked
+    nonzero = _count_nonzero(x, nan_v) if "zero_fraction" in wanted else n
     _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
+
+
+# Below this many elements a float32 dot product of +-1 and 0 counts exactly (every partial sum is an integer
+# that float32 holds); float64 holds far more than any tensor.
+_EXACT_SIGN_COUNT = {torch.float32: 2**24, torch.float64: 2**53}
+
+
+def _count_nonzero(x: torch.Tensor, nan_count: int) -> int:
+    """count_nonzero is this CPU's slowest pass (2.3 ms per 512K ReLU outputs, half zeros); sign(x) . sign(x)
+    counts the same non-zeros (-0.0 included as zero, +-Inf as non-zero) in ~0.12 ms. NaN's sign is NaN: then,
+    and where the float sum could round, count_nonzero."""
+    if nan_count or x.numel() >= _EXACT_SIGN_COUNT.get(x.dtype, 0):
+        return int(torch.count_nonzero(x))
+    signs = torch.sign(x).reshape(-1)
+    return int(torch.dot(signs, signs))
 
 
 def _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count) -> None:
