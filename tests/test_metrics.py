@@ -298,6 +298,53 @@ def test_metrics_true_serves_every_instrumented_model_from_the_global_registry()
     assert 'torchtrace_module_calls_total{model="Sequential#2",module="0"' in body  # a removed model's last values
 
 
+@pytest.mark.parametrize("endpoint_first", [True, False], ids=["serve-then-instrument", "instrument-then-serve"])
+def test_serving_metrics_beside_a_model_traced_without_them_says_so_once(endpoint_first, monkeypatch, caplog):
+    from torchtrace import _serve
+
+    monkeypatch.setattr(_serve, "_pairing_warned", False)
+
+    class Unmetered(nn.Sequential):
+        pass
+
+    model, other = Unmetered(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4))
+    advice = "pass metrics=True"
+    server = serve_metrics(port=0) if endpoint_first else None
+    assert advice not in caplog.text  # an endpoint alone is the application's own business
+    with torchtrace.instrument(model, exporter="none") as handle:
+        if server is None:
+            assert advice not in caplog.text
+            server = serve_metrics(port=0)
+        with server:
+            model(torch.randn(2, 4))
+            handle.flush()
+            body = _get(server.url)[1]
+            assert 'model="Unmetered"' not in body  # what the warning is about: nothing of the model
+            assert caplog.text.count(advice) == 1
+            with torchtrace.instrument(other, exporter="none"):  # once per process, not per model
+                pass
+            assert caplog.text.count(advice) == 1
+
+
+def test_the_natural_pairing_with_metrics_true_warns_nothing(monkeypatch, caplog):
+    from torchtrace import _serve
+
+    monkeypatch.setattr(_serve, "_pairing_warned", False)
+    model, other = tiny_model(), nn.Sequential(nn.Linear(4, 4))
+    with serve_metrics(port=0) as server:
+        with torchtrace.instrument(model, exporter="none", metrics=True) as handle:
+            model(torch.randn(2, 4))
+            handle.flush()
+            assert 'torchtrace_module_calls_total{model="Sequential",module="linear_1"' in _get(server.url)[1]
+        with torchtrace.instrument(other, exporter="none", metrics=False):  # told: no metrics for this one
+            pass
+    removed = torchtrace.instrument(other, exporter="none")
+    removed.remove()
+    with serve_metrics(port=0):  # a removed handle traces nothing: nothing to say
+        pass
+    assert "metrics=True" not in caplog.text
+
+
 def test_a_taken_metrics_port_is_a_warning_not_a_failed_job(monkeypatch, caplog):
     import socket
 

@@ -22,13 +22,14 @@ from torchtrace import (
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
-from torchtrace._config import Options, resolve_options
+from torchtrace._config import ENV_METRICS, Options, _env, resolve_options
 from torchtrace._dispatch import Dispatcher, first_nonfinite
 from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
 from torchtrace._schedule import always
 from torchtrace._selection import is_compiled_module, select_modules
+from torchtrace._serve import forget_unmetered, note_unmetered
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._stats import StatFunction
 from torchtrace._steps import StepRecord, StepTracker
@@ -206,6 +207,7 @@ class TraceHandle:
         if model is not None and _instrumented.get(model) is self:
             del _instrumented[model]
         _live_handles.discard(self)
+        forget_unmetered(self)
         _signals.release(self)
 
     def step(self) -> None:
@@ -513,7 +515,16 @@ def instrument(
             f"{type(model).__name__} contains, or is part of, the instrumented {type(overlapping).__name__}: "
             "remove() that handle first (torchtrace.handle_of(model) gives it back)"
         )
-    return TraceHandle(model, options)
+    handle = TraceHandle(model, options)
+    if metrics is None and _env(ENV_METRICS) is None and not _publishes_metrics(handle):
+        note_unmetered(handle)  # warns once if a metrics endpoint is being served: it will show nothing of this model
+    return handle
+
+
+def _publishes_metrics(handle: TraceHandle) -> bool:
+    metrics = sys.modules.get("torchtrace._metrics")
+    sinks = [handle.metrics, *handle.options.sinks]
+    return metrics is not None and any(isinstance(sink, metrics.MetricsSink) for sink in sinks)
 
 
 def _remove_at_exit() -> None:

@@ -6,8 +6,10 @@ Prometheus sends first) with OpenMetrics, the only exposition that carries exemp
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -18,6 +20,15 @@ __all__ = ["ENV_METRICS_ADDR", "ENV_METRICS_PORT", "MetricsServer", "metrics_fro
 ENV_METRICS_PORT = "TORCHTRACE_METRICS_PORT"
 ENV_METRICS_ADDR = "TORCHTRACE_METRICS_ADDR"
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # loopback: tensor statistics are not for the whole network unless asked
+
+_logger = logging.getLogger(__name__)
+
+# An endpoint beside a model traced without metrics serves no torchtrace series (metrics are opt-in), which looks
+# broken: said once per process, by whichever of serve_metrics() and instrument() comes second.
+_endpoints: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
+_unmetered: weakref.WeakSet[object] = weakref.WeakSet()  # live handles of models traced without metrics
+_pairing_lock = threading.Lock()
+_pairing_warned = False
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,32 @@ def serve_metrics(port: int, addr: str = DEFAULT_METRICS_ADDR, registry: Collect
         raise ValueError(f"metrics port must be an integer in 0..65535, got {port!r}")
     server, thread = start_http_server(port, addr=addr, registry=registry)
     thread.name = "torchtrace-metrics"
-    return MetricsServer(server, thread, addr, server.server_address[1])
+    served = MetricsServer(server, thread, addr, server.server_address[1])
+    _endpoints.add(served)
+    _warn_once_if_unpaired()
+    return served
+
+
+def note_unmetered(handle: object) -> None:
+    """``handle`` traces a model without metrics (and was not told ``metrics=False``) until ``forget_unmetered``."""
+    _unmetered.add(handle)
+    _warn_once_if_unpaired()
+
+
+def forget_unmetered(handle: object) -> None:
+    _unmetered.discard(handle)
+
+
+def _warn_once_if_unpaired() -> None:
+    global _pairing_warned
+    with _pairing_lock:
+        if _pairing_warned or not _unmetered or not any(e.thread.is_alive() for e in _endpoints):
+            return
+        _pairing_warned = True
+    _logger.warning(
+        "torchtrace: a metrics endpoint is served but a model is traced without metrics, so it shows no torchtrace "
+        "series: metrics are opt-in; pass metrics=True (or a MetricsSink) to instrument(), or set TORCHTRACE_METRICS=1"
+    )
 
 
 def metrics_from_env(registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
