@@ -119,8 +119,10 @@ def create_app(sample_ratio: float) -> FastAPI:
         probabilities = logits.softmax(dim=-1)
         return ClassifyReply(labels=probabilities.argmax(dim=-1).tolist(), probabilities=probabilities.tolist())
 
-    # The SERVER span only: no internal spans for each ASGI send / receive message.
-    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, exclude_spans=["receive", "send"])
+    # The SERVER span only (no internal span per ASGI send / receive message), and none for health checks.
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=provider, exclude_spans=["receive", "send"], excluded_urls="healthz"
+    )
     return app
 
 

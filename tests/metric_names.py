@@ -1,4 +1,4 @@
-"""The Prometheus names the output statistics are published under (README "Metrics"), spelled out once for tests."""
+"""The Prometheus names the output statistics are published under (docs/metrics.md), spelled out once for tests."""
 
 STATS_TO_METRICS = {
     "mean": "torchtrace_output_mean",

@@ -370,3 +370,63 @@ def resolve_options(**kwargs: Any) -> Options:
     if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
         raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
     return options
+
+
+# The documentation of each option, one row each, grouped: docs/configuration.md is generated from this table, the
+# names, environment variables and defaults above (docs/hooks/config_tables.py), and the docs build fails when an
+# option has no row here. (group, what it does)
+OPTION_DOCS: dict[str, tuple[str, str]] = {
+    "exporter": ("Export", "where spans go: `auto`, `otlp`, `sdk`, `file` or `none` (see Getting started, Export)"),
+    "tracer_provider": ("Export", "the SDK `TracerProvider` of the `sdk` exporter (`None`: the global one)"),
+    "trace_file": ("Export", "path of the OTLP JSON lines written by the `file` exporter"),
+    "export_interval_ms": ("Export", "how often the worker sends OTLP / file batches"),
+    "max_pending_calls": ("Export", "buffered calls before whole forwards are dropped (counted, logged)"),
+    "print_summary": (
+        "Export",
+        "print the per-layer table at `remove()` / exit (`None`: with the embedded file default)",
+    ),
+    "handle_sigterm": ("Export", "on SIGTERM, deliver what was recorded, then end as the signal would have"),
+    "include": ("Selection", "globs over module paths (comma-separated in env)"),
+    "exclude": ("Selection", "globs over module paths"),
+    "types": ("Selection", "a module class or tuple of classes (env: dotted names); empty: all"),
+    "max_depth": ("Selection", "`None`: unlimited; 0 = the model only, 1 = its children, ..."),
+    "stats": ("Statistics", "`True`/`False`, or statistic names (env: comma-separated, `all`, `none`)"),
+    "extra_stats": ("Statistics", '`{"name": fn(tensor) -> number}`: statistics of your own'),
+    "inputs": ("Statistics", "statistics of inputs too"),
+    "max_tensors": ("Statistics", "tensors summarised per output / input"),
+    "stats_sample": ("Statistics", "`None`: every element; else summarise larger tensors from about this many"),
+    "sample_every": ("Sampling", "trace every Nth outermost forward"),
+    "sample_ratio": ("Sampling", "trace this fraction of outermost forwards"),
+    "max_records": ("Records API", "in-memory records kept (oldest dropped first, counted)"),
+    "function_on_output": ("Records API", "`f(output)` kept in `record.output_value`"),
+    "function_on_input": ("Records API", "`f(input)` kept in `record.input_value`"),
+    "module_attributes": ("Records API", "module attributes read after each call, in `record.module_attributes`"),
+    "function_on_attribute": ("Records API", "`f(value)` kept for each module attribute instead of a copy"),
+    "attributes_before_forward": ("Records API", "read module attributes before the call instead"),
+    "function_on_grad_output": ("Records API", "with `backward=True`: `f(grad_output)` in the backward record"),
+    "function_on_grad_input": ("Records API", "with `backward=True`: `f(grad_input)` in the backward record"),
+    "capture_tensors": ("Records API", "full output tensors copied to CPU, in `record.tensors`"),
+    "capture_max_bytes": ("Records API", "byte budget of captured tensors (calls past it are skipped, counted)"),
+    "capture_compress": ("Records API", "zlib-compress captured tensors"),
+    "sinks": ("Records API", "extra callables receiving each batch of calls off the hot path (within ~5-100 ms)"),
+    "backward": ("Training", "module backward spans with gradient statistics"),
+    "schedule": ("Training", "`step -> bool`: which steps are traced (`None`: every step; env: every Nth)"),
+    "optimizer": ("Training", "its `step()` is timed and closes each training step"),
+    "param_stats": ("Training", "parameter / parameter-gradient norms on backward spans"),
+    "on_nonfinite": ("Training", '`None` (mark the span only), `"raise"` or a callable(`NonFiniteError`)'),
+    "comm_hook": (
+        "Devices and DDP",
+        "`(hook, state)`: your DDP comm hook, timed per bucket (`None`: DDP's all-reduce)",
+    ),
+    "cuda_events": ("Devices and DDP", "CUDA module durations from events (device time); false: host clock (launch)"),
+    "metrics": (
+        "Metrics",
+        "a `MetricsSink`, or `True`: one on the global registry; `TORCHTRACE_METRICS_PORT` turns it on",
+    ),
+}
+
+# Variables read outside instrument()'s options, documented next to them.
+ENV_ONLY_DOCS: dict[str, str] = {
+    ENV_TRITON: "false: CUDA statistics with torch ops, never the Triton kernel (process-wide, read at the first "
+    "CUDA statistics)",
+}

@@ -499,7 +499,7 @@ def instrument(
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 
     Every option is keyword-only; unset ones come from ``TORCHTRACE_*`` environment variables, else defaults
-    (see the README's configuration table). Invalid options raise here, never inside a hook.
+    (see docs/configuration.md). Invalid options raise here, never inside a hook.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"instrument() expects a torch.nn.Module, got {type(model).__name__}")

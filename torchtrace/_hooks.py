@@ -150,7 +150,7 @@ class HookRecorder:
 
         def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> None:
             if _dynamo_compiling() or _compiler._is_compiling_flag:  # constant-folded by dynamo: a compiled
-                return  # region contains no hook work (see README); the flag: torch.export's non-strict tracing
+                return  # region contains no hook work (docs/training.md); the flag: torch.export's non-strict tracing
             try:
                 state = local.state
             except AttributeError:

@@ -4,7 +4,7 @@ Nothing here runs in a hook. The dispatcher hands each batch of ``ModuleCall``s 
 worker thread; the sink folds them into plain counters under one lock per batch. prometheus_client calls
 ``collect()`` on a scrape and gets samples built from that state, so the hot path has no ``observe()`` at all.
 
-Cardinality is bounded by design (see the README's "Metrics" section):
+Cardinality is bounded by design (see docs/metrics.md):
 
 - the duration histogram is labelled by module *type*, never by module path: buckets x paths x ranks is what
   explodes, and types are few;

@@ -210,7 +210,7 @@ def check_traces(spans: Iterable[Any]) -> None:
     - every parent present, in the same trace (a remote parent, e.g. from a ``traceparent`` header or another
       process, may be absent);
     - every span ends after it starts, and within its parent's time (a remote parent's clock is another one);
-    - torchtrace's attributes of the types the README documents (statistics, counts, paths, steps, ranks).
+    - torchtrace's attributes of the types docs/spans.md documents (statistics, counts, paths, steps, ranks).
     """
     records = [_normalised(span) for span in spans]
     problems: list[str] = []

@@ -1,0 +1,78 @@
+"""The docs site builds strictly, and its configuration tables cover every option (docs/hooks/config_tables.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtrace import _config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config_tables():
+    spec = importlib.util.spec_from_file_location("config_tables", ROOT / "docs" / "hooks" / "config_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    """Broken links, a missing page in the nav, a docstring the API page cannot render, an undocumented option:
+    each fails `mkdocs build --strict`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    page = (tmp_path / "site" / "configuration" / "index.html").read_text(encoding="utf-8")
+    for field in dataclasses.fields(_config.Options):
+        assert f"<code>{field.name}</code>" in page  # a generated row per option
+    assert "TORCHTRACE_TRITON" in page and "&lt;!-- options" not in page
+    api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    assert "Trace every call of the selected modules" in api  # instrument()'s docstring
+
+
+def test_every_option_and_variable_is_documented() -> None:
+    tables = _config_tables()
+    tables.check()
+    page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    rendered = tables.render(page)
+    for field in dataclasses.fields(_config.Options):
+        assert f"| `{field.name}` |" in rendered
+
+
+def test_an_option_without_a_doc_row_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    tables = _config_tables()
+    new_options = dataclasses.make_dataclass(
+        "Options", [("brand_new", int, dataclasses.field(default=1))], bases=(_config.Options,), frozen=True
+    )
+    monkeypatch.setattr(_config, "Options", new_options)
+    with pytest.raises(tables.ConfigDocsError, match="'brand_new' has no row"):
+        tables.check()
+
+
+def test_a_row_for_no_option_and_an_undocumented_variable_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    tables = _config_tables()
+    monkeypatch.setitem(_config.OPTION_DOCS, "gone", ("Export", "an option removed from Options"))
+    monkeypatch.setattr(_config, "ENV_NEW_THING", "TORCHTRACE_NEW_THING", raising=False)
+    with pytest.raises(tables.ConfigDocsError) as error:
+        tables.check()
+    assert "'gone' names no option" in str(error.value) and "TORCHTRACE_NEW_THING" in str(error.value)
+
+
+def test_a_group_without_its_table_on_the_page_fails() -> None:
+    tables = _config_tables()
+    page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8").replace("<!-- options: Training -->", "")
+    with pytest.raises(tables.ConfigDocsError, match="Training"):
+        tables.render(page)
