@@ -378,7 +378,13 @@ def resolve_options(**kwargs: Any) -> Options:
 OPTION_DOCS: dict[str, tuple[str, str]] = {
     "exporter": ("Export", "where spans go: `auto`, `otlp`, `sdk`, `file` or `none` (see Getting started, Export)"),
     "tracer_provider": ("Export", "the SDK `TracerProvider` of the `sdk` exporter (`None`: the global one)"),
-    "trace_file": ("Export", "path of the OTLP JSON lines written by the `file` exporter"),
+    "trace_file": (
+        "Export",
+        "path of the OTLP JSON lines written by the `file` exporter; its directory is made at `instrument()` "
+        "(a `ValueError` where it cannot be)",
+    ),
+    "trace_file_max_mb": ("Export", "rotate the trace file past this many MiB (a number; 0: never)"),
+    "trace_file_backups": ("Export", "rotated files kept: `traces.jsonl.1` (newest) ... `.5`"),
     "export_interval_ms": ("Export", "how often the worker sends OTLP / file batches"),
     "max_pending_calls": ("Export", "buffered calls before whole forwards are dropped (counted, logged)"),
     "print_summary": (
