@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from extras import require_modules
 
 from torchtrace import _config
 
@@ -26,6 +27,7 @@ def _config_tables():
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     """Broken links, a missing page in the nav, a docstring the API page cannot render, an undocumented option:
     each fails `mkdocs build --strict`."""
+    require_modules("mkdocs", "material", "mkdocstrings")
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,

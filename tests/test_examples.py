@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from extras import require_modules
 from otlp_receiver import OtlpHttpReceiver, attributes_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +59,7 @@ def _status_code(span) -> int:
 
 
 def test_fastapi_server_module_spans_sit_under_their_request_span() -> None:
+    require_modules("fastapi", "uvicorn", "opentelemetry.instrumentation.fastapi")
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
