@@ -91,5 +91,5 @@ def test_flush_remove_and_exit_are_bounded_by_the_timeout_when_the_peer_never_fi
         assert failed == 4  # both forwards' spans (the model and its Linear), counted
         assert delivery_s < SLACK_S, seen  # nothing left to send
     else:
-        assert delivery_s < 2 * TIMEOUT_S + SLACK_S, seen  # the README's bound: about 2x the timeout
+        assert delivery_s < 2 * TIMEOUT_S + SLACK_S, seen  # docs/faults.md's bound: about 2x the timeout
     assert exit_s < 2 * TIMEOUT_S + TEARDOWN_S, seen  # an abandoned request does not hold the interpreter's exit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,19 @@ def test_a_group_without_its_table_on_the_page_fails() -> None:
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8").replace("<!-- options: Training -->", "")
     with pytest.raises(tables.ConfigDocsError, match="Training"):
         tables.render(page)
+
+
+def test_the_api_page_covers_every_public_name() -> None:
+    import torchtrace
+
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    documented = {line.removeprefix("::: torchtrace.") for line in page.splitlines() if line.startswith(":::")}
+    assert set(torchtrace.__all__) - {"__version__"} <= documented
+
+
+def test_the_readme_stays_one_page_and_its_links_resolve() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    targets = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", readme)
+    assert targets and all((ROOT / target).exists() for target in targets), targets
+    assert "scripts/dev demo" in readme and "scripts/dev test" in readme
