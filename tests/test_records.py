@@ -508,3 +508,21 @@ def test_a_record_reads_back_field_by_field_as_it_was_delivered() -> None:
                 assert value.keys() == original.module_attributes.keys()
             else:
                 assert value == getattr(original, field.name), field.name
+
+
+def test_records_of_forwards_traced_without_statistics_read_back_as_delivered() -> None:
+    """Such a forward is kept as one packed tuple of its columns; reading it back gives the calls delivered, past
+    max_records too (a forward cut in two)."""
+    delivered = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))  # 5 calls a forward
+    with torchtrace.instrument(model, exporter="none", stats=False, sinks=[delivered.extend], max_records=12) as handle:
+        for _ in range(4):
+            model(torch.randn(2, 4))
+        handle.flush()
+        records, inner, second = handle.records, handle["1.0"], handle[1]
+    assert len(records) == 12 and handle.dropped_records == 8
+    for kept, original in zip(records, delivered[-12:], strict=True):
+        for field in fields(ModuleCall):
+            assert getattr(kept, field.name) == getattr(original, field.name), field.name
+    assert [call.span_id for call in inner] == [call.span_id for call in delivered[-12:] if call.path == "1.0"]
+    assert second.span_id == delivered[-11].span_id

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -94,56 +94,114 @@ def unpack(packed: tuple) -> ModuleCall:
 
 
 class RecordStore:
-    """The latest ``max_records`` calls, in call order, also indexed by module path (oldest dropped first)."""
+    """The latest ``max_records`` calls, in call order (oldest dropped first).
+
+    A forward whose calls carry only their module path and type is kept as one flat tuple of its columns (a few
+    atomic values per call, packed in C); any other call as its own packed tuple. Both are untracked by the
+    garbage collector; ``ModuleCall`` objects are made when the records are read.
+    """
 
     def __init__(self, max_records: int, on_drop: Callable[[ModuleCall], None] | None = None) -> None:
         self.max_records = max_records
         self.dropped = 0
         self._on_drop = on_drop  # e.g. gives a dropped call's captured tensors back to the capture budget
-        self._records: collections.deque[tuple] = collections.deque()  # packed calls
-        self._by_path: dict[tuple[str, str], collections.deque[tuple]] = {}  # (kind, path) -> packed calls
+        self._records: collections.deque[tuple] = collections.deque()  # packed calls and packed forwards
+        self._count = 0  # calls in _records
+        self._modules: dict[int, Sequence[Any]] = {}  # id -> the module list a packed forward's indices refer to
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
-        records, by_path = self._records, self._by_path
+        records = self._records
         for segment in calls.segments if isinstance(calls, Calls) else [calls]:
-            if isinstance(segment, CallBatch) and not segment.made:
-                packed_calls: Iterable[tuple] = pack_columns(segment)
+            if _timing_only(segment):
+                records.append(self._pack_forward(segment))
+            elif isinstance(segment, CallBatch) and not segment.made:
+                records.extend(pack_columns(segment))
             else:
-                packed_calls = map(pack, segment)
-            for packed in packed_calls:
-                records.append(packed)
-                path_records = by_path.get((packed[_KIND], packed[0]))
-                if path_records is None:
-                    path_records = by_path[(packed[_KIND], packed[0])] = collections.deque()
-                path_records.append(packed)
-        while len(records) > self.max_records:
-            oldest = records.popleft()
-            by_path[(oldest[_KIND], oldest[0])].popleft()  # the oldest of its path too: both are in call order
-            if not self.dropped:
-                _logger.info(
-                    "torchtrace: more than max_records=%d calls: the oldest leave the records (handle.dropped_records);"
-                    " exporters still get every call",
-                    self.max_records,
-                )
-            self.dropped += 1
-            if self._on_drop is not None and _holds_objects(oldest):
-                self._on_drop(unpack(oldest))
+                records.extend(map(pack, segment))
+            self._count += len(segment)
+        while self._count > self.max_records:
+            self._drop_oldest(self._count - self.max_records)
+
+    def _pack_forward(self, batch: CallBatch) -> tuple:
+        self._modules.setdefault(id(batch.modules), batch.modules)
+        lo, hi = batch.lo, batch.hi
+        return (_FORWARD, hi - lo, id(batch.modules), batch.trace_id, batch.root_parent_id, batch.parent_is_remote,
+                batch.trace_flags, batch.thread_id, *batch.module[lo:hi], *batch.depth[lo:hi], *batch.parent[lo:hi],
+                *batch.start_ns[lo:hi], *batch.end_ns[lo:hi], *batch.span_id[lo:hi])  # fmt: skip
+
+    def _calls_of(self, packed: tuple) -> list[tuple]:
+        """A packed forward as packed calls (a packed call as itself)."""
+        if type(packed[0]) is not int:  # a packed call starts with its path
+            return [packed]
+        _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
+        modules = self._modules[modules_id]
+        columns = [packed[_FORWARD_HEAD + i * n : _FORWARD_HEAD + (i + 1) * n] for i in range(6)]
+        calls = []
+        span_ids = columns[5]
+        for index, depth, parent, start, end, span_id in zip(*columns):
+            info = modules[index]
+            parent_id = span_ids[parent] if parent >= 0 else root_parent
+            calls.append(
+                (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
+                 parent < 0 and remote, flags, None, None, None, None, None, "forward", _TIMING_KEYS, info.path,
+                 info.type_name)  # fmt: skip
+            )
+        return calls
+
+    def _drop_oldest(self, excess: int) -> None:
+        oldest = self._records.popleft()
+        if type(oldest[0]) is int and oldest[1] <= excess:  # a whole packed forward: nothing in it to give back
+            dropped: Sequence[tuple] = range(oldest[1])  # only counted
+        else:
+            calls = self._calls_of(oldest)
+            dropped = calls[:excess]
+            if len(calls) > excess:  # part of a forward: the rest stays, packed call by call
+                self._records.extendleft(reversed(calls[excess:]))
+        if not self.dropped:
+            _logger.info(
+                "torchtrace: more than max_records=%d calls: the oldest leave the records (handle.dropped_records);"
+                " exporters still get every call",
+                self.max_records,
+            )
+        self.dropped += len(dropped)
+        self._count -= len(dropped)
+        if self._on_drop is not None and not isinstance(dropped, range):
+            for packed in dropped:
+                if _holds_objects(packed):
+                    self._on_drop(unpack(packed))
+
+    def _packed_calls(self) -> list[tuple]:
+        records = list(self._records)  # a C-level copy: the worker may append meanwhile
+        return [call for packed in records for call in self._calls_of(packed)]
 
     def all(self) -> list[ModuleCall]:
-        return [unpack(packed) for packed in list(self._records)]  # a C-level copy: the worker may append meanwhile
+        return [unpack(packed) for packed in self._packed_calls()]
 
     def at(self, key: int | slice) -> Any:
         """``all()[key]``, rebuilding only the calls asked for."""
         if isinstance(key, slice):
-            return [unpack(packed) for packed in list(self._records)[key]]
-        return unpack(self._records[key])
+            return [unpack(packed) for packed in self._packed_calls()[key]]
+        return unpack(self._packed_calls()[key])
 
     def for_path(self, path: str, kind: str = "forward") -> list[ModuleCall]:
-        return [unpack(packed) for packed in list(self._by_path.get((kind, path), ()))]
+        return [unpack(packed) for packed in self._packed_calls() if packed[0] == path and packed[_KIND] == kind]
 
     def clear(self) -> None:
         self._records.clear()
-        self._by_path.clear()
+        self._count = 0
+        self._modules.clear()
+
+
+_FORWARD = 0  # first value of a packed forward (an int: a packed call starts with its path, a str)
+_FORWARD_HEAD = 8  # (_FORWARD, calls, id(modules), trace id, root parent id, remote, flags, thread id), columns
+
+
+def _timing_only(segment: Sequence[ModuleCall]) -> bool:
+    """Columns whose calls carry only the module path and type: no statistics, error, user values, trace state."""
+    if not isinstance(segment, CallBatch) or segment.made or segment.trace_state is not None or segment.lo:
+        return False  # (a view from the first call on: parent positions stay inside the packed columns)
+    lo, hi = segment.lo, segment.hi
+    return not any(segment.attributes[lo:hi]) and not any(lo <= position < hi for position in segment.sparse)
 
 
 def _holds_objects(packed: tuple) -> bool:
