@@ -120,9 +120,7 @@ def measure_memory(calls: int) -> dict:
             after = rss_mib()
         exported = handle.exported_spans
         handle.remove()
-        file_mib = sum(
-            os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
-        ) / 2**20
+        file_mib = sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)) / 2**20
     return {
         "calls": forwards * per_forward,
         "rss_after_warm_up_mib": round(before, 1),

@@ -119,6 +119,27 @@ def test_rows_are_reused_forward_after_forward_and_grow_past_one_block(device_ro
     assert last.attributes["torchtrace.output.norm"] == pytest.approx(float(expected.detach().norm()), rel=1e-5)
 
 
+def test_rows_made_under_inference_mode_serve_forwards_outside_it(device_rows):
+    """A validation pass under inference_mode between training steps (as Lightning runs one) leaves its rows in the
+    pool: the next forward outside inference mode resets them in place, which torch refuses on inference tensors."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    x = torch.randn(2, 3)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with torch.inference_mode():
+            model(x)
+        handle.flush()  # its rows are read and go back to the pool
+        for mode in (torch.no_grad, torch.enable_grad, torch.inference_mode):
+            with mode():
+                model(x)
+            handle.flush()
+        records = handle.records
+    assert len(device_rows) == 1  # one block, made under inference mode, reused by every forward after
+    linear = [record.attributes for record in records if record.path == "0"]
+    assert [attributes.get("torchtrace.output.stats_error") for attributes in linear] == [None] * 4
+    expected = float(model[0](x).detach().norm())
+    assert [attributes["torchtrace.output.norm"] for attributes in linear] == [pytest.approx(expected)] * 4
+
+
 # -- the fused Triton kernel, run by Triton's interpreter on the CPU ---------------------------------------------
 
 
@@ -299,7 +320,7 @@ class Kernel(nn.Module):
 @pytest.fixture
 def device_clock(monkeypatch):
     clock = DeviceClock()
-    timer = EventTimer(CLOCK_DEVICE, lambda: ClockEvent(clock), lambda device: None)
+    timer = EventTimer(CLOCK_DEVICE, lambda: ClockEvent(clock), lambda: None)
     monkeypatch.setattr("torchtrace._hooks.event_timer", lambda device: timer)
     monkeypatch.setitem(device_module._timers, CLOCK_DEVICE, timer)  # where events go back after use
     return clock
@@ -324,7 +345,7 @@ def test_spans_take_their_durations_from_device_events_not_the_host_clock(device
 def test_events_go_back_to_the_pool_of_the_device_they_were_recorded_on(monkeypatch):
     clock = DeviceClock()
     devices = (torch.device("cpu"), torch.device("meta"))  # stand-ins for two GPUs
-    timers = {device: EventTimer(device, lambda d=device: ClockEvent(clock, d), lambda d: None) for device in devices}
+    timers = {device: EventTimer(device, lambda d=device: ClockEvent(clock, d), lambda: None) for device in devices}
     for device, timer in timers.items():
         monkeypatch.setitem(device_module._timers, device, timer)
     on_first, on_second = timers[devices[0]].mark(), timers[devices[1]].mark()

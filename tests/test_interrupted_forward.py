@@ -20,6 +20,15 @@ import torchtrace
 from torchtrace._dispatch import CallInterrupted
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_raises():
+    """Ctrl-C raises KeyboardInterrupt here, also when the suite runs as a background job (a shell starts those
+    with SIGINT ignored, and Python then leaves it ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 class CtrlC(nn.Module):
     """Sends this process a real SIGINT mid-forward; Python raises KeyboardInterrupt where the forward then is."""
 
@@ -109,6 +118,7 @@ def test_an_interrupted_forward_is_delivered_at_exit(tmp_path):
                 time.sleep(5)
                 return x
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # inherited as ignored in a background job
         model = nn.Sequential(nn.Linear(4, 4), CtrlC())
         torchtrace.instrument(model, exporter="file", trace_file={str(trace_file)!r}, print_summary=False)
         try:

@@ -141,11 +141,10 @@ class RecordStore:
         for index, depth, parent, start, end, span_id in zip(*columns):
             info = modules[index]
             parent_id = span_ids[parent] if parent >= 0 else root_parent
-            calls.append(
-                (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
-                 parent < 0 and remote, flags, None, None, None, None, None, "forward", _TIMING_KEYS, info.path,
-                 info.type_name)  # fmt: skip
-            )
+            call = (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
+                    parent < 0 and remote, flags, None, None, None, None, None, "forward", _TIMING_KEYS, info.path,
+                    info.type_name)  # fmt: skip
+            calls.append(call)
         return calls
 
     def _drop_oldest(self, excess: int) -> None:
