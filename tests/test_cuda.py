@@ -20,7 +20,7 @@ from test_statistics import assert_stats_match, output_attributes
 from torch import nn
 
 import torchtrace
-from torchtrace import _device
+from torchtrace import _cuda_driver, _device
 from torchtrace.testing import capture_spans
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -135,7 +135,21 @@ def _alone_ms(module: nn.Module, x: torch.Tensor, runs: int = 10) -> float:
     return statistics.median(times)
 
 
-def test_module_durations_are_device_time_within_five_percent():
+@pytest.fixture(params=["driver", "torch"])
+def event_backend(request, monkeypatch):
+    """Timing events through the CUDA driver (keeping the GIL), or torch.cuda.Event where the driver library
+    cannot be loaded."""
+    monkeypatch.setattr(_device, "_timers", {})
+    if request.param == "torch":
+        monkeypatch.setattr(_cuda_driver, "_driver", False)
+    else:
+        assert _cuda_driver.driver() is not None, "the CUDA driver library could not be loaded"
+    yield request.param
+    kinds = {type(event) for timer in _device._timers.values() for event in timer._free}
+    assert kinds == {_cuda_driver.DriverEvent if request.param == "driver" else torch.cuda.Event}
+
+
+def test_module_durations_are_device_time_within_five_percent(event_backend):
     model = nn.Sequential(Sleep(), nn.Linear(8, 8)).cuda()
     x = torch.randn(4, 8, device="cuda")
     alone = []
@@ -161,7 +175,7 @@ def test_module_durations_are_device_time_within_five_percent():
         assert (span.end_time - span.start_time) / 1e6 < statistics.median(alone) / 2
 
 
-def test_a_forward_on_a_side_stream_is_timed_on_that_stream():
+def test_a_forward_on_a_side_stream_is_timed_on_that_stream(event_backend):
     model = nn.Sequential(Sleep(), nn.Linear(8, 8)).cuda()
     x = torch.randn(4, 8, device="cuda")
     alone = _alone_ms(model[0], x, runs=3)
@@ -217,7 +231,7 @@ def test_the_workers_event_queries_do_not_break_a_graph_capture_on_another_threa
         drained = []
 
         def read_device_work() -> None:
-            _device.tolerate_graph_captures()  # what the worker thread does before its first drain
+            _cuda_driver.tolerate_graph_captures()  # what the worker thread does before its first drain
             drained.append(handle._dispatcher.drain(wait=False))
 
         graph = torch.cuda.CUDAGraph()

@@ -27,6 +27,7 @@ from torch import nn
 
 import torchtrace
 import torchtrace._device as device_module
+from torchtrace import _cuda_driver
 from torchtrace._comm import timed_comm_hook
 from torchtrace._device import EventTimer
 from torchtrace.testing import capture_spans
@@ -396,7 +397,7 @@ def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeyp
 
 
 def test_entering_thread_local_capture_mode_is_harmless_without_a_gpu_driver():
-    device_module.tolerate_graph_captures()
+    _cuda_driver.tolerate_graph_captures()
 
 
 def test_timing_events_are_pooled(device_clock):
@@ -406,6 +407,31 @@ def test_timing_events_are_pooled(device_clock):
             model(torch.zeros(2))
             handle.flush()
     assert device_clock.events_created == 6  # two per call of the first forward, recycled by the nine after it
+
+
+def test_a_timing_event_that_fails_leaves_host_times_and_one_warning(device_clock, caplog):
+    failing = {"0"}  # module 0's events cannot be recorded (a driver error): never the user's problem
+
+    class FailingEvent(ClockEvent):
+        def record(self, stream) -> None:
+            if failing:
+                raise RuntimeError("CUDA error 700")
+            super().record(stream)
+
+    device_module._timers[CLOCK_DEVICE]._new_event = lambda: FailingEvent(device_clock)
+    model = nn.Sequential(Kernel(device_clock, 2.0))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        for _ in range(2):
+            assert torch.equal(model(torch.zeros(2)), torch.ones(2))
+        failing.clear()
+        model(torch.zeros(2))
+        handle.flush()
+        spans = [record for record in handle.records if record.path == "0"]
+    assert len(spans) == 3 and all(record.error is None for record in spans)
+    assert (spans[-1].end_ns - spans[-1].start_ns) / 1e6 == pytest.approx(2.0)  # events again once they record
+    assert [record.message for record in caplog.records].count(
+        "torchtrace: a CUDA timing event failed (CUDA error 700); such calls keep host times"
+    ) == 1
 
 
 def test_the_worker_reads_a_forward_only_once_its_device_work_completed(device_clock):

@@ -12,7 +12,6 @@ Two things must not happen inside a hook on a GPU: waiting for the device (``.it
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
 import math
@@ -24,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from torchtrace._cuda_driver import DriverEvent, current_raw_stream, driver
 
 _logger = logging.getLogger(__name__)
 
@@ -41,46 +42,40 @@ MAX_ROWS = 1 << 16  # per forward or step: a step that is never closed must not 
 
 
 class EventTimer:
-    """Timing events on one device's current stream, recycled through a pool (creating one costs microseconds)."""
+    """Timing events on one device's current stream, recycled through a pool (creating one costs microseconds).
 
-    __slots__ = ("device", "_new_event", "_free", "_current_stream")
+    A mark that cannot be recorded is None (the call keeps its host times) and is logged once: a timing event
+    must never break the user's forward."""
+
+    __slots__ = ("device", "_new_event", "_free", "_current_stream", "_failed")
 
     def __init__(self, device: torch.device, new_event: Callable[[], Any], current_stream: Callable[[], Any]) -> None:
         self.device = device
         self._new_event = new_event
         self._current_stream = current_stream
         self._free: deque = deque()  # append/pop are atomic: autograd threads and the worker share it
+        self._failed = False
 
     def mark(self) -> Any:
         try:  # not `if free:` then pop: another thread may take the last one in between
             event = self._free.pop()
         except IndexError:
-            event = self._new_event()
-        event.record(self._current_stream())
+            event = None
+        try:
+            if event is None:
+                event = self._new_event()
+            event.record(self._current_stream())
+        except Exception as error:
+            if event is not None:
+                self._free.append(event)
+            if not self._failed:
+                self._failed = True
+                _logger.warning("torchtrace: a CUDA timing event failed (%s); such calls keep host times", error)
+            return None
         return event
 
 
 _timers: dict[torch.device, EventTimer] = {}
-MAX_CACHED_STREAMS = 64  # per device; a process creating streams without end starts the cache over
-
-
-def cuda_current_stream(device: torch.device) -> Callable[[], Any]:
-    """A cheap ``torch.cuda.current_stream(device)``: that builds a new Stream object on every call (~6 us on an
-    H100 host, measured 2026-11-23); this looks the current stream's id up (a C call) and reuses its object."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    current = torch._C._cuda_getCurrentStream
-    streams: dict[tuple, torch.cuda.Stream] = {}
-
-    def current_stream() -> torch.cuda.Stream:
-        key = current(index)  # (stream id, device index, device type)
-        stream = streams.get(key)
-        if stream is None:
-            if len(streams) >= MAX_CACHED_STREAMS:
-                streams.clear()
-            stream = streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        return stream
-
-    return current_stream
 
 
 def recycle(events: Iterable[Any]) -> None:
@@ -96,9 +91,14 @@ def event_timer(device: torch.device | None) -> EventTimer | None:
         return None
     timer = _timers.get(device)
     if timer is None:
-        timer = _timers[device] = EventTimer(
-            device, lambda: torch.cuda.Event(enable_timing=True), cuda_current_stream(device)
-        )
+        cuda = driver()
+        if cuda is not None:  # events that keep the GIL (see _cuda_driver)
+            timer = EventTimer(device, lambda: DriverEvent(device, cuda), current_raw_stream(device))
+        else:
+            timer = EventTimer(
+                device, lambda: torch.cuda.Event(enable_timing=True), lambda: torch.cuda.current_stream(device)
+            )
+        _timers[device] = timer
     return timer
 
 
@@ -109,22 +109,6 @@ def completion_event(device: torch.device) -> Any:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event
-
-
-def tolerate_graph_captures() -> None:
-    """Puts the calling thread in CUDA's thread-local stream-capture mode, as torch's NCCL watchdog does: in the
-    default (global) mode, an event query from any thread invalidates a CUDA graph that another thread is
-    capturing. The worker only queries events recorded before, and outside, any capture."""
-    for name in ("libcuda.so.1", "nvcuda.dll"):
-        try:
-            driver = ctypes.CDLL(name)
-        except OSError:
-            continue
-        mode = ctypes.c_int(1)  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        result = driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
-        if result:
-            _logger.debug("torchtrace: cuThreadExchangeStreamCaptureMode returned %d", result)
-        return
 
 
 def elapsed_ns(start: Any, end: Any) -> int:
