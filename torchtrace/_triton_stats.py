@@ -72,14 +72,14 @@ def _row_kernel(x_ptr, values_ptr, counts_ptr, n, stride, COUNT_ZEROS: tl.conste
         tl.atomic_add(counts_ptr + 2, tl.sum(nonzero, axis=0).to(tl.int64))
 
 
-_programs: dict[torch.device, int] = {}
+_programs: dict[int, int] = {}  # device index -> programs in a full grid
 
 
-def _max_programs(device: torch.device) -> int:
-    programs = _programs.get(device)
+def _max_programs(index: int) -> int:
+    programs = _programs.get(index)
     if programs is None:
-        cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        programs = _programs[device] = PROGRAMS_PER_SM * cores
+        cores = torch.cuda.get_device_properties(index).multi_processor_count if index >= 0 else 1
+        programs = _programs[index] = PROGRAMS_PER_SM * cores
     return programs
 
 
@@ -95,9 +95,9 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
     """Adds the raw sums of every ``stride``-th element of ``x`` into a row holding ``_device.RAW_START`` (columns:
     _device.RAW_COLUMNS)."""
     n = -(-x.numel() // stride)
-    programs = min(triton.cdiv(n, BLOCK), _max_programs(x.device))
-    index = x.device.index
-    if x.is_cuda and index != torch.cuda.current_device():
+    index = x.get_device()  # an int, no device object made; -1 on the CPU (Triton's interpreter)
+    programs = min(-(-n // BLOCK), _max_programs(index))
+    if index >= 0 and index != torch._C._cuda_getDevice():
         with torch.cuda.device(index):  # Triton launches on the current device, torch ops on the tensor's
             _launch(x, values, counts, n, stride, counted, programs, index)
         return
@@ -114,7 +114,7 @@ launch_directly = True  # False once this Triton's compiled kernels take other a
 
 
 def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int, stride: int, counted: bool,
-            programs: int, index: int | None) -> None:  # fmt: skip
+            programs: int, index: int) -> None:  # fmt: skip
     global launch_directly
     direct = launch_directly and x.is_cuda  # not under Triton's interpreter (CPU tensors)
     if direct:
