@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace._stats import STAT_NAMES, StatFunction
-
 ENV_EXPORTER = "TORCHTRACE_EXPORTER"  # auto | otlp | sdk | file | none
 ENV_TRACE_FILE = "TORCHTRACE_TRACE_FILE"  # path of the OTLP JSON file written by the "file" exporter
 ENV_INCLUDE = "TORCHTRACE_INCLUDE"  # comma-separated globs over module paths
@@ -45,6 +43,22 @@ ENV_TRACE_FILE_BACKUPS = "TORCHTRACE_TRACE_FILE_BACKUPS"  # rotated trace files 
 ENV_HANDLE_SIGTERM = "TORCHTRACE_HANDLE_SIGTERM"  # false: install no SIGTERM handler (no flush on a stop)
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
+STAT_NAMES = (  # what ``stats=`` may name (``_stats`` computes them), in the order spans and tables show them
+    "shape",
+    "dtype",
+    "device",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "abs_max",
+    "norm",
+    "nan_count",
+    "inf_count",
+    "zero_fraction",
+)
+# A user statistic (``extra_stats=``): tensor -> number (a 1-element tensor is read with .item()).
+StatFunction = Callable[[torch.Tensor], "float | int | bool | torch.Tensor"]
 DEFAULT_TRACE_FILE = os.path.join("torchtrace-traces", "traces.jsonl")
 
 _TRUE = {"1", "true", "yes", "on"}

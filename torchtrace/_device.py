@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtrace._config import triton_allowed
 from torchtrace._cuda_driver import DriverEvent, current_raw_stream, driver
 
 _logger = logging.getLogger(__name__)
@@ -264,8 +265,6 @@ def fused_kernel(x: torch.Tensor) -> Any:
     if not x.is_cuda:
         return None
     if _triton is None:
-        from torchtrace._config import triton_allowed  # not at the top: _config imports this module
-
         try:
             _triton = importlib.import_module("torchtrace._triton_stats") if triton_allowed() else False
         except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used

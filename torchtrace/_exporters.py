@@ -44,7 +44,6 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from torchtrace import _fork  # noqa: F401 - re-arms live handles in a forked child (new worker, new senders)
 from torchtrace._calls import ModuleCall, error_text
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json

@@ -16,7 +16,8 @@ GNU OpenMP's thread pool does not survive fork: in a child, any torch reduction 
 when the parent had used the pool (plain torch, traced or not). torchtrace's statistics are such reductions, so a
 child with live handles gets ``torch.set_num_threads(1)``, as PyTorch's DataLoader workers do.
 
-Registered once, on import (``torchtrace.instrumentation`` and ``torchtrace._exporters`` import it).
+Registered once, on import: ``import torchtrace`` imports this module (it sits above ``_handle`` and ``_worker``,
+whose live handles and worker it re-arms).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ import os
 import threading
 from typing import Any
 
+from torchtrace._handle import _live_handles
+from torchtrace._worker import WORKER
+
 _logger = logging.getLogger(__name__)
 _registered = False
 
 
 def _renew_sender(sink: Any) -> None:
     """A fresh sender of the same kind for an ``OtlpSink`` (and fresh sink state)."""
-    from torchtrace import _exporters
+    from torchtrace import _exporters  # only an OtlpSink has a sender: the handle that made it imported this already
 
     sender = sink.sender
     if isinstance(sender, _exporters.GrpcSender):
@@ -50,11 +54,6 @@ def _renew_sender(sink: Any) -> None:
 
 def after_fork_in_child() -> None:
     """Make every live handle usable in this (forked) process. Never raises."""
-    try:
-        from torchtrace._handle import _live_handles
-        from torchtrace._worker import WORKER
-    except Exception:
-        return
     WORKER.after_fork()  # the parent's worker thread is not here; live handles below start the child's own
     handles = list(_live_handles)
     if handles:

@@ -15,14 +15,11 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace import (
-    _fork,  # noqa: F401 -- a forked child (DataLoader worker) gets its own worker and buffer
-    _signals,
-)
+from torchtrace import _signals
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
-from torchtrace._config import ENV_METRICS, Options, _env, resolve_options
+from torchtrace._config import ENV_METRICS, Options, StatFunction, _env, resolve_options
 from torchtrace._dispatch import Dispatcher, first_nonfinite
 from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
@@ -31,7 +28,6 @@ from torchtrace._schedule import always
 from torchtrace._selection import is_compiled_module, select_modules
 from torchtrace._serve import forget_unmetered, note_unmetered
 from torchtrace._span_builder import SdkSpanSink
-from torchtrace._stats import StatFunction
 from torchtrace._steps import StepRecord, StepTracker
 from torchtrace._summary import SummarySink
 from torchtrace.version import __version__

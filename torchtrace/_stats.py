@@ -18,29 +18,13 @@ import numpy as np
 import torch
 
 from torchtrace._calls import error_text
+from torchtrace._config import STAT_NAMES, StatFunction
 from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, reduce
 
 _logger = logging.getLogger(__name__)
 
-STAT_NAMES = (
-    "shape",
-    "dtype",
-    "device",
-    "mean",
-    "std",
-    "min",
-    "max",
-    "abs_max",
-    "norm",
-    "nan_count",
-    "inf_count",
-    "zero_fraction",
-)
 _METADATA = frozenset({"shape", "dtype", "device"})
 _NUMERIC = tuple(name for name in STAT_NAMES if name not in _METADATA)
-
-# A user statistic: tensor -> number (a 1-element tensor is read with .item()).
-StatFunction = Callable[[torch.Tensor], "float | int | bool | torch.Tensor"]
 
 MAX_NESTING = 4  # containers deeper than this are not searched for tensors
 

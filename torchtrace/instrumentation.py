@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from torchtrace import _fork, _handle  # noqa: F401 - _fork: a forked child traces with its own worker
+from torchtrace import _handle
 
 __all__ = ["TorchInstrumentor"]
 
