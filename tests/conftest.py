@@ -29,6 +29,22 @@ def _clean_torchtrace_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_global_tracer_provider_left_behind():
+    """OTel's global TracerProvider can be set once per process: a test that sets it (``torchtrace run`` called
+    in-process does) would hand its provider, shut down by then, to every later test that asks for the global one."""
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    provider = trace._TRACER_PROVIDER
+    yield
+    if trace._TRACER_PROVIDER is not provider:
+        trace._TRACER_PROVIDER = provider
+        trace._TRACER_PROVIDER_SET_ONCE = Once()
+        if provider is not None:
+            trace._TRACER_PROVIDER_SET_ONCE.do_once(lambda: None)
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_instrumentation():
     """Fails a test that leaves a live TraceHandle (hooks still registered) or a running dispatch worker."""
     threads_before = _dispatch_threads()
