@@ -1,8 +1,8 @@
 """Imports inside torchtrace/ go one way: no module imports, directly or through others, one that imports it.
 
 Every ``import torchtrace...`` / ``from torchtrace... import`` counts, at module level or inside a function (an
-import moved into a function still closes the loop when it runs); only those under ``if TYPE_CHECKING:`` are left
-out.
+import moved into a function still closes the loop when it runs), and so does ``importlib.import_module`` with a
+literal name (how optional parts are loaded); only imports under ``if TYPE_CHECKING:`` are left out.
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ def _imported(path: Path, modules: set[str]) -> set[str]:
                 parts = parts[: len(parts) - (node.level - 1)]
                 base = ".".join([*parts, base] if base else parts)
             targets = [f"{base}.{alias.name}" for alias in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            targets = [node.args[0].value]
         for target in targets:
             module = owner(target)
             if module is not None:

@@ -269,7 +269,7 @@ def fused_kernel(x: torch.Tensor) -> Any:
             _triton = importlib.import_module("torchtrace._triton_stats") if triton_allowed() else False
         except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used
             _triton = False
-    return _triton if _triton and _triton.applies(x) else None
+    return _triton if _triton and x.dtype in READ_AS_IS and _triton.applies(x) else None
 
 
 def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> bool:

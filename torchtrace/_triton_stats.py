@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtrace._device import READ_AS_IS
-
 _logger = logging.getLogger(__name__)
 
 BLOCK = 1024
@@ -84,11 +82,12 @@ def _max_programs(index: int) -> int:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel can read this tensor as it is: contiguous, of a dtype it loads, with int32 offsets.
+    """Whether the kernel can read this tensor (of a dtype it loads: ``_device.READ_AS_IS``, the caller's check) as
+    it is: contiguous, with int32 offsets.
 
     The grid-stride loop's int32 counter runs up to n + programs * BLOCK and must not wrap (it would then load below
     the tensor): 2**30 elements leaves room for any GPU's grid; larger tensors take the torch-op reduction."""
-    return x.dtype in READ_AS_IS and x.is_contiguous() and x.numel() < 2**30
+    return x.is_contiguous() and x.numel() < 2**30
 
 
 def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> None:
