@@ -282,3 +282,16 @@ def test_bad_input_is_a_clear_message_and_exit_status_1(tmp_path, capsys, comman
     assert err.startswith(f"torchtrace {command}: error: ") and message in err
     assert "Traceback" not in err
     assert not output.exists() and not (tmp_path / "out.json.partial").exists()
+
+
+def test_a_reader_of_some_traces_yields_only_their_spans(traced):
+    path, _ = traced
+    spans = list(TraceReader([path], progress=False))
+    every = {span.trace_id for span in spans}
+    chosen = set(sorted(every)[:2])
+    read = TraceReader([path], progress=False, traces=chosen)
+    kept = list(read)
+    assert {span.trace_id for span in kept} == chosen
+    assert sorted(span.span_id for span in kept) == sorted(span.span_id for span in spans if span.trace_id in chosen)
+    naming = [line for line in path.read_text().splitlines() if any(trace in line for trace in chosen)]
+    assert read.lines == len(naming) and read.bad_lines == 0  # the other lines were skipped, not parsed

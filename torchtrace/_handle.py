@@ -160,7 +160,8 @@ class TraceHandle:
 
     def report(self, path: str | os.PathLike[str] = "report.html") -> Path:
         """Writes the HTML report (``torchtrace report``) of this handle's trace file, flushed first; returns its
-        path. The file holds earlier runs appended to it too. Only for the file exporter."""
+        path. The file holds earlier runs appended to it too. Only for the file exporter. The overview shows this
+        handle's ``dropped_calls``, ``failed_spans`` and ``sink_errors`` (trace files do not record them)."""
         if self.exporter != "file":
             raise ValueError(
                 f"handle.report() reads the trace file of the file exporter; this handle's is {self.exporter!r}"
@@ -168,7 +169,9 @@ class TraceHandle:
         from torchtrace._report import write_report
 
         self.flush()
-        write_report([self.options.trace_file], path)
+        losses = {"dropped_calls": self.dropped_calls, "failed_spans": self.failed_spans}
+        losses["sink_errors"] = self.sink_errors
+        write_report([self.options.trace_file], path, losses=losses)
         return Path(path)
 
     def remove(self) -> None:

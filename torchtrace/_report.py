@@ -4,7 +4,10 @@ One streaming pass aggregates what the page shows: the overview, the per-layer t
 of ``handle.summary()``), per forward / step a column of activation statistics per layer (down-sampled past
 ``MAX_COLUMNS``), NaN/Inf provenance, and the spans of a few chosen traces (the slowest, a typical one, those with
 an error or NaN/Inf, up to a cap) for the timeline. Traces being read are kept per trace until they fall out of a
-small window of recent traces, so memory is bounded by the window, the columns and the chosen traces.
+small window of recent traces, so memory is bounded by the window, the columns and the chosen traces. With
+several ranks, whose spans of one step share its trace but may be in different files, the chosen traces' spans
+are read again from every file (lines naming none of them are skipped unparsed), so a step shows every rank. A
+training step is drawn as lanes per rank (step, forward, backward, optimizer, all-reduce), a forward nested.
 Charts are drawn by uPlot (vendored, MIT; see torchtrace/_vendor/uplot/VERSION) and small canvas / SVG code here.
 """
 
@@ -165,38 +168,106 @@ class _ReportData:
         label = f"step {step.attributes.get('torchtrace.step')}" if step is not None else f"#{index}"
         self.columns.append({"label": label, "values": values, "nonfinite": sorted(set(nonfinite))})
 
-    def timeline(self) -> list[dict[str, Any]]:
-        chosen: list[tuple[str, list[Span]]] = []
-        if self.slowest is not None:
-            chosen.append(("slowest", self.slowest[1]))
-        if self.typical is not None and self.typical[1] is not (self.slowest or (0, None))[1]:
-            chosen.append(("typical", self.typical[1]))
-        chosen += [("error / NaN", spans) for spans in self.flagged if all(spans is not c[1] for c in chosen)]
-        traces = []
-        for why, spans in chosen:
-            origin = spans[0].start_ns
-            traces.append(
-                {
-                    "why": why,
-                    "trace": spans[0].trace_id,
-                    "spans": [
-                        {
-                            "id": span.span_id,
-                            "parent": span.parent_span_id,
-                            "name": span.name,
-                            "rank": span.rank,
-                            "start": (span.start_ns - origin) / 1e6,
-                            "ms": (span.end_ns - span.start_ns) / 1e6,
-                            "bad": _nonfinite(span) or span.error is not None,
-                        }
-                        for span in spans
-                    ],
-                }
-            )
-        return traces
+    def timeline(self, parts: Sequence[Path]) -> list[dict[str, Any]]:
+        chosen: dict[str, tuple[str, list[Span]]] = {}  # trace id -> why, spans
+        for why, spans in [
+            *([("slowest", self.slowest[1])] if self.slowest is not None else []),
+            *([("typical", self.typical[1])] if self.typical is not None else []),
+            *(("error / NaN", spans) for spans in self.flagged),
+        ]:
+            chosen.setdefault(spans[0].trace_id, (why, spans))
+        if len(self.ranks) > 1 and chosen:
+            # the ranks of one step share its trace, and may be in several files read one after the other: read
+            # the chosen traces' spans again, every rank's (a line naming none of them is skipped unparsed)
+            gathered: dict[str, list[Span]] = {trace: [] for trace in chosen}
+            for span in TraceReader(parts, progress=False, traces=chosen):
+                if span.torchtrace:
+                    gathered[span.trace_id].append(span)
+            for trace, spans in gathered.items():
+                if spans:
+                    spans.sort(key=lambda span: (span.start_ns, -span.end_ns))
+                    chosen[trace] = (chosen[trace][0], spans)
+        return [_timeline_trace(why, spans) for why, spans in chosen.values()]
 
 
-def _page_data(reader: TraceReader) -> dict[str, Any]:
+_STEP_KEY = "torchtrace.step"
+
+
+def _lanes(spans: list[Span]) -> dict[str, str]:
+    """span id -> lane of a training step's trace ("step", "forward", "backward", "optimizer", "all-reduce",
+    "other"), for its step spans and their children; {} for a trace of forwards only. The nested spans (module
+    calls, module backwards) have no lane."""
+    steps = {span.span_id: span for span in spans if _STEP_KEY in span.attributes and _PATH_KEY not in span.attributes}
+    per_rank = any(span.name != "train_step" for span in steps.values())  # "rank N" under rank 0's train_step
+    lanes: dict[str, str] = {}
+    for span in spans:
+        if span.span_id in steps:
+            if not (per_rank and span.name == "train_step"):
+                lanes[span.span_id] = "step"
+        elif span.parent_span_id in steps:
+            if _PATH_KEY in span.attributes:
+                lanes[span.span_id] = "forward"  # an outermost forward of the step
+            elif span.name == "backward":
+                lanes[span.span_id] = "backward"
+            elif span.name == "optimizer.step":
+                lanes[span.span_id] = "optimizer"
+            elif "torchtrace.comm.bucket" in span.attributes:
+                lanes[span.span_id] = "all-reduce"
+            else:
+                lanes[span.span_id] = "other"
+    return lanes
+
+
+def _union_ms(intervals: list[tuple[int, int]]) -> float:
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e6
+
+
+def _timeline_trace(why: str, spans: list[Span]) -> dict[str, Any]:
+    origin = min(span.start_ns for span in spans)
+    lanes = _lanes(spans)
+    ranks: list[dict[str, Any]] = []
+    if lanes:  # a training step: per rank, its step time and the time its all-reduce buckets took (waiting)
+        by_rank: dict[int | None, list[Span]] = {}
+        for span in spans:
+            if span.span_id in lanes:
+                by_rank.setdefault(span.rank, []).append(span)
+        for rank in sorted(by_rank, key=lambda rank: -1 if rank is None else rank):
+            own = by_rank[rank]
+            step = [span for span in own if lanes[span.span_id] == "step"]
+            comm = [(span.start_ns, span.end_ns) for span in own if lanes[span.span_id] == "all-reduce"]
+            step_ms = sum(span.end_ns - span.start_ns for span in step) / 1e6
+            comm_ms = _union_ms(comm)
+            ranks.append({"rank": rank, "step_ms": step_ms, "comm_ms": comm_ms, "busy_ms": step_ms - comm_ms})
+    return {
+        "why": why,
+        "trace": spans[0].trace_id,
+        "step": next((span.attributes[_STEP_KEY] for span in spans if _STEP_KEY in span.attributes), None),
+        "ranks": ranks,
+        "spans": [
+            {
+                "id": span.span_id,
+                "parent": span.parent_span_id,
+                "name": span.name,
+                "rank": span.rank,
+                "lane": lanes.get(span.span_id),
+                "start": (span.start_ns - origin) / 1e6,
+                "ms": (span.end_ns - span.start_ns) / 1e6,
+                "bad": _nonfinite(span) or span.error is not None,
+            }
+            for span in spans
+        ],
+    }
+
+
+def _page_data(reader: TraceReader, losses: dict[str, int] | None = None) -> dict[str, Any]:
     data = _ReportData()
 
     def spans() -> Iterator[Span]:
@@ -224,13 +295,14 @@ def _page_data(reader: TraceReader) -> dict[str, Any]:
             "error_spans": data.errors,
             "flagged_traces": data.flagged_total,
             "unreadable_lines": reader.bad_lines,
+            "losses": losses,  # a live handle's dropped / failed counts; None from files, which do not record them
         },
         "summary": [asdict(row) for row in rows],
         "layers": list(data.layers),
         "columns": data.columns,
         "stride": data.stride,
         "traces_read": data.finished,
-        "timeline": data.timeline(),
+        "timeline": data.timeline(reader.parts),
         "provenance": data.provenance,
     }
 
@@ -250,10 +322,19 @@ def _page(data: dict[str, Any]) -> str:
     )
 
 
-def write_report(traces: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str]) -> TraceReader:
-    """Writes the HTML report of ``traces`` to ``output``; returns the reader (what was read, what was not)."""
+def write_report(
+    traces: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    losses: dict[str, int] | None = None,
+) -> TraceReader:
+    """Writes the HTML report of ``traces`` to ``output``; returns the reader (what was read, what was not).
+
+    ``losses``: what a live handle lost (``dropped_calls``, ``failed_spans``, ``sink_errors``), shown in the
+    overview; trace files do not record these counts, so a report of files alone says so instead.
+    """
     reader = TraceReader(traces)
-    page = _page(_page_data(reader))
+    page = _page(_page_data(reader, losses))
     output = Path(output)
     partial = output.with_name(output.name + ".partial")
     try:

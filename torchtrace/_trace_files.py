@@ -156,11 +156,20 @@ class _Progress:
 class TraceReader:
     """Iterates the spans of trace files; counts what could not be read (``bad_lines``, ``where_bad``)."""
 
-    def __init__(self, arguments: Sequence[str | os.PathLike[str]], *, progress: bool = True) -> None:
+    def __init__(
+        self,
+        arguments: Sequence[str | os.PathLike[str]],
+        *,
+        progress: bool = True,
+        traces: Iterable[str] | None = None,
+    ) -> None:
         if not arguments:
             raise TraceFileError("no trace file given")
         self.parts = trace_parts(arguments)
         self.progress = progress
+        # only the spans of these trace ids (hex); a line naming none of them is skipped before it is parsed
+        self.traces = None if traces is None else frozenset(traces)
+        self._needles = None if traces is None else [trace.encode() for trace in self.traces]
         self.lines = 0
         self.bad_lines = 0
         self.where_bad: list[str] = []  # "file:line" of the first few bad lines
@@ -183,7 +192,7 @@ class TraceReader:
                         done += len(raw)
                         if progress is not None and number % 256 == 0:
                             progress.update(done)
-                        if not raw.strip():
+                        if not raw.strip() or self._needles is not None and not any(n in raw for n in self._needles):
                             continue
                         self.lines += 1
                         try:
@@ -211,6 +220,8 @@ class TraceReader:
             for scope_spans in resource_spans.get("scopeSpans", ()):
                 scope = scope_spans.get("scope", {}).get("name", "")
                 for raw in scope_spans.get("spans", ()):
+                    if self.traces is not None and raw["traceId"] not in self.traces:
+                        continue
                     attributes = _attributes(raw.get("attributes", ()))
                     status = raw.get("status", {})
                     ours = scope == _SCOPE
