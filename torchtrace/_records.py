@@ -119,7 +119,7 @@ class RecordStore:
             else:
                 records.extend(map(pack, segment))
             self._count += len(segment)
-        while self._count > self.max_records:
+        if self._count > self.max_records:
             self._drop_oldest(self._count - self.max_records)
 
     def _pack_forward(self, batch: CallBatch) -> tuple:
@@ -148,26 +148,28 @@ class RecordStore:
         return calls
 
     def _drop_oldest(self, excess: int) -> None:
-        oldest = self._records.popleft()
-        if type(oldest[0]) is int and oldest[1] <= excess:  # a whole packed forward: nothing in it to give back
-            dropped: Sequence[tuple] = range(oldest[1])  # only counted
-        else:
-            calls = self._calls_of(oldest)
-            dropped = calls[:excess]
-            if len(calls) > excess:  # part of a forward: the rest stays, packed call by call
-                self._records.extendleft(reversed(calls[excess:]))
+        """Drops the ``excess`` oldest calls: once the records are full, as many as each batch brings."""
+        records, on_drop = self._records, self._on_drop
         if not self.dropped:
             _logger.info(
                 "torchtrace: more than max_records=%d calls: the oldest leave the records (handle.dropped_records);"
                 " exporters still get every call",
                 self.max_records,
             )
-        self.dropped += len(dropped)
-        self._count -= len(dropped)
-        if self._on_drop is not None and not isinstance(dropped, range):
-            for packed in dropped:
-                if _holds_objects(packed):
-                    self._on_drop(unpack(packed))
+        left = excess
+        while left:
+            oldest = records.popleft()
+            if type(oldest[0]) is not int:  # one packed call
+                left -= 1
+                if on_drop is not None and _holds_objects(oldest):
+                    on_drop(unpack(oldest))
+            elif oldest[1] <= left:  # a whole packed forward: nothing in it to give back, only counted
+                left -= oldest[1]
+            else:  # part of a forward: the rest stays, packed call by call (timing only: nothing to give back)
+                records.extendleft(reversed(self._calls_of(oldest)[left:]))
+                left = 0
+        self.dropped += excess
+        self._count -= excess
 
     def _packed_calls(self) -> list[tuple]:
         records = list(self._records)  # a C-level copy: the worker may append meanwhile
