@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -15,8 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
 from opentelemetry.trace import TraceState
 from test_otlp_encoding import call, sample_calls
+from torch import nn
 
-from torchtrace._calls import ModuleCall
+import torchtrace
+from torchtrace._calls import CallBatch, Calls, ModuleCall
 from torchtrace._span_builder import SdkSpanSink, _FinishedSpans
 
 RESOURCE = Resource({"service.name": "span-builder"})
@@ -103,3 +107,47 @@ def test_a_provider_sampling_out_clears_the_sampled_flag_of_the_calls() -> None:
     request, flags, _ = exported(batch(), ALWAYS_OFF)
     assert not request.resource_spans
     assert not any(flag & 1 for flag in flags)  # not sampled: exemplars must not link spans never exported
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad input")
+
+
+def forward_columns() -> Calls:
+    """Real forwards as the worker hands them to sinks: columns, no ModuleCall made. One under a caller's request
+    span (with statistics), one starting its trace, one that raised (an error in its columns)."""
+    batches: list[Calls] = []
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Sequential(nn.Linear(3, 2)))
+    failing = nn.Sequential(nn.Linear(3, 3), Fails())
+    request_provider = TracerProvider()
+    with torchtrace.instrument(model, exporter="none", sinks=[batches.append]) as handle:
+        with request_provider.get_tracer("app").start_as_current_span("request"):
+            model(torch.randn(2, 3))
+        model(torch.randn(2, 3))
+        handle.flush()
+    with torchtrace.instrument(failing, exporter="none", stats=False, sinks=[batches.append]) as handle:
+        with pytest.raises(ValueError):
+            failing(torch.randn(2, 3))
+        handle.flush()
+    segments = [segment for calls in batches for segment in calls.segments]
+    assert all(isinstance(segment, CallBatch) and not segment.made for segment in segments)
+    return Calls(segments)
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [ParentBased(ALWAYS_ON), ParentBased(ALWAYS_OFF), ParentBased(TraceIdRatioBased(0.5))],
+    ids=["parent_on", "parent_off", "parent_ratio"],
+)
+def test_forward_columns_give_the_spans_started_and_ended_spans_give(sampler, monkeypatch) -> None:
+    """Where children follow their parent's decision, a forward's columns become spans without ModuleCall objects:
+    the same spans, flags and parents as the start_span/end path."""
+    columns = forward_columns()
+    from_columns = []
+    forward = _FinishedSpans._forward
+    monkeypatch.setattr(_FinishedSpans, "_forward", lambda self, batch: from_columns.append(forward(self, batch)))
+    direct = exported(columns, sampler)
+    assert len(from_columns) == 3  # every forward went the column way
+    assert direct == exported(columns, sampler, live=True)
+    assert len(direct[1]) == 13 and trace.get_current_span() is trace.INVALID_SPAN

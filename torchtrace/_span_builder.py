@@ -24,7 +24,7 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
-from torchtrace._calls import ModuleCall, error_text, exception_event_attributes
+from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 from torchtrace.version import __version__
 
 _TRACER_FIELDS = ("sampler", "resource", "span_processor", "id_generator", "_instrumentation_scope", "_span_limits")
@@ -65,10 +65,18 @@ def _within_limits(attributes: Any, limits: Any) -> Any:
     """The span's attributes as the SDK would keep them: the plain values torchtrace makes (nearly always) as they
     are, in a dict of their own; anything else through the SDK's own cleaning and limits."""
     count, length = limits.max_span_attributes, limits.max_span_attribute_length
-    if (count is None or len(attributes) <= count) and all(
-        type(key) is str and key and _plain(value, length) for key, value in attributes.items()
-    ):
-        return dict(attributes)
+    if count is None or len(attributes) <= count:
+        for key, value in attributes.items():  # a loop, not all(generator): this runs for every span
+            if type(key) is not str or not key:
+                break
+            kind = type(value)
+            if kind in _ATOMIC:
+                if length is not None and kind is str and len(value) > length:
+                    break
+            elif not _plain(value, length):
+                break
+        else:
+            return dict(attributes)
     return BoundedAttributes(count, attributes, immutable=True, max_value_len=length)
 
 
@@ -76,8 +84,11 @@ def _is_random(flags: int) -> bool:
     return bool(flags & _RANDOM_TRACE_ID)
 
 
-def _parents_first(calls: Sequence[ModuleCall]) -> list[ModuleCall]:
-    """The provider assigns ids as spans start, so a parent must start before its children."""
+def _parents_first(calls: Sequence[ModuleCall]) -> Sequence[ModuleCall]:
+    """The provider assigns ids as spans start, so a parent must start before its children. Forwards' columns are in
+    that order already (a call's parent is an earlier call of its forward, or outside the batch)."""
+    if isinstance(calls, Calls) and all(isinstance(segment, CallBatch) for segment in calls.segments):
+        return calls
     in_batch = {call.span_id for call in calls}
     children: dict[int, list[ModuleCall]] = {}
     ordered: list[ModuleCall] = []
@@ -115,7 +126,10 @@ class _FinishedSpans:
     """Hands finished spans straight to an SDK tracer's span processors: the sampler asked as ``start_span`` would
     ask it, the span limits applied, torchtrace's ids kept; no ``start_span``/``end`` machinery per call (~6x
     cheaper). Only for an SDK tracer whose processors do nothing when a span starts or is ending (the SDK's batch
-    and simple processors): anything else needs a live span, and gets one from the ``start_span`` path."""
+    and simple processors): anything else needs a live span, and gets one from the ``start_span`` path. Where
+    children follow their parent's decision (``ParentBased`` with its default delegates, the SDK's default), a
+    whole forward's columns become spans directly: one sampler call at its root, no ``ModuleCall`` made, and the
+    records and summary keep reading columns."""
 
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
@@ -143,75 +157,127 @@ class _FinishedSpans:
         )
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
-        tracer = self.tracer
-        processor, sampler, resource, scope = tracer.span_processor, tracer.sampler, tracer.resource, self.scope
-        limits = tracer._span_limits
-        random_ids = tracer.id_generator.is_trace_id_random()
-        follow = self.children_follow_parent
         made: dict[int, tuple[SpanContext, bool]] = {}  # our span id -> (its context, recorded)
+        if self.children_follow_parent and isinstance(calls, Calls):
+            rest: list[ModuleCall] = []
+            for segment in calls.segments:
+                if (
+                    isinstance(segment, CallBatch)
+                    and not segment.made
+                    and segment.lo == 0 == segment.hi - len(segment.module)
+                ):
+                    self._forward(segment)  # a whole forward's columns: no ModuleCall made
+                else:
+                    rest.extend(segment)
+            calls = rest
         for call in calls:  # parents come before their children in every batch
             parent = made.get(call.parent_span_id)
-            name = call.name
-            attributes = call.attributes
-            if parent is not None and follow:
+            if parent is not None and self.children_follow_parent:
                 parent_context, recording = parent
-                flags, trace_state = parent_context.trace_flags, parent_context.trace_state
+                flags, trace_state, attributes = parent_context.trace_flags, parent_context.trace_state, call.attributes
             else:
-                if parent is not None:
-                    parent_context = parent[0]
-                elif call.parent_span_id:
-                    parent_context = SpanContext(
-                        call.trace_id,
-                        call.parent_span_id,
-                        is_remote=True,
-                        trace_flags=TraceFlags(call.trace_flags),
-                        trace_state=call.trace_state,
-                    )
-                else:
-                    parent_context = None
-                context = Context() if parent_context is None else set_span_in_context(NonRecordingSpan(parent_context))
-                result = sampler.should_sample(context, call.trace_id, name, SpanKind.INTERNAL, attributes, ())
-                recording = result.decision.is_recording()
-                flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
-                random_trace_id = random_ids if parent_context is None else _is_random(parent_context.trace_flags)
-                if random_trace_id:
-                    flags = TraceFlags(flags | _RANDOM_TRACE_ID)
-                trace_state = result.trace_state
-                if result.attributes is not None and result.attributes is not attributes:
-                    attributes = dict(result.attributes)
+                parent_context = (
+                    parent[0]
+                    if parent is not None
+                    else self._outside_parent(call.trace_id, call.parent_span_id, call.trace_flags, call.trace_state)
+                )
+                recording, flags, trace_state, attributes = self._decide(
+                    parent_context, call.trace_id, call.name, call.attributes
+                )
             span_context = SpanContext(call.trace_id, call.span_id, False, flags, trace_state)
             made[call.span_id] = (span_context, recording)
             call.trace_flags = int(flags)  # sampled out by the provider: no exemplar may link it
-            if not recording:
-                continue
-            events: Any = ()
-            status = _UNSET
-            if call.error is not None:
-                # what record_exception(escaped=True) adds, without its unguarded str(error)
-                event_attributes = {**exception_event_attributes(call.error), "exception.escaped": "True"}
-                bounded = BoundedAttributes(
-                    limits.max_event_attributes, event_attributes, max_value_len=limits.max_attribute_length
-                )
-                events = BoundedList(limits.max_events)  # 0: the event is dropped and counted, as the SDK does
-                events.append(Event("exception", bounded, call.end_ns))
-                status = Status(StatusCode.ERROR, error_text(call.error))
-            processor.on_end(
-                ReadableSpan(
-                    name,
-                    span_context,
-                    parent_context,
-                    resource,
-                    _within_limits(attributes, limits),
-                    events,
-                    (),
-                    SpanKind.INTERNAL,
-                    None,
-                    status,
-                    call.start_ns,
-                    call.end_ns,
-                    scope,
-                )
+            if recording:
+                self._end(call.name, span_context, parent_context, attributes, call.error, call.start_ns, call.end_ns)
+
+    def _forward(self, batch: CallBatch) -> None:
+        """One forward from its columns: the root decides (children follow it), every call becomes a span."""
+        modules, module, span_ids, parents = batch.modules, batch.module, batch.span_id, batch.parent
+        trace_id = batch.trace_id
+        root = modules[module[0]]
+        root_parent = self._outside_parent(trace_id, batch.root_parent_id, batch.trace_flags, batch.trace_state)
+        recording, flags, trace_state, root_attributes = self._decide(
+            root_parent, trace_id, root.path or root.type_name, _attributes_of(batch, 0)
+        )
+        batch.trace_flags = int(flags)  # every call of the forward: sampled out by the provider, no exemplar link
+        if not recording:
+            return
+        contexts: list[SpanContext] = []
+        for position, (index, parent, span_id, start, end) in enumerate(
+            zip(module, parents, span_ids, batch.start_ns, batch.end_ns)
+        ):
+            info = modules[index]
+            span_context = SpanContext(trace_id, span_id, False, flags, trace_state)
+            contexts.append(span_context)
+            attributes = root_attributes if position == 0 else _attributes_of(batch, position)
+            parent_context = contexts[parent] if parent >= 0 else root_parent
+            self._end(info.path or info.type_name, span_context, parent_context, attributes, batch.error(position),
+                      start, end)  # fmt: skip
+
+    @staticmethod
+    def _outside_parent(trace_id: int, parent_span_id: int, trace_flags: int, trace_state: Any) -> SpanContext | None:
+        """The context of a parent outside the batch (the caller's request span), as a remote one."""
+        if not parent_span_id:
+            return None
+        return SpanContext(trace_id, parent_span_id, is_remote=True, trace_flags=TraceFlags(trace_flags),
+                           trace_state=trace_state)  # fmt: skip
+
+    def _decide(self, parent_context: SpanContext | None, trace_id: int, name: str, attributes: Any) -> tuple:
+        """(recording, flags, trace state, attributes) as the tracer's sampler decides for a span to start."""
+        tracer = self.tracer
+        context = Context() if parent_context is None else set_span_in_context(NonRecordingSpan(parent_context))
+        result = tracer.sampler.should_sample(context, trace_id, name, SpanKind.INTERNAL, attributes, ())
+        flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
+        if parent_context is None:
+            random_trace_id = tracer.id_generator.is_trace_id_random()
+        else:
+            random_trace_id = _is_random(parent_context.trace_flags)
+        if random_trace_id:
+            flags = TraceFlags(flags | _RANDOM_TRACE_ID)
+        if result.attributes is not None and result.attributes is not attributes:
+            attributes = dict(result.attributes)
+        return result.decision.is_recording(), flags, result.trace_state, attributes
+
+    def _end(self, name: str, span_context: SpanContext, parent_context: SpanContext | None, attributes: Any,
+             error: BaseException | None, start_ns: int, end_ns: int) -> None:  # fmt: skip
+        tracer = self.tracer
+        limits = tracer._span_limits
+        events: Any = ()
+        status = _UNSET
+        if error is not None:
+            # what record_exception(escaped=True) adds, without its unguarded str(error)
+            event_attributes = {**exception_event_attributes(error), "exception.escaped": "True"}
+            bounded = BoundedAttributes(
+                limits.max_event_attributes, event_attributes, max_value_len=limits.max_attribute_length
             )
+            events = BoundedList(limits.max_events)  # 0: the event is dropped and counted, as the SDK does
+            events.append(Event("exception", bounded, end_ns))
+            status = Status(StatusCode.ERROR, error_text(error))
+        tracer.span_processor.on_end(
+            ReadableSpan(
+                name,
+                span_context,
+                parent_context,
+                tracer.resource,
+                _within_limits(attributes, limits),
+                events,
+                (),
+                SpanKind.INTERNAL,
+                None,
+                status,
+                start_ns,
+                end_ns,
+                self.scope,
+            )
+        )
+
+
+def _attributes_of(batch: CallBatch, position: int) -> dict[str, Any]:
+    attributes = batch.attributes[position]
+    if attributes is None:
+        info = batch.modules[batch.module[position]]
+        return {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+    return attributes
 
 
 class SdkSpanSink:
