@@ -15,10 +15,9 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
-from torchtrace._trace_files import Span, TraceFileError, TraceReader
+from torchtrace._trace_files import Span, TraceFileError, TraceReader, replaced_when_complete
 
 __all__ = ["write_perfetto", "perfetto_command"]
 
@@ -150,10 +149,8 @@ class _ChromeTraceWriter:
 
 def write_perfetto(reader: TraceReader, output: str | os.PathLike[str]) -> int:
     """Writes every span ``reader`` yields to ``output`` (replaced only once complete); returns the span count."""
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
     spans = 0
-    try:
+    with replaced_when_complete(output) as partial:
         with open(partial, "w", encoding="utf-8") as out:
             writer = _ChromeTraceWriter(out)
             for batch in reader.batches():
@@ -162,9 +159,6 @@ def write_perfetto(reader: TraceReader, output: str | os.PathLike[str]) -> int:
             writer.close()
         if spans == 0:
             raise reader.nothing_read()
-        os.replace(partial, output)
-    finally:
-        partial.unlink(missing_ok=True)
     return spans
 
 

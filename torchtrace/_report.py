@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchtrace._trace_files import Span, TraceFileError, TraceReader, summary_from_spans
+from torchtrace._trace_files import Span, TraceFileError, TraceReader, replaced_when_complete, summary_from_spans
 
 __all__ = ["write_report", "report_command"]
 
@@ -335,13 +335,8 @@ def write_report(
     """
     reader = TraceReader(traces)
     page = _page(_page_data(reader, losses))
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
-    try:
+    with replaced_when_complete(output) as partial:
         partial.write_text(page, encoding="utf-8")
-        os.replace(partial, output)
-    finally:
-        partial.unlink(missing_ok=True)
     return reader
 
 
