@@ -357,6 +357,17 @@ class _Shape:
         return marshal.dumps((self.others(values), tuple(map(_rank, self.dims(values)))), 2)
 
 
+def cached_shape(cache: dict[tuple, _Shape], key: tuple, values: tuple, dims: bool = True) -> _Shape:
+    """The shape of spans keyed ``key`` in ``cache`` (decided by ``values``, the first seen); the cache starts over
+    past ``_MAX_TEMPLATES`` keys (ever-new output structures)."""
+    shape = cache.get(key)
+    if shape is None:
+        if len(cache) >= _MAX_TEMPLATES:
+            cache.clear()
+        shape = cache[key] = _Shape(values, dims)
+    return shape
+
+
 def _rank(value: Any) -> int:
     return len(value) if type(value) is tuple else -1  # not a tuple any more: a new variant (then checked)
 
@@ -445,11 +456,7 @@ def _encode_call_list(calls: Sequence[ModuleCall], limits: _Limits) -> bytes:
             vals = tuple(attrs.values())
             name = c.name
             key = (name, c.parent_span_id != 0, c.parent_is_remote, ts, tuple(attrs))
-            shape = shapes.get(key)
-            if shape is None:
-                if len(shapes) >= _MAX_TEMPLATES:
-                    shapes.clear()
-                shape = shapes[key] = _Shape(vals)
+            shape = cached_shape(shapes, key, vals)
             try:
                 vkey = shape.variant(vals)
             except ValueError:  # a type marshal does not know: the slow path
@@ -646,11 +653,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
                 name = info.path or info.type_name
                 key = (name, parent >= 0 or root_parent != 0, parent < 0 and batch.parent_is_remote, trace_state,
                        tuple(attrs))  # fmt: skip
-                shape = shapes.get(key)
-                if shape is None:
-                    if len(shapes) >= _MAX_TEMPLATES:
-                        shapes.clear()
-                    shape = shapes[key] = _Shape(vals)
+                shape = cached_shape(shapes, key, vals)
                 try:
                     vkey = shape.variant(vals)
                 except ValueError:

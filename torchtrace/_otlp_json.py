@@ -35,6 +35,7 @@ from torchtrace._otlp_encoding import (
     _over_limits,
     _Shape,
     _trace_state_str,
+    cached_shape,
     exception_attributes,
 )
 
@@ -186,7 +187,7 @@ class _Template:
 
 
 _shapes: dict[tuple, _Shape] = {}  # as _otlp_encoding's cache, its variants holding JSON templates
-_MAX_SHAPES, _MAX_VARIANTS = 4096, 64
+_MAX_VARIANTS = 64
 _FLOAT = frozenset((float,))
 
 
@@ -223,11 +224,7 @@ def _templated_text(
         return _dumps(_span(make_call(), trace_state, limits))
     values = tuple(attributes.values())
     key = (name, has_parent, remote, trace_state, tuple(attributes))
-    shape = _shapes.get(key)
-    if shape is None:
-        if len(_shapes) >= _MAX_SHAPES:
-            _shapes.clear()
-        shape = _shapes[key] = _Shape(values, dims=False)
+    shape = cached_shape(_shapes, key, values, dims=False)
     floats = shape.floats(values)
     try:
         variant = marshal.dumps(shape.others(values), 2)  # equal keys, equal text: marshal tells True, 1, 1.0 apart
