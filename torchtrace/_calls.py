@@ -8,7 +8,7 @@ the batch to every sink: span builder, OTLP encoder, in-memory records, summary,
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,9 +146,7 @@ class CallBatch(Sequence[ModuleCall]):
         parent = self.parent[i]
         sparse = self.sparse.get(i)
         error, output_value, input_value, tensors, module_attributes = sparse if sparse is not None else NO_EXTRAS
-        attributes = self.attributes[i]
-        if attributes is None:
-            attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+        attributes = self.span_attributes(i)
         return ModuleCall(
             info.path,
             info.type_name,
@@ -168,6 +166,28 @@ class CallBatch(Sequence[ModuleCall]):
             input_value,
             tensors,
             module_attributes,
+        )
+
+    def span_attributes(self, i: int) -> dict[str, Any]:
+        """The attributes of call ``i``'s span: its own, or only its module path and type."""
+        attributes = self.attributes[i]
+        if attributes is None:
+            info = self.modules[self.module[i]]
+            return {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+        return attributes
+
+    def rows(self) -> Iterator[tuple[int, int, int, int, dict | None, int, int]]:
+        """(position, module index, depth, parent position, attributes or None, start ns, end ns) of each call of
+        this view: what the encoders, the records and the span builder read per call."""
+        lo, hi = self.lo, self.hi
+        return zip(
+            range(lo, hi),
+            self.module[lo:hi],
+            self.depth[lo:hi],
+            self.parent[lo:hi],
+            self.attributes[lo:hi],
+            self.start_ns[lo:hi],
+            self.end_ns[lo:hi],
         )
 
     def error(self, i: int) -> BaseException | None:

@@ -621,7 +621,6 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     ends: list[int] = []
     trace_ids: list[int] = []
     for batch in batches:
-        lo, hi = batch.lo, batch.hi
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
         lists = _timing_template_lists(batch.modules, trace_state)
         if not batch.root_parent_id:
@@ -630,14 +629,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
         modules, ids, trace_id, root_parent = batch.modules, batch.span_id, batch.trace_id, batch.root_parent_id
         children = lists[_CHILD]
-        for position, index, parent, attrs, start, end in zip(
-            range(lo, hi),
-            batch.module[lo:hi],
-            batch.parent[lo:hi],
-            batch.attributes[lo:hi],
-            batch.start_ns[lo:hi],
-            batch.end_ns[lo:hi],
-        ):
+        for position, index, _, parent, attrs, start, end in batch.rows():
             template = None
             shape_dims: tuple = ()
             if attrs is None:

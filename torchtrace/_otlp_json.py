@@ -246,20 +246,12 @@ def _templated_text(
 def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> list[str]:
     """The spans of a forward's columns, without a ModuleCall per span (made only for the rare span that needs
     one: an error, a new template)."""
-    lo, hi = batch.lo, batch.hi
     modules, ids, trace_id = batch.modules, batch.span_id, batch.trace_id
     root_parent, remote_root = batch.root_parent_id, batch.parent_is_remote
     trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
     sparse = batch.sparse
     texts = []
-    for position, index, parent, attributes, start, end in zip(
-        range(lo, hi),
-        batch.module[lo:hi],
-        batch.parent[lo:hi],
-        batch.attributes[lo:hi],
-        batch.start_ns[lo:hi],
-        batch.end_ns[lo:hi],
-    ):
+    for position, index, _, parent, attributes, start, end in batch.rows():
         extras = sparse.get(position)
         if extras is not None and extras[0] is not None:  # an error: the reference path
             texts.append(_dumps(_span(batch._make(position), trace_state, limits)))

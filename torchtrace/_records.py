@@ -57,16 +57,7 @@ def pack_columns(batch: CallBatch) -> Iterator[tuple]:
     modules, ids, sparse = batch.modules, batch.span_id, batch.sparse
     trace_id, root_parent, remote = batch.trace_id, batch.root_parent_id, batch.parent_is_remote
     flags, trace_state, thread_id = batch.trace_flags, batch.trace_state, batch.thread_id
-    lo, hi = batch.lo, batch.hi
-    for position, index, depth, parent, start, end, attributes in zip(
-        range(lo, hi),
-        batch.module[lo:hi],
-        batch.depth[lo:hi],
-        batch.parent[lo:hi],
-        batch.start_ns[lo:hi],
-        batch.end_ns[lo:hi],
-        batch.attributes[lo:hi],
-    ):
+    for position, index, depth, parent, attributes, start, end in batch.rows():
         info = modules[index]
         error, output_value, input_value, tensors, module_attributes = sparse.get(position) or NO_EXTRAS
         head = (info.path, info.type_name, depth, trace_id, ids[position], ids[parent] if parent >= 0 else root_parent,
