@@ -69,17 +69,29 @@ def test_torchtrace_triton_0_keeps_the_kernel_out(monkeypatch):
     assert_stats_match({**output_attributes(tensor), "device": "cpu"}, tensor.cpu(), rel=1e-4)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])  # attention's output
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])  # a view 2 or 4 bytes into its storage
 @pytest.mark.parametrize(("dtype", "rel"), [(torch.float32, 1e-4), (torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
-def test_cuda_statistics_equal_torchs(stats_path, dtype, rel, offset):
+def test_cuda_statistics_equal_torchs(stats_path, dtype, rel, offset, transposed):
     torch.manual_seed(0)
     tensor = (torch.randn(64 * 1000 + offset) * 3 + 1).to("cuda", dtype)[offset:].view(64, 1000)
     tensor[0, :100] = 0
+    if transposed:
+        tensor = tensor.t()
     for _ in range(2):  # the first launch of a kind compiles (or finds) the kernel; the second launches it directly
         got = output_attributes(tensor)
         assert got["device"] == "cuda:0"
         got["device"] = "cpu"
         assert_stats_match(got, tensor.cpu(), rel=rel)
+
+
+def test_cuda_statistics_of_a_sample_equal_torchs_on_that_sample(stats_path):
+    torch.manual_seed(0)
+    tensor = torch.randn(300, 301, device="cuda") * 2 + 3
+    got = output_attributes(tensor, stats_sample=1000)
+    sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)].cpu()
+    assert got["sampled"] == sample.numel()
+    assert_stats_match({**got, "device": "cpu", "shape": tuple(sample.shape)}, sample, rel=1e-4)
 
 
 def test_cuda_statistics_of_nan_and_inf(stats_path):
