@@ -359,6 +359,18 @@ def test_the_std_of_huge_float32_values_does_not_overflow():
     assert got["norm"] == float(torch.linalg.vector_norm(tensor))  # inf in float32, as torch says
 
 
+def test_the_std_of_millions_of_values_far_from_zero_is_right():
+    """A float32 sum of millions of squares is off by ~1e-4 of itself: subtracting n * mean^2 from it leaves noise
+    where the mean carries most of it (the std was off by 460x here); such data takes the exact second pass."""
+    torch.manual_seed(0)
+    tensor = torch.randn(4_000_000) * 0.01 + 100
+    got = output_attributes(tensor, stats=("mean", "std", "norm"))
+    exact = tensor.double()
+    assert got["std"] == pytest.approx(float(exact.std()), rel=1e-3)
+    assert got["mean"] == pytest.approx(float(exact.mean()), rel=1e-6)
+    assert got["norm"] == pytest.approx(float(exact.norm()), rel=1e-3)
+
+
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
     nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged)
     assert output_attributes(nested, stats=("shape",)) == {"shape": (2, -1, 3)}

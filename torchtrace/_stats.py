@@ -296,44 +296,44 @@ def device_stats(
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """One CPU tensor, reduced at once. torch.std_mean is several times slower than these passes on CPU."""
+    """One CPU tensor, reduced at once: one torch sum and numpy's SIMD passes over the same memory (min, max, the
+    sum of squares as a BLAS dot product, the non-zero count as a comparison). Measured on 131K floats on one
+    core: torch.aminmax 21 us where numpy's min and max take 10, count_nonzero 47-93 us where counting ``x != 0``
+    takes 7; torch.std_mean is several times slower still."""
     x = _as_real_float(tensor)
     n = x.numel()
-    mean = x.mean()
-    low, high = torch.aminmax(x)
-    norm = torch.linalg.vector_norm(x)
-    mean_v, low_v, high_v, norm_v = torch.stack([mean, low, high, norm]).double().tolist()
+    values = _flat_values(x)
+    mean_v = float(x.sum()) / n  # torch's cascade sum: numpy's float32 sum is slower here
+    low_v, high_v = float(values.min()), float(values.max())  # NaN if any is NaN, as torch.aminmax
+    squares = float(values @ values)
     nan_v = inf_v = 0
-    if not math.isfinite(norm_v):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
-        nan_v = int(torch.isnan(x).sum())
-        inf_v = int(torch.isinf(x).sum())
-    # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels badly when |mean| >> std: then
-    # (and for non-finite data) take the exact second pass.
-    centered_square = norm_v * norm_v - n * mean_v * mean_v
-    if n > 1 and (not math.isfinite(centered_square) or centered_square < 1e-3 * norm_v * norm_v):
-        centered_square = float(torch.linalg.vector_norm(x - mean)) ** 2
+    if not math.isfinite(squares):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
+        nan_v = int(np.count_nonzero(np.isnan(values)))
+        inf_v = int(np.count_nonzero(np.isinf(values)))
+    norm_v = math.sqrt(squares)
+    # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels when the mean carries much of |x|^2:
+    # float32 sums of millions of squares are off by up to ~1e-3, which then becomes the whole variance. Where the
+    # mean carries half or more (and for non-finite data), take the exact second pass.
+    centered_square = squares - n * mean_v * mean_v
+    if n > 1 and (not math.isfinite(centered_square) or centered_square < 0.5 * squares):
+        centered_square = float(torch.linalg.vector_norm(x - mean_v)) ** 2
         if not math.isfinite(centered_square) and not (nan_v or inf_v):  # |x| past float32's square: float64
             centered_square = float(torch.linalg.vector_norm(x.double() - mean_v)) ** 2
     std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
     if nan_v or inf_v:
         std_v = math.nan  # as torch.std of data with NaN or Inf
-    nonzero = _count_nonzero(x, nan_v) if "zero_fraction" in wanted else n
+    # NaN != 0, as count_nonzero counts it; -0.0 == 0
+    nonzero = int(np.count_nonzero(values != 0)) if "zero_fraction" in wanted else n
     _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
 
 
-# Below this many elements a float32 dot product of +-1 and 0 counts exactly (every partial sum is an integer
-# that float32 holds); float64 holds far more than any tensor.
-_EXACT_SIGN_COUNT = {torch.float32: 2**24, torch.float64: 2**53}
-
-
-def _count_nonzero(x: torch.Tensor, nan_count: int) -> int:
-    """count_nonzero is this CPU's slowest pass (2.3 ms per 512K ReLU outputs, half zeros); sign(x) . sign(x)
-    counts the same non-zeros (-0.0 included as zero, +-Inf as non-zero) in ~0.12 ms. NaN's sign is NaN: then,
-    and where the float sum could round, count_nonzero."""
-    if nan_count or x.numel() >= _EXACT_SIGN_COUNT.get(x.dtype, 0):
-        return int(torch.count_nonzero(x))
-    signs = torch.sign(x).reshape(-1)
-    return int(torch.dot(signs, signs))
+def _flat_values(x: torch.Tensor) -> np.ndarray:
+    """The tensor's values as a flat numpy array: a view of its memory when contiguous (no copy)."""
+    try:
+        values = x.numpy()
+    except (RuntimeError, TypeError):  # conjugate / negative views
+        values = x.resolve_conj().resolve_neg().numpy()
+    return values.reshape(-1)
 
 
 def _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count) -> None:
