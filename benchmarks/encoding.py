@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import time
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -24,8 +26,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-from torchtrace._calls import ModuleCall
-from torchtrace._otlp_encoding import encode_export_request
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from torchtrace._calls import ModuleCall  # noqa: E402
+from torchtrace._otlp_encoding import encode_export_request  # noqa: E402
 
 SUBMODULES = ["self_attn", "self_attn.out_proj", "linear1", "dropout", "linear2", "norm1", "norm2", "dropout1"]
 STATS = ["mean", "std", "min", "max", "abs_mean", "l2", "nan_frac", "inf_frac", "zero_frac", "sparsity"]

@@ -1,6 +1,7 @@
 """Accounting soak: forwards on several threads while a real OTLP/HTTP receiver fails, stalls and drops connections
 at random, then recovers. At the end every traced call is accounted for, on the handle and in the Prometheus
-counters, the receiver holds exactly the exported spans (none twice, none missing) and memory stayed flat.
+counters, the receiver holds exactly the exported spans (none twice, none missing) and nothing the calls made
+outlives the handle.
 
 About 20 s by default; ``SOAK_SECONDS=300 pytest tests/test_soak.py`` runs the long version.
 
@@ -10,8 +11,10 @@ still accepted it would be delivered and counted failed, which at-least-once OTL
 
 from __future__ import annotations
 
+import gc
 import os
 import random
+import sys
 import threading
 import time
 
@@ -75,6 +78,11 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
             time.sleep(0.0005)  # several threads, one interpreter: leave the worker room to export
 
     memory = []
+    with torchtrace.instrument(model, exporter="otlp", metrics=torchtrace.MetricsSink(CollectorRegistry())) as handle:
+        model(torch.randn(4, 32))  # first use: the exporter's modules are imported, its caches made
+    receiver.span_ids.clear()
+    gc.collect()
+    blocks_before = sys.getallocatedblocks()
     try:
         handle = torchtrace.instrument(
             model, exporter="otlp", export_interval_ms=50, max_records=100, metrics=metrics, print_summary=False
@@ -98,6 +106,8 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
             thread.join()
         memory.append(rss_mib())
         handle.remove()
+        gc.collect()
+        blocks_left = sys.getallocatedblocks() - blocks_before - len(receiver.span_ids)  # one bytes object per id
     finally:
         stop.set()
         receiver.stop()
@@ -106,7 +116,7 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
     exported, failed, buffer_full = handle.exported_spans, handle.failed_spans, handle.dropped_calls
     print(
         f"soak {SOAK_SECONDS:.0f}s: {traced} spans traced, {exported} exported, {failed} export_failed, "
-        f"{buffer_full} buffer_full; RSS {memory[0]:.0f} -> {memory[1]:.0f} MiB"
+        f"{buffer_full} buffer_full; RSS {memory[0]:.0f} -> {memory[1]:.0f} MiB; {blocks_left} blocks left"
     )
     assert modes_seen == {"ok", "stall", "error", "close"}
     assert failed > 0 and exported > 0  # the faults did cost spans, and export did recover
@@ -116,4 +126,7 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
     assert samples(registry, "torchtrace_spans_recorded_total")[""] == exported + failed
     assert len(receiver.span_ids) == exported  # none missing
     assert len(set(receiver.span_ids)) == exported  # none twice
-    assert memory[1] - memory[0] < 40, memory  # MiB: flat, not growing with the calls made
+    # Nothing of the ~200,000 calls outlives the handle (a leak of one object per call would leave that many
+    # blocks). RSS is only printed: it keeps the high-water mark of the backlog a stalled endpoint leaves (up to
+    # max_pending_calls), which varies with the faults' timing (an RSS bound flaked under a loaded suite).
+    assert blocks_left < 20_000, blocks_left
