@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 from typing import Any, NamedTuple
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace._handle import _live_handles
+from torchtrace._stats import StatComputer
 from torchtrace.testing import capture_spans
 
 NUMERIC = ("mean", "std", "min", "max", "abs_max", "norm", "nan_count", "inf_count", "zero_fraction")
@@ -369,6 +371,20 @@ def test_the_std_of_millions_of_values_far_from_zero_is_right():
     assert got["std"] == pytest.approx(float(exact.std()), rel=1e-3)
     assert got["mean"] == pytest.approx(float(exact.mean()), rel=1e-6)
     assert got["norm"] == pytest.approx(float(exact.norm()), rel=1e-3)
+
+
+@pytest.mark.parametrize("elements", [12, 50_000], ids=["small", "large"])
+def test_a_calls_statistics_stay_out_of_the_garbage_collectors_generations(elements):
+    """Calls waiting for the worker must not be promoted towards a full collection (benchmarks/latency.py): their
+    statistics hold only values the collector does not track, the shape included, once a shape has been seen."""
+    summarise = StatComputer(torchtrace.STAT_NAMES, {})
+    summarise(torch.randn(elements))
+    summarise.finish_forward()
+    gc.collect()
+    stats = summarise(torch.randn(elements))
+    summarise.finish_forward()
+    assert stats["shape"] == (elements,) and "mean" in stats
+    assert not gc.is_tracked(stats)
 
 
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
