@@ -306,8 +306,8 @@ def device_stats(
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
     """One CPU tensor, reduced at once: one torch sum and numpy's SIMD passes over the same memory (min, max, the
     sum of squares as a BLAS dot product, the non-zero count as a comparison). Measured on 131K floats on one
-    core: torch.aminmax 21 us where numpy's min and max take 10, count_nonzero 47-93 us where counting ``x != 0``
-    takes 7; torch.std_mean is several times slower still."""
+    core: torch.aminmax 21 us where numpy's min and max take 10; counting ``x != 0`` 7 us where sign(x) . sign(x)
+    takes 21 and torch's ``(x != 0).sum()`` 93; torch.std_mean is several times slower still."""
     x = _as_real_float(tensor)
     n = x.numel()
     values = _flat_values(x)
