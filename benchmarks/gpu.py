@@ -18,13 +18,14 @@ Three questions, answered on one CUDA device in one run:
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
    torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
 
-Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N]
+Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--worker-at-flush]
 The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -43,12 +44,13 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import torchtrace  # noqa: E402
-from torchtrace import _device  # noqa: E402
+from torchtrace import _device, _worker  # noqa: E402
 
 CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
 SAMPLE = 65536  # the torchtrace_sampled variant's stats_sample
+WORKER_AT_FLUSH = False  # --worker-at-flush: an experiment (see main's help)
 GRAD_MODE: Callable[[], Any] = torch.inference_mode  # --grad-mode no_grad: tensors keep version counters, so a
 # container returning its child's tensor reuses the child's statistics (inference tensors are summarised again)
 
@@ -68,6 +70,7 @@ class Variant:
     close: Callable[[], Any] = lambda: None
     before: Callable[[], Any] = lambda: None  # set-up around each timed repetition (e.g. the stats path)
     after: Callable[[], Any] = lambda: None
+    worker_at_flush: bool = False  # the dispatch worker is held off while the forwards run: all its work is at flush
 
 
 def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
@@ -76,7 +79,10 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
     fastpath.before = lambda: torch.backends.mha.set_fastpath_enabled(True)
     fastpath.after = lambda: torch.backends.mha.set_fastpath_enabled(False)
     variants.append(fastpath)
-    for name in ("torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"):
+    names = ["torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"]
+    if WORKER_AT_FLUSH:
+        names.append("torchtrace_worker_at_flush")
+    for name in names:
         model = copy.deepcopy(base)
         handle = torchtrace.instrument(
             model,
@@ -90,6 +96,7 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             fused = _device.fused_kernel
             variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)
             variant.after = lambda fused=fused: setattr(_device, "fused_kernel", fused)
+        variant.worker_at_flush = name == "torchtrace_worker_at_flush"
         variants.append(variant)
     return variants
 
@@ -101,7 +108,8 @@ def timed(variant: Variant, x: torch.Tensor, forwards: int) -> tuple[float, floa
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        with GRAD_MODE():
+        # the worker takes this lock before any work: held, it waits (the hooks never take it)
+        with _worker.WORKER._condition if variant.worker_at_flush else contextlib.nullcontext(), GRAD_MODE():
             for _ in range(forwards):
                 variant.model(x)
         launched = time.perf_counter()
@@ -230,8 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per variant")
     parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
     parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
+    parser.add_argument(
+        "--worker-at-flush",
+        action="store_true",
+        help="also time torchtrace with the dispatch worker held off while the forwards run, all its work done at "
+        "the flush (an experiment: on a host-bound forward the model's thread and the worker contend for the host)",
+    )
     args = parser.parse_args(argv)
-    global GRAD_MODE
+    global GRAD_MODE, WORKER_AT_FLUSH
+    WORKER_AT_FLUSH = args.worker_at_flush
     GRAD_MODE = torch.no_grad if args.grad_mode == "no_grad" else torch.inference_mode
     if not torch.cuda.is_available():
         print(json.dumps({"gpu": {"skipped": "no CUDA device"}}))
