@@ -91,12 +91,13 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             print_summary=False,
             stats_sample=SAMPLE if name == "torchtrace_sampled" else None,
         )
-        variant = Variant(name, model, flush=handle.flush, close=handle.remove)
+        variant = Variant(
+            name, model, flush=handle.flush, close=handle.remove, worker_at_flush=name == "torchtrace_worker_at_flush"
+        )
         if name == "torchtrace_torch_ops":
             fused = _device.fused_kernel
             variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)
             variant.after = lambda fused=fused: setattr(_device, "fused_kernel", fused)
-        variant.worker_at_flush = name == "torchtrace_worker_at_flush"
         variants.append(variant)
     return variants
 

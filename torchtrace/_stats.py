@@ -189,11 +189,8 @@ def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> 
 def _numpy_copy(x: torch.Tensor) -> np.ndarray:
     """A private flat copy of a small CPU tensor's values (a later in-place op must not change them)."""
     real = _as_real_float(x)
-    try:
-        values = real.numpy()
-    except (RuntimeError, TypeError):  # conjugate / negative views
-        values = real.resolve_conj().resolve_neg().numpy()
-    return values.reshape(-1).copy() if real is x else values.reshape(-1)
+    values = _flat_values(real)
+    return values.copy() if real is x else values  # a converted tensor is already a private copy
 
 
 def _batched_stats(pending: list[tuple[np.ndarray, dict]], wanted: frozenset) -> None:
