@@ -16,6 +16,8 @@ from fault_receivers import wait_until
 from torch import nn
 
 import torchtrace
+from torchtrace import _worker
+from torchtrace._buffer import RecordBuffer
 from torchtrace.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
@@ -128,6 +130,37 @@ def test_in_process_sinks_get_calls_long_before_the_export_interval(tmp_path) ->
         assert exports.times == [] and not trace_file.exists()
         handle.flush()
         assert len(exports.times) == 1 and len(trace_file.read_text().splitlines()) == 1
+
+
+def test_a_backlog_of_calls_is_resolved_at_once_without_waiting_for_the_tick(monkeypatch) -> None:
+    # The periodic tick made an hour long: only the backlog bound (64 calls in 8 forwards) can wake the worker.
+    monkeypatch.setattr(_worker, "RESOLVE_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(_worker, "_IDLE_RESOLVE_INTERVAL_S", 3600.0)
+    model, sink = nn.Sequential(*[nn.Linear(4, 4) for _ in range(7)]), Batches()  # 8 calls per forward
+    with torchtrace.instrument(model, exporter="none", export_interval_ms=600_000, sinks=[sink]) as handle:
+        assert wait_until(lambda: handle.buffer.backlog_calls == 64 and dispatch_threads(), timeout=10)
+        time.sleep(0.2)  # the new worker's first tick (at start) has passed
+        for _ in range(7):
+            model(torch.randn(2, 4))
+        time.sleep(0.3)
+        assert sink.calls == 0 and handle.buffer.pending_calls == 56  # under the backlog: waits for the tick
+        model(torch.randn(2, 4))  # 64 calls in 8 forwards waiting
+        assert wait_until(lambda: sink.calls == 64, timeout=10)
+        assert handle.buffer.pending_calls == 0
+
+
+def test_the_buffer_signals_its_backlog_once_until_it_is_taken() -> None:
+    buffer, signals = RecordBuffer(max_calls=1000, backlog_calls=10, backlog_forwards=2), []
+    buffer.on_backlog = lambda: signals.append(buffer.pending_calls)
+    for _ in range(5):
+        buffer.put(object(), 4)
+    assert signals == [12]  # once, when 12 >= 10 calls waited; not again at 16 or 20
+    buffer.take_all()
+    buffer.put(object(), 10)
+    assert signals == [12]  # enough calls, but one forward: the worker's tick takes it
+    buffer.put(object(), 1)
+    assert signals == [12, 11]
+    assert not buffer.put(object(), 990) and signals == [12, 11]  # a dropped forward signals nothing
 
 
 def test_a_failing_sink_or_drain_of_one_handle_does_not_stop_the_others(monkeypatch) -> None:

@@ -463,11 +463,14 @@ class Dispatcher:
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
 
     def start(self) -> None:
-        """Drain in the background every ``interval_s``, on the process's shared worker thread."""
+        """Drain in the background every ``interval_s``, on the process's shared worker thread (which also
+        resolves what waits whenever the buffer's backlog is reached)."""
+        self.buffer.on_backlog = WORKER.resolve_soon
         WORKER.add(self)
 
     def stop(self) -> None:
         """Leave the worker (the last dispatcher out ends its thread), then drain what is left."""
+        self.buffer.on_backlog = None
         WORKER.discard(self)
         self.drain()
 

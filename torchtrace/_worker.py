@@ -7,11 +7,14 @@ due one under that dispatcher's own lock (one handle's batches stay in order), a
 interval after that drain ended. A drain that raises is logged; the other handles' drains go on.
 
 In between, every ``RESOLVE_INTERVAL_S`` while forwards keep coming (backing off to ``_IDLE_RESOLVE_INTERVAL_S``
-when they stop), it resolves them (``Dispatcher.resolve``): the hooks' raw entries (a list and two dicts per call,
-all tracked by the garbage collector) then die young. Left for a whole export interval they would outlive the
-collector's young generations, be promoted by the ten thousand per second and trigger a full collection of the
-whole heap every second or two: pauses of 100-400 ms in a torch process (measured 2026-11-23;
-benchmarks/latency.py).
+when they stop), and at once when a handle's buffer holds a backlog (``RecordBuffer.backlog_calls`` calls in
+``backlog_forwards`` forwards: ``resolve_soon``), it resolves them (``Dispatcher.resolve``): the hooks' raw entries
+(a list and two dicts per call, all counted by the garbage collector) then die young. Left for a whole export
+interval they would outlive the collector's young generations, be promoted by the ten thousand per second and
+trigger a full collection of the whole heap every second or two: pauses of 100-400 ms in a torch process (measured
+2026-11-23; benchmarks/latency.py). The backlog bound is what keeps a model of small, fast forwards below the young
+generation's threshold (700 allocations): thousands of forwards a second would otherwise leave a hundred calls or
+more waiting at every tick.
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
@@ -53,6 +56,7 @@ class DispatchWorker:
         self._condition = threading.Condition(threading.RLock())
         self._members: dict[int, weakref.ref] = {}  # id(dispatcher) -> weak reference
         self._thread: threading.Thread | None = None
+        self._resolve_now = False  # a buffer's backlog asked for a resolution before the next tick
 
     def add(self, dispatcher: Any) -> None:
         """Serve ``dispatcher`` from now on (its first drain one interval from now); starts the thread if needed."""
@@ -75,6 +79,13 @@ class DispatchWorker:
             self._condition.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=_JOIN_TIMEOUT_S)
+
+    def resolve_soon(self) -> None:
+        """A buffer reached its backlog: resolve what waits now, not at the next tick (called by the model's
+        thread once per backlog, not per forward)."""
+        with self._condition:
+            self._resolve_now = True
+            self._condition.notify()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -111,7 +122,8 @@ class DispatchWorker:
                 now = time.monotonic()
                 due = [dispatcher for dispatcher in live if dispatcher.next_drain <= now]
                 young = []
-                if now >= next_resolve:
+                if now >= next_resolve or self._resolve_now:
+                    self._resolve_now = False
                     young = [d for d in live if d.next_drain > now and d.has_unresolved()]
                     busy = young or any(d.has_unresolved() for d in due)
                     resolve_interval = (
