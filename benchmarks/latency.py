@@ -18,11 +18,13 @@ ran in the timed slices: their number, total and longest pause (ms, from gc.call
 / untraced (target <= 1.2) and the extra full collections per minute (target 0 in steady state). Targets are
 reported, not asserted.
 
-Models: "linear8" = 8 x Linear(48, 48), batch 4; "encoder" = 2 x TransformerEncoderLayer(128, nhead=4,
-dim_feedforward=256, batch_first=True), batch 1, seq 32, eval, torch.inference_mode, torch's fused fast path off
-for every variant (any hook on the layer disables it; same math for all). torch.set_num_threads(1) everywhere.
+Models: "linear8" = 8 x Linear(48, 48), batch 4 (small, fast forwards); "mlp64" = 64 x (Linear(32, 32), ReLU),
+batch 1 (129 calls per forward, more than the collector's young generation holds: overhead.py's cheap model);
+"encoder" = 2 x TransformerEncoderLayer(128, nhead=4, dim_feedforward=256, batch_first=True), batch 1, seq 32. All
+eval, torch.inference_mode, torch's fused fast path off for every variant (any hook on the layer disables it; same
+math for all). torch.set_num_threads(1) everywhere.
 
-Run: python benchmarks/latency.py [--duration S] [--quick] [--models linear8,encoder]
+Run: python benchmarks/latency.py [--duration S] [--quick] [--models linear8,mlp64,encoder]
 --duration is the timed inference per variant and model (default 60 s). The last line printed is one JSON object:
 {"linear8": {"variants": {name: {"p50_ms", "p99_ms", "max_ms", "p99_over_p50", "forwards", "gen2",
 "gen2_total_ms", "gen2_max_ms"}}, "p99_ratio", "extra_gen2_per_min"}, ..., "duration_s": S}
@@ -60,7 +62,16 @@ def encoder() -> tuple[nn.Module, torch.Tensor]:
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval(), torch.randn(1, 32, 128)
 
 
-MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {"linear8": linear8, "encoder": encoder}
+def mlp64() -> tuple[nn.Module, torch.Tensor]:
+    layers = [layer for _ in range(64) for layer in (nn.Linear(32, 32), nn.ReLU())]
+    return nn.Sequential(*layers).eval(), torch.randn(1, 32)
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
+    "linear8": linear8,
+    "mlp64": mlp64,
+    "encoder": encoder,
+}
 
 
 class FullCollections:
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice", type=float, default=2.0, help="seconds per turn")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before timing, per process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s per variant")
-    parser.add_argument("--models", default="linear8,encoder", help="comma-separated: linear8, encoder")
+    parser.add_argument("--models", default="linear8,mlp64,encoder", help="comma-separated: linear8, mlp64, encoder")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -387,6 +387,35 @@ def test_a_calls_statistics_stay_out_of_the_garbage_collectors_generations(eleme
     assert not gc.is_tracked(stats)
 
 
+class TrackedObjects(nn.Module):
+    """Counts the objects the garbage collector tracks when the forward reaches it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count = len(gc.get_objects())
+        return x
+
+
+@pytest.mark.parametrize(("mode", "per_call"), [(torch.inference_mode, 0), (torch.no_grad, 1)])
+def test_statistics_add_at_most_a_weak_reference_per_call_for_the_collector_while_the_forward_runs(mode, per_call):
+    """What a forward's calls hold until the worker takes them is promoted towards a full collection whenever a
+    young collection runs meanwhile (benchmarks/latency.py): with statistics on, a call adds no tracked object
+    beyond its own entry, except the weak reference that tells a tensor seen again (not under inference_mode)."""
+    grown = {}
+    for stats in (False, True):
+        first, last = TrackedObjects(), TrackedObjects()
+        model = nn.Sequential(first, *[nn.ReLU() for _ in range(50)], last)
+        with torchtrace.instrument(model, exporter="none", stats=stats), mode():
+            model(torch.randn(4))  # warm-up: shapes, dtype names and templates seen once
+            gc.collect()
+            gc.disable()
+            try:
+                model(torch.randn(4))
+            finally:
+                gc.enable()
+        grown[stats] = last.count - first.count
+    assert grown[True] - grown[False] <= 50 * per_call + 5
+
+
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
     nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged)
     assert output_attributes(nested, stats=("shape",)) == {"shape": (2, -1, 3)}

@@ -22,6 +22,7 @@ from torchtrace._hooks import (
     END,
     INPUTS,
     MODULE,
+    OUTPUT_STATS,
     OUTPUTS,
     PARENT,
     START,
@@ -29,6 +30,7 @@ from torchtrace._hooks import (
     ModuleInfo,
     RawForward,
     SummaryMarker,
+    output_summaries,
 )
 from torchtrace._stats import resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
@@ -56,17 +58,22 @@ def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] |
     for name, stats in summaries.items():
         if isinstance(name, SummaryMarker):  # truncated, a feature's error: not a tensor
             attributes.update((f"{prefix}.{key}", value) for key, value in stats.items())
-            continue
-        if "_pending" in stats:
-            resolve(stats)
-        cache_key = (prefix, name, *stats)
-        keys = _prefixed_keys.get(cache_key)
-        if keys is None:
-            if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
-                _prefixed_keys.clear()
-            base = f"{prefix}.{name}" if name else prefix
-            keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in stats)
-        attributes.update(zip(keys, stats.values()))
+        else:
+            _tensor_attributes(attributes, prefix, name, stats)
+
+
+def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict) -> None:
+    """One tensor's statistics as ``<prefix>[.<name>].<stat>`` attributes."""
+    if "_pending" in stats:
+        resolve(stats)
+    cache_key = (prefix, name, *stats)
+    keys = _prefixed_keys.get(cache_key)
+    if keys is None:
+        if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
+            _prefixed_keys.clear()
+        base = f"{prefix}.{name}" if name else prefix
+        keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in stats)
+    attributes.update(zip(keys, stats.values()))
 
 
 def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> CallBatch:
@@ -106,6 +113,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         input_value,
         attrs,
         tensors,
+        output_stats,
         start_event,
         end_event,
     ) in enumerate(entries):
@@ -118,12 +126,14 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         end_column.append((end if end is not None else start) + offset)
         parent_column.append(parent_position)
         depth_column.append(depth_column[parent_position] + 1 if parent_position >= 0 else 0)
-        if outputs or inputs or attrs:
+        if outputs or inputs or attrs or output_stats is not None:
             info = modules[module]
             attributes: dict[str, Any] = {
                 "torchtrace.module.path": info.path,
                 "torchtrace.module.type": info.type_name,
             }
+            if output_stats is not None:
+                _tensor_attributes(attributes, OUTPUT_PREFIX, "", output_stats)
             if outputs:
                 _stat_attributes(attributes, OUTPUT_PREFIX, outputs)
             if inputs:
@@ -141,8 +151,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             sparse[position] = [error, output_value, input_value, tensors, attrs]
     batch.span_id = _span_ids(n)
     batch.hi = n
-    if any(entry[OUTPUTS] for entry in entries):
-        _mark_first_nonfinite_output(batch, [entry[OUTPUTS] for entry in entries], [entry[INPUTS] for entry in entries])
+    if any(entry[OUTPUT_STATS] is not None or entry[OUTPUTS] for entry in entries) and any(
+        map(_has_nonfinite_output, entries)
+    ):
+        outputs = [output_summaries(entry) for entry in entries]
+        _mark_first_nonfinite_output(batch, outputs, [entry[INPUTS] for entry in entries])
     if release:
         _release(forward)
     return batch
@@ -160,6 +173,14 @@ def _release(forward: RawForward) -> None:
     """Every statistic and time of the forward is read: its rows and events go back to their pools."""
     if forward.device is not None:
         forward.device.release(event for entry in forward.entries for event in entry[START_EVENT:])
+
+
+def _has_nonfinite_output(entry: list) -> bool:
+    """Whether any output tensor of a call (statistics read) has NaN or Inf: the rare case, looked at closer."""
+    stats = entry[OUTPUT_STATS]
+    if stats is not None and (stats.get("nan_count") or stats.get("inf_count")):
+        return True
+    return _nonfinite(entry[OUTPUTS]) is not None
 
 
 def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None:
@@ -220,7 +241,7 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
         return summaries and {name: resolve(stats) for name, stats in summaries.items()}
 
     forward = _first_nonfinite(
-        (entry[END] or 0, entry, resolved(entry[OUTPUTS]), resolved(entry[INPUTS]))
+        (entry[END] or 0, entry, resolved(output_summaries(entry)), resolved(entry[INPUTS]))
         for fw in record.forwards
         for entry in fw.entries
     )

@@ -48,9 +48,12 @@ class SummaryMarker:
 TRUNCATED = SummaryMarker("truncated")  # more tensors than max_tensors: {"truncated": True}
 FEATURE_ERROR = SummaryMarker("feature error")  # a feature failed on this call: {"stats_error": text}
 
-# Slots of one raw call entry (a list: the cheapest thing to create in a hook).
+# Slots of one raw call entry (a list: the cheapest thing to create in a hook). A bare tensor output's statistics
+# go in OUTPUT_STATS (a dict of plain values, which the garbage collector does not track); OUTPUTS holds the tensor
+# summaries of any other output ({name: stats}), a tracked dict: one more object per call for the collector to
+# promote while the forward runs. START_EVENT and END_EVENT stay last (read as a slice).
 (MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
- START_EVENT, END_EVENT) = range(14)  # fmt: skip
+ OUTPUT_STATS, START_EVENT, END_EVENT) = range(15)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,7 +172,7 @@ class HookRecorder:
             # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR (the exception the caller is handling,
             # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
             entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
-                     None, None, None, None, None, None]  # fmt: skip
+                     None, None, None, None, None, None, None]  # fmt: skip
             for work in input_work:
                 try:
                     work(entry, module, args, kwargs)
@@ -343,7 +346,9 @@ class HookRecorder:
         entry[ATTRIBUTES] = self._attribute_values(module)
 
     def _output_stats(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if output is not None:  # a call that raised (always_call hooks)
+        if isinstance(output, torch.Tensor):
+            entry[OUTPUT_STATS] = self._thread_state().stats(output)
+        elif output is not None:  # None: a call that raised (always_call hooks)
             entry[OUTPUTS] = self._summarise_value(output)
 
     def _output_value(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -408,6 +413,14 @@ class HookRecorder:
             if copy is not None:
                 captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
         return captured
+
+
+def output_summaries(entry: list) -> dict[str, dict] | None:
+    """A call's output tensor summaries, {name: stats}, whichever slot holds them."""
+    stats = entry[OUTPUT_STATS]
+    if stats is None:
+        return entry[OUTPUTS]
+    return {"": stats, **entry[OUTPUTS]} if entry[OUTPUTS] else {"": stats}
 
 
 def _note_error(entry: list, slot: int, error: Exception) -> None:

@@ -47,8 +47,8 @@ class StatComputer:
     """
 
     __slots__ = (
-        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cache", "_pending", "_dtype_names", "_rows",
-        "_rows_for", "sample",
+        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cached", "_versions", "_refs", "_copies",
+        "_filled", "_dtype_names", "_rows", "_rows_for", "sample",
     )  # fmt: skip
 
     def __init__(
@@ -64,10 +64,15 @@ class StatComputer:
         self._shape = "shape" in self.wanted
         self._dtype = "dtype" in self.wanted
         self._device = "device" in self.wanted
-        # id(tensor) -> (weakref, version, stats): a container module usually returns its last child's output
-        # unchanged, so the same tensor would otherwise be summarised at every level of nesting.
-        self._cache: dict[int, tuple[Any, int, dict]] = {}
-        self._pending: list[tuple[torch.Tensor, dict]] = []  # (copy, stats to fill) until finish_forward
+        # id(tensor) -> its stats, version and weak reference: a container module usually returns its last child's
+        # output unchanged, so the same tensor would otherwise be summarised at every level of nesting. Separate
+        # dicts and lists, not a tuple per tensor: the stats dicts hold nothing the garbage collector tracks, and a
+        # tuple holding one would be tracked (and promoted to the old generation while the forward runs).
+        self._cached: dict[int, dict] = {}
+        self._versions: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}
+        self._copies: list[np.ndarray] = []  # small tensors' copies and the stats they fill, until finish_forward
+        self._filled: list[dict] = []
         self._dtype_names: dict[torch.dtype, str] = {}
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
@@ -76,13 +81,16 @@ class StatComputer:
     def finish_forward(self) -> list[StatRows]:
         """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
         the copy of the device rows to the host and returns them (read by ``resolve`` once copied)."""
-        pending, self._pending = self._pending, []
-        self._cache.clear()
-        if pending:
+        copies, filled = self._copies, self._filled
+        self._copies, self._filled = [], []
+        self._cached.clear()
+        self._versions.clear()
+        self._refs.clear()
+        if copies:
             try:
-                _batched_stats(pending, self.wanted)
+                _batched_stats(list(zip(copies, filled)), self.wanted)
             except Exception as error:  # a statistic must never break the user's forward
-                for _, stats in pending:
+                for stats in filled:
                     stats["stats_error"] = error_text(error)
         if not self._rows:
             return []
@@ -105,15 +113,17 @@ class StatComputer:
             # No version counter: an in-place op would go unnoticed, so the same object is never trusted twice.
             return self._compute(tensor)
         key = id(tensor)
-        cached = self._cache.get(key)
+        cached = self._cached.get(key)
         version = tensor._version
-        if cached is not None and cached[1] == version and cached[0]() is tensor:
-            return cached[2]
+        if cached is not None and self._versions[key] == version and self._refs[key]() is tensor:
+            return cached
         stats = self._compute(tensor)
-        try:  # noqa: SIM105 -- contextlib.suppress costs a microsecond here, on the hot path
-            self._cache[key] = (weakref.ref(tensor), version, stats)
+        try:
+            self._refs[key] = weakref.ref(tensor)
         except TypeError:  # tensor subclasses without weakref support are not cached
-            pass
+            return stats
+        self._cached[key] = stats
+        self._versions[key] = version
         return stats
 
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
@@ -149,7 +159,8 @@ class StatComputer:
                 x = tensor.detach() if tensor.requires_grad else tensor
                 stride = sampling_stride(n, self.sample, stats)
                 if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(x):
-                    self._pending.append((_numpy_copy(x), stats))
+                    self._copies.append(_numpy_copy(x))
+                    self._filled.append(stats)
                 else:
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
         except Exception as error:  # a statistic must never break the user's forward
