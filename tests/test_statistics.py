@@ -176,6 +176,25 @@ def test_property_float32_statistics_equal_torch(values):
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(6, 7).t(),
+        lambda: torch.randn(10, 10)[::3, 1::2],
+        lambda: torch._neg_view(torch.randn(5, 4)),
+        lambda: torch.randn(6, 7, requires_grad=True).t() * 2,
+        lambda: torch.randn(20, dtype=torch.float64, requires_grad=True) + 1,
+    ],
+    ids=["transposed", "strided-slice", "negative-view", "requires-grad-transposed", "float64-requires-grad"],
+)
+def test_small_tensors_in_any_layout_equal_torch(make):
+    """Small CPU tensors are copied in the hook and reduced at the forward's end: views, negative views and tensors
+    that require grad give torch's values."""
+    torch.manual_seed(3)
+    tensor = make()
+    assert_stats_match(output_attributes(tensor), tensor.detach())
+
+
 def test_statistics_of_a_tensor_that_requires_grad():
     layer = nn.Linear(3, 2)
     x = torch.randn(4, 3)

@@ -156,12 +156,15 @@ class StatComputer:
                 stats["stats_error"] = f"{name}: {error_text(error)}"
         try:
             if self.numeric:
-                x = tensor.detach() if tensor.requires_grad else tensor
-                stride = sampling_stride(n, self.sample, stats)
-                if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(x):
-                    self._copies.append(_numpy_copy(x))
+                stride = 1 if self.sample is None else sampling_stride(n, self.sample, stats)
+                if stride == 1 and n <= SMALL_TENSOR and is_cpu:
+                    if dtype in _COPIED_AS_IS:  # the common case, without the detach and checks (~1 us a tensor)
+                        self._copies.append(tensor.numpy(force=True).ravel().copy())
+                    else:
+                        self._copies.append(_numpy_copy(tensor.detach()))
                     self._filled.append(stats)
                 else:
+                    x = tensor.detach() if tensor.requires_grad else tensor
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
         except Exception as error:  # a statistic must never break the user's forward
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
@@ -170,6 +173,7 @@ class StatComputer:
 
 
 _FLOAT_STATS = ("mean", "std", "min", "max", "abs_max", "norm", "zero_fraction")
+_COPIED_AS_IS = frozenset((torch.float32, torch.float64))  # numpy reads them as they are (see _as_real_float)
 
 
 _COLUMN = {name: index for index, name in enumerate(_FLOAT_STATS)}
