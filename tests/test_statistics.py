@@ -89,6 +89,26 @@ def test_float_statistics_equal_torch(dtype, rel):
     assert_stats_match(output_attributes(tensor), tensor, rel=rel)
 
 
+def test_small_tensors_of_one_size_reduced_together_each_equal_torch():
+    """A forward's small tensors of one size are reduced in one batch: each row still gets torch's values, including
+    a row whose mean carries nearly all of its sum of squares (the exact second pass), NaN and Inf rows, a row of
+    zeros of both signs, and float64 data."""
+    torch.manual_seed(4)
+    rows = {
+        "random": torch.randn(64) * 3 + 1,
+        "relu": torch.relu(torch.randn(64)),
+        "large-mean": (torch.tensor([1e8, 1e8 + 1e-3, 1e8 - 1e-3, 1e8], dtype=torch.float64)).repeat(16),
+        "nan": torch.where(torch.arange(64) == 5, float("nan"), torch.randn(64)),
+        "inf": torch.where(torch.arange(64) == 7, float("inf"), torch.randn(64)),
+        "zeros": torch.cat([torch.zeros(32), torch.full((32,), -0.0)]),
+        "tiny-spread": torch.randn(64).double() * 1e-6 + 1000,
+    }
+    got = output_attributes(rows)
+    for name, tensor in rows.items():
+        rel = 1e-9 if tensor.dtype == torch.float64 else 1e-5
+        assert_stats_match(got, tensor, prefix=f"{name}.", rel=rel)
+
+
 def test_a_large_tensor_takes_the_same_values_as_torch():
     torch.manual_seed(1)
     tensor = torch.randn(300, 300) * 0.01 + 5
