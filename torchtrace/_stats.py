@@ -190,9 +190,12 @@ def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> 
         total, squares = float(values.sum()), float(values @ values)
         low, high = float(values.min()), float(values.max())
         mean = total / n
-        centered = values - mean
+        centered_square = squares - total * mean  # as in _batched_stats: the second pass only where it cancels
+        if not centered_square >= 0.5 * squares:
+            centered = values - mean
+            centered_square = float(centered @ centered)
         # torch.std; for one element 0 (NaN if that element is not finite, as torch's correction=0 gives)
-        std = math.sqrt(float(centered @ centered) / (n - 1)) if n > 1 else (0.0 if math.isfinite(total) else math.nan)
+        std = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else (0.0 if math.isfinite(total) else math.nan)
     nan_count = inf_count = 0
     if not math.isfinite(squares):
         nan_count, inf_count = int(np.isnan(values).sum()), int(np.isinf(values).sum())
