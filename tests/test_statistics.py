@@ -17,6 +17,7 @@ from torch import nn
 import torchtrace
 from torchtrace._handle import _live_handles
 from torchtrace._stats import StatComputer
+from torchtrace._worker import WORKER
 from torchtrace.testing import capture_spans
 
 NUMERIC = ("mean", "std", "min", "max", "abs_max", "norm", "nan_count", "inf_count", "zero_fraction")
@@ -443,12 +444,14 @@ def test_statistics_add_at_most_a_weak_reference_per_call_for_the_collector_whil
     for stats in (False, True):
         first, last = TrackedObjects(), TrackedObjects()
         model = nn.Sequential(first, *[nn.ReLU() for _ in range(50)], last)
-        with torchtrace.instrument(model, exporter="none", stats=stats), mode():
+        with torchtrace.instrument(model, exporter="none", stats=stats) as handle, mode():
             model(torch.randn(4))  # warm-up: shapes, dtype names and templates seen once
+            handle.flush()
             gc.collect()
             gc.disable()
             try:
-                model(torch.randn(4))
+                with WORKER._condition:  # the worker thread holds still: only this forward's objects are counted
+                    model(torch.randn(4))
             finally:
                 gc.enable()
         grown[stats] = last.count - first.count

@@ -157,7 +157,7 @@ class StatComputer:
         try:
             if self.numeric:
                 stride = 1 if self.sample is None else sampling_stride(n, self.sample, stats)
-                if stride == 1 and n <= SMALL_TENSOR and is_cpu:
+                if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(tensor):
                     if dtype in _COPIED_AS_IS:  # the common case, without the detach and checks (~1 us a tensor)
                         self._copies.append(tensor.numpy(force=True).ravel().copy())
                     else:
