@@ -46,7 +46,10 @@ import torch
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
+
+from overhead import cheap_model  # noqa: E402
 
 import torchtrace  # noqa: E402
 
@@ -63,8 +66,8 @@ def encoder() -> tuple[nn.Module, torch.Tensor]:
 
 
 def mlp64() -> tuple[nn.Module, torch.Tensor]:
-    layers = [layer for _ in range(64) for layer in (nn.Linear(32, 32), nn.ReLU())]
-    return nn.Sequential(*layers).eval(), torch.randn(1, 32)
+    model, x, _ = cheap_model()
+    return model.eval(), x
 
 
 MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {

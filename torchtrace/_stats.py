@@ -273,7 +273,7 @@ def _as_real_float(x: torch.Tensor) -> torch.Tensor:
         x = x.dequantize()
     if x.is_complex():
         return x.abs()  # statistics of the magnitude; documented
-    if x.dtype in (torch.float32, torch.float64):
+    if x.dtype in _COPIED_AS_IS:
         return x
     if x.is_floating_point() or x.dtype == torch.bool:
         return x.float()  # half, bfloat16, fp8: accumulate in float32
