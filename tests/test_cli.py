@@ -18,7 +18,7 @@ from torchtrace.testing import check_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = 3
-CALLS_PER_FORWARD = 40  # model, embedding, encoder, 4 x (layer + 8 submodules), head
+CALLS_PER_FORWARD = 8  # model, embedding, encoder, 4 layers (torch runs them fused: no submodule is called), head
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,11 @@ def test_demo_exits_zero_and_prints_the_summary(demo: tuple[subprocess.Completed
     rows = lines[start : lines.index("", start)]
     assert any(row.startswith("encoder.layers.0") for row in rows), result.stdout
     assert any(row.startswith("DemoTransformer") and f" {BATCHES} " in row for row in rows), result.stdout
-    assert len(rows) == 20  # summary(limit=20); the model has 40 traced modules
+    # the modules the model calls: in inference torch runs each TransformerEncoderLayer fused, its sub-modules
+    # uncalled (tracing leaves that fast path on: the model runs as it does untraced)
+    assert sorted(row.split()[0] for row in rows) == sorted(
+        ["DemoTransformer", "embedding", "encoder", "head", *(f"encoder.layers.{i}" for i in range(4))]
+    )
     assert "traces:" in result.stdout
 
 
@@ -71,7 +75,7 @@ def test_demo_writes_otlp_json_lines_to_the_trace_file(demo: tuple[subprocess.Co
             for scope_spans in resource_spans["scopeSpans"]:
                 spans.extend(scope_spans["spans"])
     assert len(spans) == BATCHES * (CALLS_PER_FORWARD + 1)  # the model's spans under one request span per batch
-    assert {span["name"] for span in spans} >= {"DemoTransformer", "encoder.layers.0.self_attn", "head"}
+    assert {span["name"] for span in spans} >= {"DemoTransformer", "encoder.layers.0", "head"}
     requests = {span["spanId"]: span for span in spans if span["name"] == "demo.inference"}
     models = [span for span in spans if span["name"] == "DemoTransformer"]
     assert len(requests) == len(models) == BATCHES

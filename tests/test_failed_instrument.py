@@ -38,6 +38,8 @@ def _hooks_left(model: nn.Module) -> dict[str, int]:
         for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
             if getattr(module, kind):
                 counts[f"{path}.{kind}"] = len(getattr(module, kind))
+        if "forward" in module.__dict__:
+            counts[f"{path}.forward"] = 1
     for kind in GLOBAL_HOOKS:
         if getattr(torch_module, kind):
             counts[kind] = len(getattr(torch_module, kind))

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
@@ -77,7 +78,7 @@ def test_an_otlp_timeout_deadlines_cannot_use_is_refused_at_instrument_time(monk
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_TIMEOUT"):
         torchtrace.instrument(model, exporter="otlp")
-    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+    assert traced_modules(model) == []
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from instrumented import traced_modules
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
 from torch import nn
@@ -221,7 +222,7 @@ def test_invalid_options_raise_a_clear_error_at_instrument_time(options: dict) -
         torchtrace.instrument(model, **options)
     message = str(raised.value)
     assert any(name in message for name in options) or any(str(v) in message for v in options.values()), message
-    assert not model._forward_pre_hooks and not model[0]._forward_hooks
+    assert traced_modules(model) == []
     assert not _handle._live_handles
 
 
@@ -235,7 +236,7 @@ def test_any_glob_text_either_selects_modules_or_is_refused_clearly(globs: list[
         handle = torchtrace.instrument(model, exporter="none", include=globs or "*", exclude=exclude)
     except ValueError as error:  # the globs match nothing: said at instrument() time, with the real paths
         assert "matches" in str(error) and "module paths look like" in str(error)
-        assert not model._forward_pre_hooks
+        assert traced_modules(model) == []
         return
     with handle:
         assert torch.equal(model(x), expected)

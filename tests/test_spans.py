@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from instrumented import traced_modules
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import StatusCode
 from seed_models import TestForHook
@@ -434,7 +435,7 @@ def test_instrument_is_importable_from_the_package_and_the_testing_helper_remove
     model = TestForHook()
     with capture_spans(model) as captured:
         assert isinstance(captured.handle, torchtrace.TraceHandle)
-    assert all(not module._forward_hooks and not module._forward_pre_hooks for module in model.modules())
+    assert traced_modules(model) == []
 
 
 # -- what is not traced holds on to nothing --------------------------------------------------------------------------

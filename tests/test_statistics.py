@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
@@ -535,28 +536,16 @@ def test_gradients_are_identical_with_and_without_tracing():
 # -- removal ------------------------------------------------------------------------------------------------------
 
 
-def hooks_left(model: nn.Module) -> list[str]:
-    return [
-        name
-        for name, module in model.named_modules()
-        if module._forward_hooks
-        or module._forward_pre_hooks
-        or module._forward_hooks_with_kwargs
-        or module._forward_hooks_always_called
-        or module._forward_pre_hooks_with_kwargs
-    ]
-
-
-def test_remove_leaves_no_hook_on_any_module_and_is_idempotent():
+def test_remove_leaves_nothing_on_any_module_and_is_idempotent():
     model = transformer()
     handle = torchtrace.instrument(model, exporter="none", inputs=True)
-    assert hooks_left(model)  # instrumented: every module has hooks
+    assert len(traced_modules(model)) == len(list(model.modules()))  # instrumented: every module
     model(torch.randn(1, 4, 16))
     handle.remove()
-    assert hooks_left(model) == []
+    assert traced_modules(model) == []
     assert handle not in set(_live_handles)
     handle.remove()  # a second remove is a no-op
-    assert hooks_left(model) == []
+    assert traced_modules(model) == []
     recorded = len(handle.records)
     model(torch.randn(1, 4, 16))
     assert len(handle.records) == recorded  # nothing is traced after remove()
@@ -567,7 +556,7 @@ def test_the_context_manager_removes_the_hooks():
     with torchtrace.instrument(model, exporter="none") as handle:
         model(torch.randn(2, 10))
         assert len(handle.records) == len(list(model.modules()))
-    assert hooks_left(model) == []
+    assert traced_modules(model) == []
     assert handle not in set(_live_handles)
 
 
@@ -575,7 +564,7 @@ def test_the_context_manager_removes_the_hooks_when_the_body_raises():
     model = mlp()
     with pytest.raises(RuntimeError, match="user error"), torchtrace.instrument(model, exporter="none"):
         raise RuntimeError("user error")
-    assert hooks_left(model) == []
+    assert traced_modules(model) == []
 
 
 def test_user_hooks_survive_remove():

@@ -282,6 +282,7 @@ def test_step_metrics_and_gradient_norms_reach_prometheus_metrics():
 
 def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one_warning():
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = mlp()
     with capture_spans(model) as captured:
         compiled = torch.compile(model, backend="eager")
@@ -295,6 +296,7 @@ def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one
         ours = [w for w in caught if "torchtrace" in str(w.message)]
         assert len(ours) == 1 and "region level" in str(ours[0].message)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_first_call  # no recompiles
+        assert graphs_after_first_call == 1 and not torch._dynamo.utils.counters["graph_break"]  # one whole graph
         stats = captured.spans()[-1].attributes
         assert stats["torchtrace.output.shape"] == (3, 2) and math.isfinite(stats["torchtrace.output.mean"])
     torch._dynamo.reset()

@@ -30,6 +30,7 @@ from torchtrace._serve import forget_unmetered, note_unmetered
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._steps import StepRecord, StepTracker
 from torchtrace._summary import SummarySink
+from torchtrace._traced_forward import can_wrap, wrap_forward
 from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ class TraceHandle:
             watch_ddp(model, self._steps, hook, state)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
-        for index, (module, _) in enumerate(selected):
+        for index, (module, info) in enumerate(selected):
+            # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
+            if info.path and can_wrap(module):
+                self._hook_handles.append(wrap_forward(module, self._recorder.traced_forward(index)))
+                continue
             pre = self._recorder.forward_pre_hook(index)
             self._hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
             post = self._recorder.forward_post_hook(index)
@@ -183,6 +188,7 @@ class TraceHandle:
             handle.remove()
         self._hook_handles.clear()
         self._optimizer_hooks.clear()
+        self._recorder.enabled = False  # a deep copy of the model keeps our forwards and hooks: they trace nothing now
         self._recorder.close_interrupted()
         if self._steps is not None:
             model = self._model_ref()

@@ -173,11 +173,8 @@ class HookRecorder:
             # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
             entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
                      None, None, None, None, None, None, None]  # fmt: skip
-            for work in input_work:
-                try:
-                    work(entry, module, args, kwargs)
-                except Exception as error:  # never let tracing break the user's forward
-                    _note_error(entry, INPUTS, error)
+            if input_work:
+                _run_work(input_work, INPUTS, entry, module, args, kwargs)
             entries.append(entry)
             stack.append(entry)
             timer = state.timer  # the root always marks: its events are the forward's origin and completion
@@ -188,6 +185,73 @@ class HookRecorder:
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
         # model still gets its outermost span: region-level tracing, announced once by warn_region_level.
         return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
+
+    def traced_forward(self, index: int):
+        """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``). Inside a traced forward it
+        records the call itself, in one Python call; outside one (the module called on its own, or the model's root
+        not selected) it runs the hook functions, which begin and end forwards."""
+        local = self._local
+        perf_counter_ns = time.perf_counter_ns
+        input_work = self._input_work
+        output_work = self._output_work
+        close = self._close_call
+        pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
+
+        def call(module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+            module = module_ref()
+            if _dynamo_compiling() or _compiler._is_compiling_flag:
+                return function(module, *args, **kwargs)
+            try:
+                state = local.state
+            except AttributeError:
+                return _through_hooks(pre, post, module, function, args, kwargs)
+            stack = state.stack
+            if not stack or state.skip_depth:
+                if state.skip_depth:  # inside a forward that is not traced
+                    return function(module, *args, **kwargs)
+                return _through_hooks(pre, post, module, function, args, kwargs)
+            entries = state.entries
+            # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ...
+            entry = [index, 0, None, stack[-1][POSITION], len(entries), None, None, None, None, None, None, None,
+                     None, None, None]  # fmt: skip
+            if input_work:
+                _run_work(input_work, INPUTS, entry, module, args, kwargs)
+            entries.append(entry)
+            stack.append(entry)
+            timer = state.timer
+            if timer is not None and self._on_timer_device(index, module, args, timer):
+                entry[START_EVENT] = timer.mark()
+            entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
+            try:
+                output = function(module, *args, **kwargs)
+            except BaseException as error:
+                close(state, entry, perf_counter_ns(), _call_error(error))
+                if output_work:
+                    _run_work(output_work, OUTPUTS, entry, module, args, None)
+                raise
+            close(state, entry, perf_counter_ns(), None)
+            if output_work:
+                _run_work(output_work, OUTPUTS, entry, module, args, output)
+            return output
+
+        return call
+
+    @staticmethod
+    def _close_call(state: _ThreadState, entry: list, end: int, error: Any) -> None:
+        """Ends a call that the traced forward recorded. Calls above it on the stack that are still open were left
+        so by an exception that torch runs no always_call hook for (the root's hooks, re-entered): interrupted."""
+        stack = state.stack
+        if stack[-1] is not entry:
+            while stack and stack[-1] is not entry:
+                open_entry = stack.pop()
+                open_entry[END] = end
+                open_entry[ERROR] = "interrupted"
+        if stack:
+            stack.pop()
+        entry[END] = end
+        entry[ERROR] = error
+        if entry[START_EVENT] is not None:  # before the statistics' kernels: they are not the module's work
+            entry[END_EVENT] = state.timer.mark()
 
     def forward_post_hook(self, index: int):
         local = self._local
@@ -226,14 +290,11 @@ class HookRecorder:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
                 # One the caller was already handling before the call (pre hook) is not this call's error.
                 error = sys.exc_info()[1]
-                entry[ERROR] = error if error is not entry[ERROR] else None
+                entry[ERROR] = None if error is entry[ERROR] else _call_error(error)
             else:
                 entry[ERROR] = None
-            for work in output_work:
-                try:
-                    work(entry, module, args, output)
-                except Exception as error:  # never let tracing break the user's forward
-                    _note_error(entry, OUTPUTS, error)
+            if output_work:
+                _run_work(output_work, OUTPUTS, entry, module, args, output)
             if not stack:
                 self._end_forward(state)
 
@@ -415,12 +476,41 @@ class HookRecorder:
         return captured
 
 
+def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, args: tuple, kwargs: dict) -> Any:
+    """A traced module's forward outside a traced forward: the hook functions begin and end one (always_call: post
+    runs on any exception, KeyboardInterrupt included, which torch's own always_call hooks do not see)."""
+    pre(module, args, kwargs)
+    try:
+        output = function(module, *args, **kwargs)
+    except BaseException:
+        post(module, args, None)
+        raise
+    post(module, args, output)
+    return output
+
+
 def output_summaries(entry: list) -> dict[str, dict] | None:
     """A call's output tensor summaries, {name: stats}, whichever slot holds them."""
     stats = entry[OUTPUT_STATS]
     if stats is None:
         return entry[OUTPUTS]
     return {"": stats, **entry[OUTPUTS]} if entry[OUTPUTS] else {"": stats}
+
+
+def _run_work(works: tuple, slot: int, entry: list, module: torch.nn.Module, args: tuple, value: Any) -> None:
+    """A call's features (statistics, user functions, attributes, captures) on its inputs or output; each fails
+    alone, noted in ``slot``: never let tracing break the user's forward."""
+    for work in works:
+        try:
+            work(entry, module, args, value)
+        except Exception as error:
+            _note_error(entry, slot, error)
+
+
+def _call_error(error: BaseException | None) -> Any:
+    """What a call's ERROR slot holds for the exception it ended with: the exception; "interrupted" for one that is
+    not an ``Exception`` (KeyboardInterrupt, SystemExit: shown as CallInterrupted)."""
+    return error if error is None or isinstance(error, Exception) else "interrupted"
 
 
 def _note_error(entry: list, slot: int, error: Exception) -> None:
