@@ -194,7 +194,6 @@ class HookRecorder:
         perf_counter_ns = time.perf_counter_ns
         input_work = self._input_work
         output_work = self._output_work
-        close = self._close_call
         pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
 
         def call(module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
@@ -225,33 +224,28 @@ class HookRecorder:
             try:
                 output = function(module, *args, **kwargs)
             except BaseException as error:
-                close(state, entry, perf_counter_ns(), _call_error(error))
+                end = perf_counter_ns()
+                _pop_to(stack, entry, end)
+                entry[END] = end
+                entry[ERROR] = _call_error(error)
+                if entry[START_EVENT] is not None:  # before the statistics' kernels: not the module's work
+                    entry[END_EVENT] = state.timer.mark()
                 if output_work:
                     _run_work(output_work, OUTPUTS, entry, module, args, None)
                 raise
-            close(state, entry, perf_counter_ns(), None)
+            end = perf_counter_ns()
+            if stack and stack[-1] is entry:
+                stack.pop()
+            else:
+                _pop_to(stack, entry, end)
+            entry[END] = end
+            if entry[START_EVENT] is not None:
+                entry[END_EVENT] = state.timer.mark()
             if output_work:
                 _run_work(output_work, OUTPUTS, entry, module, args, output)
             return output
 
         return call
-
-    @staticmethod
-    def _close_call(state: _ThreadState, entry: list, end: int, error: Any) -> None:
-        """Ends a call that the traced forward recorded. Calls above it on the stack that are still open were left
-        so by an exception that torch runs no always_call hook for (the root's hooks, re-entered): interrupted."""
-        stack = state.stack
-        if stack[-1] is not entry:
-            while stack and stack[-1] is not entry:
-                open_entry = stack.pop()
-                open_entry[END] = end
-                open_entry[ERROR] = "interrupted"
-        if stack:
-            stack.pop()
-        entry[END] = end
-        entry[ERROR] = error
-        if entry[START_EVENT] is not None:  # before the statistics' kernels: they are not the module's work
-            entry[END_EVENT] = state.timer.mark()
 
     def forward_post_hook(self, index: int):
         local = self._local
@@ -495,6 +489,17 @@ def output_summaries(entry: list) -> dict[str, dict] | None:
     if stats is None:
         return entry[OUTPUTS]
     return {"": stats, **entry[OUTPUTS]} if entry[OUTPUTS] else {"": stats}
+
+
+def _pop_to(stack: list, entry: list, end: int) -> None:
+    """Pops a finished call off the stack. Calls above it still open were left so by an exception that torch runs
+    no always_call hook for (the root's hooks, re-entered inside it): they end here, interrupted."""
+    while stack:
+        top = stack.pop()
+        if top is entry:
+            return
+        top[END] = end
+        top[ERROR] = "interrupted"
 
 
 def _run_work(works: tuple, slot: int, entry: list, module: torch.nn.Module, args: tuple, value: Any) -> None:
