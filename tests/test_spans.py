@@ -503,3 +503,26 @@ def test_the_summary_p95_is_the_nearest_rank_percentile():
     (row,) = summary.rows()
     assert row.p95_ms == float(np.percentile(durations_ms, 95, method="inverted_cdf"))  # 1.0, not the 100 ms outlier
     assert row.mean_ms == pytest.approx(np.mean(durations_ms))
+
+
+def test_the_summary_from_columns_equals_the_summary_of_the_records():
+    """The summary groups each drain's calls per module in numpy; the records' ModuleCalls take the per-call path.
+    1,100 forwards wrap the 1,024-duration ring of every layer; the shared ReLU (two calls a forward) takes the
+    per-call path of a forward that calls a module twice."""
+    from torchtrace._summary import SummarySink
+
+    torch.manual_seed(0)
+    relu = nn.ReLU()
+    model = nn.Sequential(nn.Linear(4, 4), relu, nn.Linear(4, 4), relu)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    for traced_model in (model, plain):
+        with torchtrace.instrument(traced_model, exporter="none", max_records=10_000) as handle:
+            for i in range(1100):
+                traced_model(torch.randn(1, 4))
+                if i % 97 == 0:
+                    handle.flush()  # drains of different sizes
+            handle.flush()
+            reference = SummarySink()
+            reference(list(handle.records))
+            assert len(handle.records) == 1100 * len(list(traced_model.modules())) + 1100 * (traced_model is model)
+            assert handle.summary_rows() == reference.rows()

@@ -115,3 +115,14 @@ def test_a_sub_module_called_on_its_own_is_traced_as_its_own_forward():
         model[2](torch.randn(2, 8))
     assert captured.names() == ["2"]
     assert captured.spans()[0].parent is None
+
+
+def test_torch_export_of_a_traced_model_holds_only_the_models_ops():
+    model = mlp()
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        exported = torch.export.export(model, (x,))
+        targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+        assert targets == {"aten.linear.default", "aten.relu.default"}  # no statistic, no clock read
+        assert handle.records == []  # export's tracing run is not a forward of the model
+    assert torch.equal(exported.module()(x), model(x))

@@ -7,6 +7,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from torchtrace._calls import CallBatch, Calls, ModuleCall
 
 _RESERVOIR = 1024  # durations kept per layer for the p95: the latest ones, 8 bytes each (a 129-layer model: 1 MiB)
@@ -42,6 +44,21 @@ class _Layer:
             recent[self._next] = duration
             self._next = (self._next + 1) % _RESERVOIR
 
+    def keep_all(self, durations: list[int]) -> None:
+        """``keep`` of each, in order, as slice writes (a forward gives each layer a run of durations at once)."""
+        durations = durations[-_RESERVOIR:]
+        recent = self.recent
+        room = _RESERVOIR - len(recent)
+        if room > 0:
+            recent.extend(durations[:room])
+            durations = durations[room:]
+        while durations:
+            at = self._next
+            run = durations[: _RESERVOIR - at]
+            recent[at : at + len(run)] = array("q", run)
+            self._next = (at + len(run)) % _RESERVOIR
+            durations = durations[len(run) :]
+
 
 class SummarySink:
     """Aggregates durations per module path; ``rows()`` and ``table()`` read them."""
@@ -51,11 +68,14 @@ class SummarySink:
         self._root_ns = 0  # time in outermost forward calls: the denominator of "share"
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
+        columns = []
         for segment in calls.segments if isinstance(calls, Calls) else [calls]:
             if isinstance(segment, CallBatch) and not segment.made:
-                self._add_columns(segment)
+                columns.append(segment)
             else:
                 self._add_calls(segment)
+        if columns:
+            self._add_columns(columns)
 
     def _layer(self, name: str, type_name: str) -> _Layer:
         layer = self._layers.get(name)
@@ -76,8 +96,47 @@ class SummarySink:
                 call.depth == 0 and call.kind == "forward",
             )
 
-    def _add_columns(self, batch: CallBatch) -> None:
-        """A forward's calls from its columns (one trace): the loop of ``_add``, inlined (it runs per call)."""
+    def _add_columns(self, batches: list[CallBatch]) -> None:
+        """Forwards' calls from their columns, grouped per module in numpy (a Python step per call cost 0.37 us).
+        A forward that calls a module twice (shared or recursive) takes the per-call loop, which counts only the
+        calls not nested in a call of the same module toward its total."""
+        index: list[int] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        parents: list[int] = []
+        for batch in batches:
+            lo, hi = batch.lo, batch.hi
+            modules = batch.module[lo:hi]
+            if len(set(modules)) < len(modules):
+                self._add_repeated(batch)
+                continue
+            index += modules
+            starts += batch.start_ns[lo:hi]
+            ends += batch.end_ns[lo:hi]
+            parents += batch.parent[lo:hi]
+        if not index:
+            return
+        durations = np.array(ends, dtype=np.int64) - np.array(starts, dtype=np.int64)
+        self._root_ns += int(durations[np.array(parents) < 0].sum())
+        modules_at = np.array(index)
+        order = np.argsort(modules_at, kind="stable")  # each module's durations together, in call order
+        grouped = durations[order]
+        firsts = np.flatnonzero(np.diff(modules_at[order], prepend=-1))
+        lasts = [*firsts[1:].tolist(), len(order)]
+        info_of, all_durations = batches[0].modules, grouped.tolist()
+        for module, first, last, total in zip(
+            modules_at[order[firsts]].tolist(), firsts.tolist(), lasts, np.add.reduceat(grouped, firsts).tolist()
+        ):
+            info = info_of[module]
+            name = info.path or info.type_name
+            layer = self._layers.get(name) or self._layer(name, info.type_name)
+            layer.calls += last - first
+            layer.sum_ns += total
+            layer.total_ns += total  # no call nested in one of the same module: each counts
+            layer.keep_all(all_durations[first:last])
+
+    def _add_repeated(self, batch: CallBatch) -> None:
+        """A forward's calls from its columns (one trace), per call: the loop of ``_add``, inlined."""
         outermost: dict[str, int] = {}  # name -> end of its latest call not nested in itself
         modules, layers = batch.modules, self._layers
         lo, hi = batch.lo, batch.hi
