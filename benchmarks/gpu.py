@@ -7,9 +7,10 @@ Three questions, answered on one CUDA device in one run:
    CUDA-event timing, the embedded file exporter), `torchtrace_torch_ops` (the same, statistics reduced by torch
    ops instead of the fused Triton kernel) and `torchtrace_sampled` (stats_sample=65536). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
-   and export are in the window. Targets: <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. Hooks
-   disable torch's fused encoder fast path, so all variants run with it off (same math); `none_fastpath` shows
-   what the fast path alone is worth. Also reported: the host's time per forward until the loop returned, which
+   and export are in the window. Targets: <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. All
+   variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on, torchtrace
+   would see one call per layer): the same math and the same calls for all; `none_fastpath` shows what the fast
+   path alone is worth. Also reported: the host's time per forward until the loop returned, which
    tells a host-bound variant (hooks and launches slower than the device) from a device-bound one.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
    timed with CUDA events (median of many runs). Target: within 5%. Measured with spans only ("timing": the
@@ -254,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     repeats = args.repeats or (3 if args.quick else 15)
     forwards = args.forwards or (2 if args.quick else 10)
-    torch.backends.mha.set_fastpath_enabled(False)  # hooks disable it anyway: same math for every variant
+    torch.backends.mha.set_fastpath_enabled(False)  # same math and calls for every variant (docstring)
     base = encoder()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),

@@ -21,8 +21,8 @@ reported, not asserted.
 Models: "linear8" = 8 x Linear(48, 48), batch 4 (small, fast forwards); "mlp64" = 64 x (Linear(32, 32), ReLU),
 batch 1 (129 calls per forward, more than the collector's young generation holds: overhead.py's cheap model);
 "encoder" = 2 x TransformerEncoderLayer(128, nhead=4, dim_feedforward=256, batch_first=True), batch 1, seq 32. All
-eval, torch.inference_mode, torch's fused fast path off for every variant (any hook on the layer disables it; same
-math for all). torch.set_num_threads(1) everywhere.
+eval, torch.inference_mode, torch's fused fast path off for every variant (hooks on the layer turn it off: the same
+math and the same calls for all). torch.set_num_threads(1) everywhere.
 
 Run: python benchmarks/latency.py [--duration S] [--quick] [--models linear8,mlp64,encoder]
 --duration is the timed inference per variant and model (default 60 s). The last line printed is one JSON object:

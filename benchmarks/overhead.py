@@ -6,15 +6,17 @@ all variants alike. One timed repetition = N forwards, then the variant's flush:
 
 Reported per variant (medians over repetitions, per forward):
   us_per_call = (variant_time - none_time) / module_calls_per_forward: the ADDED cost per module call, in us
-  x_floor     = that added cost / the added cost of empty pre+post hooks (the floor of any hook-based tracer)
+  x_floor     = that added cost / the added cost of empty pre+post hooks (the floor of any hook-based tracer;
+                torchtrace traces the modules inside the model through their forward, not hooks: see docs)
   x_none      = variant_time / none_time
 
 Models: "cheap" = 64 x (Linear(32, 32) + ReLU) at batch 1 (default grad mode: 129 module calls per forward, the
 tracer dominates); "encoder" = 6 x TransformerEncoderLayer(256, nhead=8, batch_first=True) in eval mode at batch 8,
 seq 64 under torch.inference_mode(); "varlen" = the same encoder fed a new sequence length every forward (77
 lengths in 7..160, as requests are; every variant sees the same lengths in the same order). Any forward hook on a
-TransformerEncoderLayer (or its submodules) disables torch's fused encoder fast path, so every encoder variant runs
-with torch.backends.mha fast path OFF (same math for all); the extra `none_fastpath` variant (encoder only) shows
+TransformerEncoderLayer (or its submodules) disables torch's fused encoder fast path (torchtrace's traced forwards
+do not: with it on, a layer is one call), so every encoder variant runs with torch.backends.mha fast path OFF (the
+same math and the same calls for all); the extra `none_fastpath` variant (encoder only) shows
 what the fast path alone is worth.
 
 Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder,varlen] [--otlp-protocol P]
@@ -373,7 +375,7 @@ def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]]
     encoder = name in ("encoder", "varlen")
     fastpath_before = torch.backends.mha.get_fastpath_enabled()
     if encoder:
-        torch.backends.mha.set_fastpath_enabled(False)  # hooks disable it anyway: same math for every variant
+        torch.backends.mha.set_fastpath_enabled(False)  # same math and calls for every variant (docstring)
         factories = [*factories, make_none_fastpath]
     calls = count_calls(base, inputs[0], grad_context)
     variants = [factory(copy.deepcopy(base)) for factory in factories]
