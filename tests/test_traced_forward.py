@@ -126,3 +126,18 @@ def test_torch_export_of_a_traced_model_holds_only_the_models_ops():
         assert targets == {"aten.linear.default", "aten.relu.default"}  # no statistic, no clock read
         assert handle.records == []  # export's tracing run is not a forward of the model
     assert torch.equal(exported.module()(x), model(x))
+
+
+def test_a_forward_that_is_no_plain_method_keeps_torchs_hooks():
+    class Doubled(nn.Module):
+        forward = staticmethod(lambda x: x * 2)  # called without the module
+
+    class Scaled(nn.Module):
+        forward = functools.partial(torch.mul, other=3.0)  # a partial is no method: called without the module
+
+    model = nn.Sequential(Doubled(), Scaled())
+    with capture_spans(model) as captured:
+        assert torch.equal(model(torch.ones(2)), torch.full((2,), 6.0))
+        assert captured.names() == ["Sequential", "0", "1"]
+        assert "forward" not in model[0].__dict__ and len(model[0]._forward_hooks) == 1
+    assert traced_modules(model) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -55,13 +56,18 @@ class ForwardHandle:
 
 
 def can_wrap(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` is its class's (not a TorchScript module, not a forward another library set on the
-    instance, e.g. accelerate's offload hooks): those keep torch's hooks."""
-    return not isinstance(module, torch.jit.ScriptModule) and "forward" not in module.__dict__
+    """Whether ``module.forward`` is a plain method of its class, bound to the module. Not so, the module keeps
+    torch's hooks: a TorchScript module, a forward another library set on the instance (accelerate's offloading), a
+    class attribute that is no function (a staticmethod, a partial: not called with the module)."""
+    return (
+        not isinstance(module, torch.jit.ScriptModule)
+        and "forward" not in module.__dict__
+        and isinstance(inspect.getattr_static(type(module), "forward", None), types.FunctionType)
+    )
 
 
 def wrap_forward(module: torch.nn.Module, call: Callable[..., Any]) -> ForwardHandle:
-    """Makes ``call`` the module's forward (see ``HookRecorder.traced_forward``)."""
-    traced = TracedForward(call, weakref.ref(module), type(module).forward)
+    """Makes ``call`` the module's forward (see ``HookRecorder.traced_forward``); ``can_wrap(module)`` must hold."""
+    traced = TracedForward(call, weakref.ref(module), inspect.getattr_static(type(module), "forward"))
     module.__dict__["forward"] = traced  # not nn.Module.__setattr__: a plain attribute, set without its checks
     return ForwardHandle(traced)
