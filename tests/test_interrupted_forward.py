@@ -139,3 +139,37 @@ def test_an_interrupted_forward_is_delivered_at_exit(tmp_path):
     assert root["status"]["code"] == 2
     assert int(root["endTimeUnixNano"]) <= interrupted_ns
     assert os.path.getsize(trace_file) > 0
+
+
+def test_a_root_reentered_inside_a_call_and_interrupted_there_is_closed_with_that_call():
+    """The root's hooks see no KeyboardInterrupt; the call around the re-entered root (a traced forward) does, and
+    ends the root's open inner call with itself."""
+
+    class Inner(nn.Module):
+        def __init__(self, outer: list) -> None:
+            super().__init__()
+            self.outer = outer  # a plain list: the root is not registered as its own sub-module
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.outer[0](x, again=True)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Inner([self])
+
+        def forward(self, x: torch.Tensor, again: bool = False) -> torch.Tensor:
+            if again:
+                raise KeyboardInterrupt
+            return self.inner(x)
+
+    model = Outer()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.ones(2))
+        assert handle.flush() is True
+        records = handle.records
+        assert [(record.path, record.depth) for record in records] == [("", 0), ("inner", 1), ("", 2)]
+        assert all(isinstance(record.error, CallInterrupted) for record in records)
+        assert records[2].end_ns == records[1].end_ns  # ended with the call around it, where the interrupt passed
+        assert records[0].end_ns == records[1].end_ns

@@ -493,7 +493,10 @@ def output_summaries(entry: list) -> dict[str, dict] | None:
 
 def _pop_to(stack: list, entry: list, end: int) -> None:
     """Pops a finished call off the stack. Calls above it still open were left so by an exception that torch runs
-    no always_call hook for (the root's hooks, re-entered inside it): they end here, interrupted."""
+    no always_call hook for (the root's hooks, re-entered inside it): they end here, interrupted. A call no longer
+    on the stack (closed from outside) leaves the stack alone."""
+    if not any(open_entry is entry for open_entry in stack):
+        return
     while stack:
         top = stack.pop()
         if top is entry:
