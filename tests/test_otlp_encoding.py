@@ -331,3 +331,22 @@ def test_shapes_that_fit_no_dimension_slot_are_encoded_exactly(odd) -> None:
         call("enc", 0x51, 0, 0, 10, {"torchtrace.output.shape": odd, "mean": 0.5}),
     ]
     assert decode(encode_export_request(calls, RESOURCE, *SCOPE)) == sdk_request(calls)
+
+
+def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_and_times() -> None:
+    """A whole forward with only path / type attributes is encoded as one block of templates per module sequence;
+    every forward still gets its own trace id, span ids, parents and times."""
+    first, second, third = timing_batch(), timing_batch(root_parent_id=0x99), timing_batch()
+    second.trace_id, third.trace_id = TRACE_ID + 1, TRACE_ID + 2
+    second.span_id = [0x200 + i for i in range(5)]
+    third.span_id = [0x300 + i for i in range(5)]
+    third.start_ns = [t + 1000 for t in third.start_ns]
+    third.end_ns = [t + 2000 for t in third.end_ns]
+    batches = [first, second, third, first]
+    from_columns = encode_export_request(Calls(batches), RESOURCE, *SCOPE)
+    assert from_columns == encode_export_request([c for b in batches for c in b.calls()], RESOURCE, *SCOPE)
+    spans = decode(from_columns).resource_spans[0].scope_spans[0].spans
+    assert [int.from_bytes(span.trace_id, "big") - TRACE_ID for span in spans] == [0] * 5 + [1] * 5 + [2] * 5 + [0] * 5
+    assert spans[5].parent_span_id == (0x99).to_bytes(8, "big") and spans[0].parent_span_id == b""
+    assert spans[13].parent_span_id == (0x302).to_bytes(8, "big")
+    assert spans[11].start_time_unix_nano == T0 + 1005 and spans[11].end_time_unix_nano == T0 + 2020

@@ -389,6 +389,7 @@ _FLOAT_TYPES = frozenset((float,))
 def clear_template_cache() -> None:
     _shapes.clear()
     _timing_templates.clear()
+    _timing_blocks.clear()
 
 
 _get_trace_id = attrgetter("trace_id")
@@ -594,6 +595,89 @@ def _timing_template(modules: Sequence[Any], index: int, kind: int, trace_state:
     return _build(call, call.name, trace_state, frozenset())
 
 
+class _Block:
+    """The spans of a whole forward whose calls carry only the module path and type: its calls' templates end to
+    end, with every slot's offset in the block. Made once per module sequence (a model's forwards repeat it), so
+    a forward is one bytes copy and its ids and times are written with numpy (no Python step per call)."""
+
+    __slots__ = ("row", "tid", "sid", "pid", "has_pid", "start")
+
+    def __init__(self, templates: list[_Template]) -> None:
+        at = np.cumsum([0, *(len(t.row) for t in templates[:-1])])
+        self.row = b"".join(t.row for t in templates)
+        self.tid = at + [t.tid for t in templates]
+        self.sid = at + [t.sid for t in templates]
+        self.has_pid = np.array([t.pid >= 0 for t in templates])
+        self.pid = (at + [t.pid for t in templates])[self.has_pid]
+        self.start = at + [t.start for t in templates]
+
+
+# (id(modules), trace state) -> (modules, {(module sequence, root kind): block})
+_timing_blocks: dict[tuple[int, str | None], tuple[Any, dict[tuple, _Block]]] = {}
+
+
+def _timing_block(batch: CallBatch, root_kind: int, trace_state: str | None, lists: list[list], limits: _Limits) -> Any:
+    """The block of a whole forward with only path / type attributes and one root (its first call), or None (the
+    per-call path then encodes it)."""
+    modules, parents = batch.modules, batch.parent
+    n = len(parents)
+    if batch.lo or batch.hi != n or parents[0] >= 0 or parents.count(-1) != 1 or batch.attributes.count(None) != n:
+        return None
+    cache_key = (id(modules), trace_state)
+    cached = _timing_blocks.get(cache_key)
+    if cached is None or cached[0] is not modules:
+        if len(_timing_blocks) >= 64:  # handles come and go: stay bounded
+            _timing_blocks.clear()
+        cached = _timing_blocks[cache_key] = (modules, {})
+    blocks = cached[1]
+    key = (tuple(batch.module), root_kind)
+    block = blocks.get(key)
+    if block is None:
+        templates = []
+        for position, index in enumerate(key[0]):
+            kind = _CHILD if position else root_kind
+            template = lists[kind][index]
+            if template is None:
+                template = lists[kind][index] = _timing_template(modules, index, kind, trace_state, limits)
+            if not template:  # over the span limits
+                return None
+            templates.append(template)
+        if len(blocks) >= _MAX_VARIANTS:  # ever-new call sequences (control flow that varies): stay bounded
+            blocks.clear()
+        block = blocks[key] = _Block(templates)
+    return block
+
+
+def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple[int, _Block, CallBatch]]) -> None:
+    """Write the trace ids, span ids, parent ids and times of every block-encoded forward into ``buf``."""
+    batches = [batch for _, _, batch in blocks]
+    counts = [len(batch.span_id) for batch in batches]
+    total = sum(counts)
+    placed = [(int(row_offsets[row]), block) for row, block, _ in blocks]
+
+    def offsets(slot: str) -> np.ndarray:
+        return np.concatenate([base + getattr(block, slot) for base, block in placed])
+
+    def column(name: str, dtype: Any) -> np.ndarray:
+        return np.fromiter(chain.from_iterable(getattr(batch, name) for batch in batches), dtype=dtype, count=total)
+
+    tids = np.frombuffer(b"".join(batch.trace_id.to_bytes(16, "big") for batch in batches), np.uint8).reshape(-1, 16)
+    buf[offsets("tid")[:, None] + _AR16] = np.repeat(tids, counts, axis=0)
+    ids = column("span_id", np.uint64)
+    buf[offsets("sid")[:, None] + _AR8] = ids.astype(">u8").view(np.uint8).reshape(total, 8)
+    # a parent's id by its position in its forward; each forward's root (its one call without a parent): the
+    # caller's span id, written only where the root's template has a parent slot
+    parents = column("parent", np.intp)
+    parent_ids = ids[np.maximum(parents, 0) + np.repeat(np.cumsum([0, *counts[:-1]]), counts)]
+    parent_ids[parents < 0] = np.array([batch.root_parent_id for batch in batches], dtype=np.uint64)
+    has_pid = np.concatenate([block.has_pid for _, block in placed])
+    buf[offsets("pid")[:, None] + _AR8] = parent_ids[has_pid].astype(">u8").view(np.uint8).reshape(-1, 8)
+    start_off = offsets("start")
+    for name, shift in (("start_ns", 0), ("end_ns", 9)):  # Span.start_time_unix_nano, end (fixed64 fields)
+        times = column(name, np.uint64).astype("<u8").view(np.uint8).reshape(total, 8)
+        buf[(start_off + shift)[:, None] + _AR8] = times
+
+
 def _from_columns(batch: Sequence[ModuleCall]) -> bool:
     """A forward's columns with no error among its calls (an exception event takes the general path)."""
     if not isinstance(batch, CallBatch) or batch.made:
@@ -620,6 +704,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     starts: list[int] = []
     ends: list[int] = []
     trace_ids: list[int] = []
+    blocks: list[tuple[int, _Block, CallBatch]] = []  # (position in rows, block, forward)
     for batch in batches:
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
         lists = _timing_template_lists(batch.modules, trace_state)
@@ -627,6 +712,11 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             root_kind = _ROOT
         else:
             root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
+        block = _timing_block(batch, root_kind, trace_state, lists, limits)
+        if block is not None:
+            blocks.append((len(rows), block, batch))
+            rows.append(block.row)
+            continue
         modules, ids, trace_id, root_parent = batch.modules, batch.span_id, batch.trace_id, batch.root_parent_id
         children = lists[_CHILD]
         for position, index, _, parent, attrs, start, end in batch.rows():
@@ -676,9 +766,13 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     if not _slots_fit(floats, dims):
         return None
     out = bytearray(b"".join(rows))
+    if not (temps or blocks):
+        return bytes(out)
+    offsets = np.zeros(len(rows), dtype=np.intp)
+    np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=len(rows) - 1), out=offsets[1:])
+    if blocks:
+        _fill_blocks(np.frombuffer(out, dtype=np.uint8), offsets, blocks)
     if temps:
-        offsets = np.zeros(len(rows), dtype=np.intp)
-        np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=len(rows) - 1), out=offsets[1:])
         n = len(temps)
         nums = np.array([span_ids, parent_ids, starts, ends], dtype=np.uint64).T
         if trace_ids.count(trace_ids[0]) == n:
