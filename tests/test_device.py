@@ -700,3 +700,27 @@ def test_device_rows_agree_with_torch_on_any_float_tensor(device_rows, tensor):
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")
 def test_the_triton_kernel_agrees_with_torch_on_any_float_tensor(triton_kernel, tensor):
     assert_device_path_agrees(tensor)
+
+
+def test_a_forwards_device_is_its_models_first_parameter_else_buffer_as_torch_orders_them():
+    from torchtrace._hooks import _device_of
+
+    class BufferOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1, device="meta"))
+
+    shared = nn.Linear(2, 2, device="meta")
+    cases = [
+        nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity(), shared), nn.Linear(2, 2)),  # nested first parameter
+        nn.Sequential(BufferOnly(), nn.Linear(2, 2)),  # a parameter anywhere comes before a buffer
+        nn.Sequential(nn.ReLU(), BufferOnly()),  # buffers only
+        nn.Sequential(nn.ReLU()),  # neither: the first tensor argument
+    ]
+    x = torch.ones(2, device="meta")
+    for model in cases:
+        expected = next(model.parameters(), next(model.buffers(), x)).device
+        assert _device_of(model, (x,)) == expected
+    assert _device_of(cases[1], (x,)) == torch.device("cpu")
+    assert _device_of(cases[2], (torch.ones(2),)) == torch.device("meta")
+    assert _device_of(nn.ReLU(), (torch.ones(2),)) == torch.device("cpu")

