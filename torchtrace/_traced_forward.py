@@ -3,7 +3,7 @@
 Any forward hook sends ``nn.Module.__call__`` down its slow path (hook dictionaries merged and walked, backward-hook
 setup); a module whose ``forward`` is an instance attribute keeps the fast path. On a 64-layer MLP of small Linear
 layers (torch 2.13 CPU, 2026-11-24): empty pre + post hooks add 1.9-2.0 us per call, this wrapper with an empty body
-0.5 us. The outermost traced module keeps torch's hooks (see ``_handle``): they run outside a ``torch.compile``d
+0.5 us. The instrumented model itself keeps torch's hooks (see ``_handle``): they run outside a ``torch.compile``d
 region, which this wrapper, being the module's forward, cannot.
 """
 
