@@ -389,7 +389,6 @@ _FLOAT_TYPES = frozenset((float,))
 def clear_template_cache() -> None:
     _shapes.clear()
     _timing_templates.clear()
-    _timing_blocks.clear()
 
 
 _get_trace_id = attrgetter("trace_id")
@@ -567,18 +566,42 @@ def _fill_slots(
 # --- columns: forwards encoded without ModuleCall objects ---------------------------------------------------
 
 _CHILD, _ROOT, _ROOT_UNDER_LOCAL, _ROOT_UNDER_REMOTE = range(4)  # parent kinds
-# (id(modules), trace state) -> (modules, one template list per parent kind, indexed by module index)
-_timing_templates: dict[tuple[int, str | None], tuple[Any, list[list]]] = {}
 
 
-def _timing_template_lists(modules: Sequence[Any], trace_state: str | None) -> list[list]:
+class _TimingTemplates:
+    """The templates of calls with only the path and type attributes, for one handle's modules and trace state:
+    one per module and parent kind, and one block per whole forward's module sequence (see ``_Block``)."""
+
+    __slots__ = ("modules", "trace_state", "by_kind", "blocks")
+
+    def __init__(self, modules: Sequence[Any], trace_state: str | None) -> None:
+        self.modules = modules
+        self.trace_state = trace_state
+        self.by_kind: list[list] = [[None] * len(modules) for _ in range(4)]  # parent kind -> by module index
+        self.blocks: dict[tuple, _Block] = {}  # (module sequence, root kind) -> block
+
+    def template(self, index: int, kind: int, limits: _Limits) -> Any:
+        """The template of a call of ``modules[index]`` under a parent of ``kind``, made once (False: over the span
+        limits, see ``_timing_template``)."""
+        templates = self.by_kind[kind]
+        template = templates[index]
+        if template is None:
+            template = templates[index] = _timing_template(self.modules, index, kind, self.trace_state, limits)
+        return template
+
+
+# (id(modules), trace state) -> its templates
+_timing_templates: dict[tuple[int, str | None], _TimingTemplates] = {}
+
+
+def _timing_templates_of(modules: Sequence[Any], trace_state: str | None) -> _TimingTemplates:
     key = (id(modules), trace_state)
     cached = _timing_templates.get(key)
-    if cached is None or cached[0] is not modules:
+    if cached is None or cached.modules is not modules:
         if len(_timing_templates) >= 64:  # handles come and go: stay bounded
             _timing_templates.clear()
-        cached = _timing_templates[key] = (modules, [[None] * len(modules) for _ in range(4)])
-    return cached[1]
+        cached = _timing_templates[key] = _TimingTemplates(modules, trace_state)
+    return cached
 
 
 def _timing_template(modules: Sequence[Any], index: int, kind: int, trace_state: str | None, limits: _Limits) -> Any:
@@ -612,36 +635,21 @@ class _Block:
         self.start = at + [t.start for t in templates]
 
 
-# (id(modules), trace state) -> (modules, {(module sequence, root kind): block})
-_timing_blocks: dict[tuple[int, str | None], tuple[Any, dict[tuple, _Block]]] = {}
-
-
-def _timing_block(batch: CallBatch, root_kind: int, trace_state: str | None, lists: list[list], limits: _Limits) -> Any:
+def _timing_block(batch: CallBatch, root_kind: int, timing: _TimingTemplates, limits: _Limits) -> Any:
     """The block of a whole forward with only path / type attributes and one root (its first call), or None (the
     per-call path then encodes it)."""
-    modules, parents = batch.modules, batch.parent
+    parents = batch.parent
     n = len(parents)
     if batch.lo or batch.hi != n or parents[0] >= 0 or parents.count(-1) != 1 or batch.attributes.count(None) != n:
         return None
-    cache_key = (id(modules), trace_state)
-    cached = _timing_blocks.get(cache_key)
-    if cached is None or cached[0] is not modules:
-        if len(_timing_blocks) >= 64:  # handles come and go: stay bounded
-            _timing_blocks.clear()
-        cached = _timing_blocks[cache_key] = (modules, {})
-    blocks = cached[1]
+    blocks = timing.blocks
     key = (tuple(batch.module), root_kind)
     block = blocks.get(key)
     if block is None:
-        templates = []
-        for position, index in enumerate(key[0]):
-            kind = _CHILD if position else root_kind
-            template = lists[kind][index]
-            if template is None:
-                template = lists[kind][index] = _timing_template(modules, index, kind, trace_state, limits)
-            if not template:  # over the span limits
-                return None
-            templates.append(template)
+        templates = [timing.template(index, _CHILD if position else root_kind, limits) for position, index in
+                     enumerate(key[0])]  # fmt: skip
+        if not all(templates):  # over the span limits
+            return None
         if len(blocks) >= _MAX_VARIANTS:  # ever-new call sequences (control flow that varies): stay bounded
             blocks.clear()
         block = blocks[key] = _Block(templates)
@@ -707,27 +715,22 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     blocks: list[tuple[int, _Block, CallBatch]] = []  # (position in rows, block, forward)
     for batch in batches:
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
-        lists = _timing_template_lists(batch.modules, trace_state)
+        timing = _timing_templates_of(batch.modules, trace_state)
         if not batch.root_parent_id:
             root_kind = _ROOT
         else:
             root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
-        block = _timing_block(batch, root_kind, trace_state, lists, limits)
+        block = _timing_block(batch, root_kind, timing, limits)
         if block is not None:
             blocks.append((len(rows), block, batch))
             rows.append(block.row)
             continue
         modules, ids, trace_id, root_parent = batch.modules, batch.span_id, batch.trace_id, batch.root_parent_id
-        children = lists[_CHILD]
         for position, index, _, parent, attrs, start, end in batch.rows():
             template = None
             shape_dims: tuple = ()
             if attrs is None:
-                kind = _CHILD if parent >= 0 else root_kind
-                kind_list = children if parent >= 0 else lists[root_kind]
-                template = kind_list[index]
-                if template is None:
-                    template = kind_list[index] = _timing_template(modules, index, kind, trace_state, limits)
+                template = timing.template(index, _CHILD if parent >= 0 else root_kind, limits)
                 values: tuple = ()
             elif not (len(attrs) > max_attributes or (check_lengths and _over_limits(attrs, limits))):
                 vals = tuple(attrs.values())
