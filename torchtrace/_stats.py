@@ -7,10 +7,10 @@ device buffer (``_device.StatRows``), copied to the host once per forward and re
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import math
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -47,8 +47,9 @@ class StatComputer:
     """
 
     __slots__ = (
-        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_cached", "_versions", "_refs", "_copies",
-        "_filled", "_dtype_names", "_rows", "_rows_for", "sample",
+        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
+        "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
+        "_rows_for", "sample",
     )  # fmt: skip
 
     def __init__(
@@ -64,14 +65,18 @@ class StatComputer:
         self._shape = "shape" in self.wanted
         self._dtype = "dtype" in self.wanted
         self._device = "device" in self.wanted
-        # id(tensor) -> its stats, version and weak reference: a container module usually returns its last child's
-        # output unchanged, so the same tensor would otherwise be summarised at every level of nesting. Separate
-        # dicts and lists, not a tuple per tensor: the stats dicts hold nothing the garbage collector tracks, and a
-        # tuple holding one would be tracked (and promoted to the old generation while the forward runs).
-        self._cached: dict[int, dict] = {}
-        self._versions: dict[int, int] = {}
-        self._refs: dict[int, Any] = {}
-        self._copies: list[np.ndarray] = []  # small tensors' copies and the stats they fill, until finish_forward
+        # The last two tensors summarised, their versions and stats: a container module usually returns its last
+        # child's output unchanged (or the one before: a pooled head after the encoder), so the same tensor would
+        # otherwise be summarised at every level of nesting. Plain slots, not a dict of tuples: nothing is made per
+        # call for the garbage collector to track (the stats dicts hold only untracked values).
+        self._last: Any = None
+        self._last_version = 0
+        self._last_stats: dict = {}
+        self._previous: Any = None
+        self._previous_version = 0
+        self._previous_stats: dict = {}
+        self._staging: dict[tuple[torch.dtype, int], _Staging] = {}  # small float tensors' values, until finish
+        self._copies: list[np.ndarray] = []  # other small tensors' copies and the stats they fill, until finish
         self._filled: list[dict] = []
         self._dtype_names: dict[torch.dtype, str] = {}
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
@@ -81,17 +86,21 @@ class StatComputer:
     def finish_forward(self) -> list[StatRows]:
         """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
         the copy of the device rows to the host and returns them (read by ``resolve`` once copied)."""
-        copies, filled = self._copies, self._filled
+        self._forget_recent()
+        groups = _size_groups(self._copies, self._filled)
         self._copies, self._filled = [], []
-        self._cached.clear()
-        self._versions.clear()
-        self._refs.clear()
-        if copies:
+        for staging in self._staging.values():
+            if staging.count:
+                groups.append((staging.values[: staging.count], staging.filled))
+                staging.count, staging.filled = 0, []
+        for values, filled in groups:
             try:
-                _batched_stats(list(zip(copies, filled)), self.wanted)
+                _batched_stats(values, filled, self.wanted)
             except Exception as error:  # a statistic must never break the user's forward
                 for stats in filled:
                     stats["stats_error"] = error_text(error)
+        if any(staging.values.nbytes > _MAX_STAGING_BYTES for staging in self._staging.values()):
+            self._staging.clear()  # a forward with very many small tensors: its rows are not kept for the next
         if not self._rows:
             return []
         rows = list(self._rows.values())
@@ -112,19 +121,21 @@ class StatComputer:
         if tensor.is_inference():
             # No version counter: an in-place op would go unnoticed, so the same object is never trusted twice.
             return self._compute(tensor)
-        key = id(tensor)
-        cached = self._cached.get(key)
         version = tensor._version
-        if cached is not None and self._versions[key] == version and self._refs[key]() is tensor:
-            return cached
+        if tensor is self._last:
+            if version == self._last_version:
+                return self._last_stats
+        elif tensor is self._previous and version == self._previous_version:
+            return self._previous_stats
         stats = self._compute(tensor)
-        try:
-            self._refs[key] = weakref.ref(tensor)
-        except TypeError:  # tensor subclasses without weakref support are not cached
-            return stats
-        self._cached[key] = stats
-        self._versions[key] = version
+        self._previous, self._previous_version, self._previous_stats = self._last, self._last_version, self._last_stats
+        self._last, self._last_version, self._last_stats = tensor, version, stats
         return stats
+
+    def _forget_recent(self) -> None:
+        """The forward is over: its tensors are not held any longer."""
+        self._last = self._previous = None
+        self._last_stats = self._previous_stats = {}
 
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
         stats: dict[str, Any] = {}
@@ -158,11 +169,16 @@ class StatComputer:
             if self.numeric:
                 stride = 1 if self.sample is None else sampling_stride(n, self.sample, stats)
                 if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(tensor):
-                    if dtype in _COPIED_AS_IS:  # the common case, without the detach and checks (~1 us a tensor)
-                        self._copies.append(tensor.numpy(force=True).ravel().copy())
+                    # raw memory as numpy would read it: a plain contiguous tensor, no lazy negation (a neg view)
+                    plain = type(tensor) is torch.Tensor and tensor.is_contiguous() and not tensor.is_neg()
+                    if dtype in _COPIED_AS_IS and plain:
+                        staging = self._staging.get((dtype, n))
+                        if staging is None:
+                            staging = self._staging[dtype, n] = _Staging(dtype, n)
+                        staging.add(tensor, stats)
                     else:
                         self._copies.append(_numpy_copy(tensor.detach()))
-                    self._filled.append(stats)
+                        self._filled.append(stats)
                 else:
                     x = tensor.detach() if tensor.requires_grad else tensor
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
@@ -211,56 +227,99 @@ def _numpy_copy(x: torch.Tensor) -> np.ndarray:
     return values.copy() if real is x else values  # a converted tensor is already a private copy
 
 
-def _batched_stats(pending: list[tuple[np.ndarray, dict]], wanted: frozenset) -> None:
-    """Reduces the small tensors of a forward together, in numpy (a torch op's dispatch costs more than numpy's
-    whole reduction of a small array): a few vectorised reductions per size shared by several tensors."""
-    groups: dict[int, list[tuple[np.ndarray, dict]]] = {}
-    for item in pending:
-        groups.setdefault(item[0].size, []).append(item)
+def _size_groups(copies: list[np.ndarray], filled: list[dict]) -> list[tuple[np.ndarray, list[dict]]]:
+    """Flat copies of one forward grouped by size: one (rows, stats) pair per size."""
+    groups: dict[int, tuple[list[np.ndarray], list[dict]]] = {}
+    for values, stats in zip(copies, filled):
+        group = groups.setdefault(values.size, ([], []))
+        group[0].append(values)
+        group[1].append(stats)
+    return [(np.stack(rows), stats) for rows, stats in groups.values()]
+
+
+def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) -> None:
+    """Reduces the small tensors of one size of a forward together, in numpy (a torch op's dispatch costs more than
+    numpy's whole reduction of a small array): a few vectorised reductions over the rows ``values``, row ``i``
+    filling ``filled[i]``."""
+    n = values.shape[1]
+    if len(filled) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
+        for row, stats in zip(values, filled):
+            _one_stats(row, wanted, stats)
+        return
     keys = [key for key in _FLOAT_STATS if key in wanted]
     pick = [_COLUMN[key] for key in keys]
-    counts_wanted = any(key in wanted for key in ("nan_count", "inf_count"))
-    for n, items in groups.items():
-        if len(items) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
-            for values, stats in items:
-                _one_stats(values, wanted, stats)
-            continue
-        # one pass converts to float64: exact for what _as_real_float leaves
-        values = np.stack([values for values, _ in items], dtype=np.float64)
-        with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
-            sums = values.sum(1)
-            squares = _row_dots(values)
-            lows, highs = values.min(1), values.max(1)
-            mean = sums / n
-            # sum((x - mean)^2) = |x|^2 - n mean^2 in float64, without a pass over the values; where the mean
-            # carries half of |x|^2 or more (it would cancel) or a value is not finite: the exact second pass
-            centered_squares = squares - sums * mean
-            cancels = ~(centered_squares >= 0.5 * squares)
-            if cancels.any():
-                centered_squares[cancels] = _row_dots(values[cancels] - mean[cancels, None])
-            table = np.stack(
-                [
-                    mean,
-                    np.sqrt(np.maximum(centered_squares, 0.0) / max(n - 1, 1)),  # torch.std; 0 for one element
-                    lows,
-                    highs,
-                    np.maximum(np.abs(lows), np.abs(highs)),
-                    np.sqrt(squares),
-                    1 - np.add.reduce(values != 0, axis=1, dtype=np.int32) / n,  # NaN counts, -0.0 not
-                ],
-                axis=1,
-            )
-        rows = table[:, pick].tolist()
-        if counts_wanted and not np.isfinite(squares).all():  # a NaN or Inf anywhere makes its sum of squares so
-            counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1).tolist()
-        else:
-            counts = [[0, 0]] * len(items)
-        for (_, stats), row, (nan_count, inf_count) in zip(items, rows, counts):
+    values = values.astype(np.float64)  # one pass: exact for what _as_real_float leaves
+    with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
+        sums = values.sum(1)
+        squares = _row_dots(values)
+        lows, highs = values.min(1), values.max(1)
+        mean = sums / n
+        # sum((x - mean)^2) = |x|^2 - n mean^2 in float64, without a pass over the values; where the mean
+        # carries half of |x|^2 or more (it would cancel) or a value is not finite: the exact second pass
+        centered_squares = squares - sums * mean
+        cancels = ~(centered_squares >= 0.5 * squares)
+        if cancels.any():
+            centered_squares[cancels] = _row_dots(values[cancels] - mean[cancels, None])
+        table = np.stack(
+            [
+                mean,
+                np.sqrt(np.maximum(centered_squares, 0.0) / max(n - 1, 1)),  # torch.std; 0 for one element
+                lows,
+                highs,
+                np.maximum(np.abs(lows), np.abs(highs)),
+                np.sqrt(squares),
+                1 - np.add.reduce(values != 0, axis=1, dtype=np.int32) / n,  # NaN counts, -0.0 not
+            ],
+            axis=1,
+        )
+    rows = table[:, pick].tolist()
+    counts_wanted = [key for key in ("nan_count", "inf_count") if key in wanted]
+    if counts_wanted:
+        if np.isfinite(squares).all():  # a NaN or Inf anywhere makes its sum of squares so
+            zeros = dict.fromkeys(counts_wanted, 0)
+            for stats, row in zip(filled, rows):
+                stats.update(zip(keys, row))
+                stats.update(zeros)
+            return
+        counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1).tolist()
+        for stats, row, (nan_count, inf_count) in zip(filled, rows, counts):
             stats.update(zip(keys, row))
             if "nan_count" in wanted:
                 stats["nan_count"] = nan_count
             if "inf_count" in wanted:
                 stats["inf_count"] = inf_count
+        return
+    for stats, row in zip(filled, rows):
+        stats.update(zip(keys, row))
+
+
+class _Staging:
+    """The values of a forward's small contiguous tensors of one dtype and size, one row each, copied in the hook
+    with one memmove (a numpy copy costs twice as much); kept and reused forward after forward."""
+
+    __slots__ = ("values", "address", "row_bytes", "count", "filled")
+
+    def __init__(self, dtype: torch.dtype, n: int) -> None:
+        self.values = np.empty((16, n), dtype=_NUMPY_DTYPES[dtype])
+        self.address = self.values.ctypes.data
+        self.row_bytes = self.values.strides[0]
+        self.count = 0
+        self.filled: list[dict] = []  # the stats each row fills
+
+    def add(self, tensor: torch.Tensor, stats: dict) -> None:
+        """Copies a contiguous CPU tensor of this dtype and size into the next row."""
+        count = self.count
+        if count == len(self.values):
+            self.values = np.concatenate([self.values, np.empty_like(self.values)])
+            self.address = self.values.ctypes.data
+        _memmove(self.address + count * self.row_bytes, tensor.data_ptr(), self.row_bytes)
+        self.count = count + 1
+        self.filled.append(stats)
+
+
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+_MAX_STAGING_BYTES = 16 << 20  # rows kept between forwards at most per dtype and size
+_memmove = ctypes.memmove
 
 
 def _row_dots(rows: np.ndarray) -> np.ndarray:
