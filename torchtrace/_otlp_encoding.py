@@ -351,10 +351,12 @@ class _Shape:
 
     def variant(self, values: tuple) -> bytes:
         """The variant key of ``values``: marshal keeps True/1/1.0 and list/tuple apart, so equal keys mean
-        identical encodings; it raises ValueError on types it does not know (numpy scalars...)."""
+        identical encodings; it raises ValueError on types it does not know (numpy scalars...), and TypeError where
+        a shape's place holds something without a length. A shape that is no tuple any more gets the slots of its
+        length here and is refused by ``_slots_fit``."""
         if not self.dims_positions:
             return marshal.dumps(self.others(values), 2)  # version 2: no back-references
-        return marshal.dumps((self.others(values), tuple(map(_rank, self.dims(values)))), 2)
+        return marshal.dumps((self.others(values), tuple(map(len, self.dims(values)))), 2)
 
 
 def cached_shape(cache: dict[tuple, _Shape], key: tuple, values: tuple, dims: bool = True) -> _Shape:
@@ -366,10 +368,6 @@ def cached_shape(cache: dict[tuple, _Shape], key: tuple, values: tuple, dims: bo
             cache.clear()
         shape = cache[key] = _Shape(values, dims)
     return shape
-
-
-def _rank(value: Any) -> int:
-    return len(value) if type(value) is tuple else -1  # not a tuple any more: a new variant (then checked)
 
 
 def _getter(indices: list[int]) -> Any:
@@ -384,6 +382,8 @@ def _getter(indices: list[int]) -> Any:
 
 _shapes: dict[tuple, _Shape] = {}
 _FLOAT_TYPES = frozenset((float,))
+_TUPLE_TYPES = frozenset((tuple,))
+_INT_TYPES = frozenset((int,))
 
 
 def clear_template_cache() -> None:
@@ -459,7 +459,7 @@ def _encode_call_list(calls: Sequence[ModuleCall], limits: _Limits) -> bytes:
             shape = cached_shape(shapes, key, vals)
             try:
                 vkey = shape.variant(vals)
-            except ValueError:  # a type marshal does not know: the slow path
+            except (ValueError, TypeError):  # a type marshal does not know, or a shape with no length: slow path
                 row = _encode_span_row(c, ts, limits)
             else:
                 t = shape.variants.get(vkey)
@@ -495,10 +495,10 @@ def _slots_fit(floats: list[tuple], dims: list[tuple]) -> bool:
     arrays = list(chain.from_iterable(dims))
     if not arrays:
         return True
-    if not all(map(_is_dims, arrays)):
+    if not (_TUPLE_TYPES.issuperset(map(type, arrays)) and all(arrays)):  # non-empty tuples
         return False
     flat = list(chain.from_iterable(arrays))
-    return min(flat) >= 0 and max(flat) < _DIM_LIMIT
+    return _INT_TYPES.issuperset(map(type, flat)) and min(flat) >= 0 and max(flat) < _DIM_LIMIT
 
 
 def _fill(
@@ -741,7 +741,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
                 shape = cached_shape(shapes, key, vals)
                 try:
                     vkey = shape.variant(vals)
-                except ValueError:
+                except (ValueError, TypeError):
                     pass
                 else:
                     template = shape.variants.get(vkey)
