@@ -333,15 +333,22 @@ def test_shapes_that_fit_no_dimension_slot_are_encoded_exactly(odd) -> None:
     assert decode(encode_export_request(calls, RESOURCE, *SCOPE)) == sdk_request(calls)
 
 
-def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_and_times() -> None:
-    """A whole forward with only path / type attributes is encoded as one block of templates per module sequence;
-    every forward still gets its own trace id, span ids, parents and times."""
+def three_forwards() -> tuple[CallBatch, CallBatch, CallBatch]:
+    """Forwards of one module sequence: the second under a local parent 0x99 with trace id + 1 and span ids 0x200..,
+    the third with trace id + 2, span ids 0x300.. and times shifted by 1000 (starts) and 2000 (ends)."""
     first, second, third = timing_batch(), timing_batch(root_parent_id=0x99), timing_batch()
     second.trace_id, third.trace_id = TRACE_ID + 1, TRACE_ID + 2
     second.span_id = [0x200 + i for i in range(5)]
     third.span_id = [0x300 + i for i in range(5)]
     third.start_ns = [t + 1000 for t in third.start_ns]
     third.end_ns = [t + 2000 for t in third.end_ns]
+    return first, second, third
+
+
+def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_and_times() -> None:
+    """A whole forward with only path / type attributes is encoded as one block of templates per module sequence;
+    every forward still gets its own trace id, span ids, parents and times."""
+    first, second, third = three_forwards()
     batches = [first, second, third, first]
     from_columns = encode_export_request(Calls(batches), RESOURCE, *SCOPE)
     assert from_columns == encode_export_request([c for b in batches for c in b.calls()], RESOURCE, *SCOPE)

@@ -9,9 +9,20 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_otlp_encoding import RESOURCE, SCOPE, T0, TRACE_ID, call, remote_child, sample_calls
+from opentelemetry.trace import TraceState
+from test_otlp_encoding import (
+    RESOURCE,
+    SCOPE,
+    T0,
+    TRACE_ID,
+    call,
+    remote_child,
+    sample_calls,
+    three_forwards,
+    timing_batch,
+)
 
-from torchtrace._calls import ModuleCall
+from torchtrace._calls import Calls, ModuleCall
 from torchtrace._exporters import request_to_otlp_json
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json
@@ -36,6 +47,24 @@ def test_ids_are_hex_and_times_strings_as_otlp_json_has_them():
     assert (span["spanId"], span["parentSpanId"]) == ("00000000000000ab", "0000000000000010")
     assert (span["startTimeUnixNano"], span["endTimeUnixNano"]) == (str(T0 + 5), str(T0 + 9))
     assert span["attributes"] == [{"key": "mean", "value": {"doubleValue": 0.5}}]
+
+
+def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_and_times():
+    """A whole forward with only path / type attributes is written from one text per module sequence and root
+    kind; every forward keeps its own trace id, span ids, parents and times, as the protobuf path has them."""
+    first, second, third = three_forwards()
+    remote = timing_batch(root_parent_id=0x77, remote=True, trace_state=TraceState([("v", "1%d")]))
+    batches = [first, second, third, first, remote]
+    from_blocks = json.loads(encode_otlp_json(Calls(batches), RESOURCE, *SCOPE))
+    assert from_blocks == through_protobuf([c for b in batches for c in b.calls()])
+    spans = from_blocks["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert [span["traceId"] for span in spans[::5]] == [f"{TRACE_ID + i:032x}" for i in (0, 1, 2, 0)] + [
+        f"{TRACE_ID:032x}"
+    ]
+    assert "parentSpanId" not in spans[0] and spans[5]["parentSpanId"] == f"{0x99:016x}"
+    assert spans[13]["parentSpanId"] == f"{0x302:016x}"
+    assert (spans[11]["startTimeUnixNano"], spans[11]["endTimeUnixNano"]) == (str(T0 + 1005), str(T0 + 2020))
+    assert spans[20]["traceState"] == "v=1%d" and spans[20]["flags"] == 0x300
 
 
 def test_cached_templates_never_carry_values_from_one_call_to_the_next():

@@ -572,13 +572,14 @@ class _TimingTemplates:
     """The templates of calls with only the path and type attributes, for one handle's modules and trace state:
     one per module and parent kind, and one block per whole forward's module sequence (see ``_Block``)."""
 
-    __slots__ = ("modules", "trace_state", "by_kind", "blocks")
+    __slots__ = ("modules", "trace_state", "by_kind", "blocks", "json_blocks")
 
     def __init__(self, modules: Sequence[Any], trace_state: str | None) -> None:
         self.modules = modules
         self.trace_state = trace_state
         self.by_kind: list[list] = [[None] * len(modules) for _ in range(4)]  # parent kind -> by module index
         self.blocks: dict[tuple, _Block] = {}  # (module sequence, root kind) -> block
+        self.json_blocks: dict[tuple, Any] = {}  # the same, as OTLP/JSON text (``_otlp_json``)
 
     def template(self, index: int, kind: int, limits: _Limits) -> Any:
         """The template of a call of ``modules[index]`` under a parent of ``kind``, made once (False: over the span
@@ -594,7 +595,7 @@ class _TimingTemplates:
 _timing_templates: dict[tuple[int, str | None], _TimingTemplates] = {}
 
 
-def _timing_templates_of(modules: Sequence[Any], trace_state: str | None) -> _TimingTemplates:
+def timing_templates_of(modules: Sequence[Any], trace_state: str | None) -> _TimingTemplates:
     key = (id(modules), trace_state)
     cached = _timing_templates.get(key)
     if cached is None or cached.modules is not modules:
@@ -607,15 +608,43 @@ def _timing_templates_of(modules: Sequence[Any], trace_state: str | None) -> _Ti
 def _timing_template(modules: Sequence[Any], index: int, kind: int, trace_state: str | None, limits: _Limits) -> Any:
     """The template of a call of ``modules[index]`` with only the path and type attributes, made once; False if
     such a call is over the span limits (it takes the general path)."""
+    call = timing_call(modules, index, kind, limits)
+    return _build(call, call.name, trace_state, frozenset()) if call is not None else False
+
+
+def timing_call(modules: Sequence[Any], index: int, kind: int, limits: _Limits) -> ModuleCall | None:
+    """A stand-in call of ``modules[index]`` with only the path and type attributes under a parent of ``kind``
+    (ids and times are slots): what timing templates are made from; None if such a call is over the span limits."""
     info = modules[index]
     attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
     if len(attributes) > (limits.attributes if limits.attributes is not None else 1 << 62) or (
         limits.value_length is not None and _over_limits(attributes, limits)
     ):
-        return False
+        return None
     parent_id, remote = (0, False) if kind == _ROOT else (1, kind == _ROOT_UNDER_REMOTE)
-    call = ModuleCall(info.path, info.type_name, 0, 1, 1, parent_id, 0, 0, attributes, parent_is_remote=remote)
-    return _build(call, call.name, trace_state, frozenset())
+    return ModuleCall(info.path, info.type_name, 0, 1, 1, parent_id, 0, 0, attributes, parent_is_remote=remote)
+
+
+def root_kind(batch: CallBatch) -> int:
+    """The parent kind of a forward's root: none, a span of this process, or the caller's remote span."""
+    if not batch.root_parent_id:
+        return _ROOT
+    return _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
+
+
+def is_timing_forward(batch: CallBatch) -> bool:
+    """A whole forward (not a slice of one) with one root, its first call, and only the module path and type on
+    every call: what a block encodes."""
+    parents = batch.parent
+    n = len(parents)
+    return (
+        bool(n)
+        and not batch.lo
+        and batch.hi == n
+        and parents[0] < 0
+        and parents.count(-1) == 1
+        and (batch.attributes.count(None) == n)
+    )
 
 
 class _Block:
@@ -635,18 +664,16 @@ class _Block:
         self.start = at + [t.start for t in templates]
 
 
-def _timing_block(batch: CallBatch, root_kind: int, timing: _TimingTemplates, limits: _Limits) -> Any:
+def _timing_block(batch: CallBatch, root: int, timing: _TimingTemplates, limits: _Limits) -> Any:
     """The block of a whole forward with only path / type attributes and one root (its first call), or None (the
     per-call path then encodes it)."""
-    parents = batch.parent
-    n = len(parents)
-    if batch.lo or batch.hi != n or parents[0] >= 0 or parents.count(-1) != 1 or batch.attributes.count(None) != n:
+    if not is_timing_forward(batch):
         return None
     blocks = timing.blocks
-    key = (tuple(batch.module), root_kind)
+    key = (tuple(batch.module), root)
     block = blocks.get(key)
     if block is None:
-        templates = [timing.template(index, _CHILD if position else root_kind, limits) for position, index in
+        templates = [timing.template(index, _CHILD if position else root, limits) for position, index in
                      enumerate(key[0])]  # fmt: skip
         if not all(templates):  # over the span limits
             return None
@@ -715,12 +742,9 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     blocks: list[tuple[int, _Block, CallBatch]] = []  # (position in rows, block, forward)
     for batch in batches:
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
-        timing = _timing_templates_of(batch.modules, trace_state)
-        if not batch.root_parent_id:
-            root_kind = _ROOT
-        else:
-            root_kind = _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
-        block = _timing_block(batch, root_kind, timing, limits)
+        timing = timing_templates_of(batch.modules, trace_state)
+        root = root_kind(batch)
+        block = _timing_block(batch, root, timing, limits)
         if block is not None:
             blocks.append((len(rows), block, batch))
             rows.append(block.row)
@@ -730,7 +754,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             template = None
             shape_dims: tuple = ()
             if attrs is None:
-                template = timing.template(index, _CHILD if parent >= 0 else root_kind, limits)
+                template = timing.template(index, _CHILD if parent >= 0 else root, limits)
                 values: tuple = ()
             elif not (len(attrs) > max_attributes or (check_lengths and _over_limits(attrs, limits))):
                 vals = tuple(attrs.values())

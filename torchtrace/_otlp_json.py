@@ -20,23 +20,32 @@ import marshal
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from itertools import chain, repeat
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
 from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text
 from torchtrace._otlp_encoding import (
+    _CHILD,
     _FLAG_HAS_IS_REMOTE,
     _FLAG_IS_REMOTE,
     _INT64_MAX,
     _INT64_MIN,
+    _MAX_VARIANTS,
+    _ROOT,
     _bounded,
+    _from_columns,
     _Limits,
     _over_limits,
     _Shape,
     _trace_state_str,
     cached_shape,
     exception_attributes,
+    is_timing_forward,
+    root_kind,
+    timing_call,
+    timing_templates_of,
 )
 
 __all__ = ["encode_otlp_json"]
@@ -187,7 +196,6 @@ class _Template:
 
 
 _shapes: dict[tuple, _Shape] = {}  # as _otlp_encoding's cache, its variants holding JSON templates
-_MAX_VARIANTS = 64
 _FLOAT = frozenset((float,))
 
 
@@ -243,6 +251,34 @@ def _templated_text(
     return template.text % ((ids[0], ids[1], ids[3], ids[4]) + floats)
 
 
+def _block_text(batch: CallBatch, limits: _Limits) -> str | None:
+    """The spans of a whole forward with only path / type attributes and no error, from one ``%`` format per module
+    sequence (its calls' templates joined, made once): every id and time is written by one C-level formatting, no
+    Python step per call. None: not such a forward, or over the span limits (``_column_texts`` then)."""
+    if not (is_timing_forward(batch) and _from_columns(batch)):
+        return None
+    trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
+    root = root_kind(batch)
+    blocks = timing_templates_of(batch.modules, trace_state).json_blocks
+    key = (tuple(batch.module), root)
+    block = blocks.get(key)
+    if block is None:
+        calls = [timing_call(batch.modules, index, _CHILD if position else root, limits) for position, index in
+                 enumerate(key[0])]  # fmt: skip
+        if None in calls:
+            return None
+        if len(blocks) >= _MAX_VARIANTS:  # ever-new call sequences: stay bounded
+            blocks.clear()
+        block = blocks[key] = ",".join(_Template(call, trace_state, frozenset()).text for call in calls)
+    ids, starts, ends, trace_id = batch.span_id, batch.start_ns, batch.end_ns, batch.trace_id
+    if root == _ROOT:  # the root's slots: trace id, span id, [parent id,] start, end
+        head: tuple = (trace_id, ids[0], starts[0], ends[0])
+    else:
+        head = (trace_id, ids[0], batch.root_parent_id, starts[0], ends[0])
+    parent_ids = map(ids.__getitem__, batch.parent[1:])
+    return block % (*head, *chain.from_iterable(zip(repeat(trace_id), ids[1:], parent_ids, starts[1:], ends[1:])))
+
+
 def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> list[str]:
     """The spans of a forward's columns, without a ModuleCall per span (made only for the rare span that needs
     one: an error, a new template)."""
@@ -285,7 +321,11 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     spans = []
     for segment in calls.segments if isinstance(calls, Calls) else [calls]:
         if isinstance(segment, CallBatch) and not segment.made:
-            spans += _column_texts(segment, limits, max_attributes)
+            block = _block_text(segment, limits)
+            if block is not None:
+                spans.append(block)
+            else:
+                spans += _column_texts(segment, limits, max_attributes)
             continue
         for call in segment:
             trace_state = None
