@@ -357,3 +357,57 @@ def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_an
     assert spans[5].parent_span_id == (0x99).to_bytes(8, "big") and spans[0].parent_span_id == b""
     assert spans[13].parent_span_id == (0x302).to_bytes(8, "big")
     assert spans[11].start_time_unix_nano == T0 + 1005 and spans[11].end_time_unix_nano == T0 + 2020
+
+
+def with_statistics(batch: CallBatch, scale: float, rows: int = 1) -> CallBatch:
+    """Every call of ``batch`` gets statistics: its own shape (rows + position, 32), mean and std."""
+    for position, index in enumerate(batch.module):
+        info = batch.modules[index]
+        batch.attributes[position] = {
+            "torchtrace.module.path": info.path,
+            "torchtrace.module.type": info.type_name,
+            "torchtrace.output.shape": (rows + position, 32),
+            "torchtrace.output.dtype": "float32",
+            "torchtrace.output.mean": scale * position,
+            "torchtrace.output.std": -0.0 if position == 2 else scale,
+            "torchtrace.output.nan_count": 0,
+        }
+    return batch
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [None, "dtype", "rank", "int_mean", "numpy_value", "scalar_shape", "huge_dimension"],
+)
+def test_forwards_with_statistics_share_a_block_and_keep_their_own_values(odd) -> None:
+    """A whole forward whose calls all carry statistics is one block per module sequence and kind of values
+    (attribute keys, dtypes, shape ranks); every forward keeps its own ids, times, floats and shapes. A forward that
+    differs gets its own block, or the per-call templates: the bytes are those of the per-call path either way."""
+    import numpy as np
+
+    first, second, third = (with_statistics(batch, scale) for batch, scale in zip(three_forwards(), (0.5, 1.5, 2.5)))
+    fourth = with_statistics(timing_batch(), 3.5, rows=2**34)
+    for batch in (second, third, fourth):
+        batch.modules = first.modules  # one model's forwards
+    if odd == "dtype":
+        fourth.attributes[2]["torchtrace.output.dtype"] = "bfloat16"
+    elif odd == "int_mean":  # an int in a double slot: the general path
+        fourth.attributes[1]["torchtrace.output.mean"] = 1
+    elif odd == "numpy_value":
+        fourth.attributes[3]["odd"] = np.float32(2.0)
+    elif odd == "rank":  # a shape of another rank: the block of that rank
+        fourth.attributes[2]["torchtrace.output.shape"] = (3, 1, 2)
+    elif odd == "scalar_shape":
+        fourth.attributes[0]["torchtrace.output.shape"] = ()
+    elif odd == "huge_dimension":  # past what a dimension slot holds
+        fourth.attributes[4]["torchtrace.output.shape"] = (2**35, 1)
+    batches = [first, second, third, fourth, first]
+    from_columns = encode_export_request(Calls(batches), RESOURCE, *SCOPE)
+    # a value that fits no slot it had before sends the whole drain down the general path, as on the per-call one
+    assert any(batch.made for batch in batches) == (odd in ("int_mean", "huge_dimension", "scalar_shape"))
+    calls = [call for batch in batches for call in batch.calls()]
+    assert decode(from_columns) == decode(encode_export_request(calls, RESOURCE, *SCOPE)) == sdk_request(calls)
+    spans = decode(from_columns).resource_spans[0].scope_spans[0].spans
+    assert attrs(spans[8].attributes)["torchtrace.output.mean"] == 1.5 * 3
+    assert attrs(spans[13].attributes)["torchtrace.output.shape"] == [4, 32]
+    assert attrs(spans[24].attributes)["torchtrace.output.mean"] == 0.5 * 4

@@ -419,7 +419,7 @@ def _runs(segments: Sequence[Sequence[ModuleCall]]) -> list[list]:
     return runs
 
 
-def _encode_segments(group: list, limits: _Limits) -> bytes:
+def _encode_segments(group: list, limits: _Limits) -> bytes | bytearray:
     if _from_columns(group[0]):
         encoded = _encode_columns(group, limits)
         if encoded is not None:
@@ -543,24 +543,27 @@ def _fill_slots(
     buf[start_off[:, None] + _AR8] = nums[:, 2].astype("<u8").view(np.uint8).reshape(n, 8)
     buf[(start_off + 9)[:, None] + _AR8] = nums[:, 3].astype("<u8").view(np.uint8).reshape(n, 8)
 
-    # doubles: every float attribute of every span
-    if floats:
+    if floats:  # every float attribute of every span
         counts = np.fromiter(map(attrgetter("n_doubles"), temps), dtype=np.intp, count=n)
-        total = int(counts.sum())
-        if total:
-            values = np.fromiter(chain.from_iterable(floats), dtype="<f8", count=total)
-            offs = np.concatenate([t.doubles for t in temps]) + np.repeat(base, counts)
-            buf[offs[:, None] + _AR8] = values.view(np.uint8).reshape(total, 8)
-
-    # dimensions: 5-byte varints, 7 bits a byte, the continuation bit on all but the last
+        if counts.any():
+            _write_doubles(buf, np.concatenate([t.doubles for t in temps]) + np.repeat(base, counts), floats)
     if dims:
         counts = np.fromiter(map(attrgetter("n_dims"), temps), dtype=np.intp, count=n)
-        total = int(counts.sum())
-        if total:
-            values = np.fromiter(chain.from_iterable(chain.from_iterable(dims)), dtype=np.uint64, count=total)
-            offs = np.concatenate([t.dims for t in temps]) + np.repeat(base, counts)
-            varints = ((values[:, None] >> _SHIFTS7) & np.uint64(0x7F)).astype(np.uint8) | _CONTINUE
-            buf[offs[:, None] + _AR5] = varints
+        if counts.any():
+            _write_dims(buf, np.concatenate([t.dims for t in temps]) + np.repeat(base, counts), dims)
+
+
+def _write_doubles(buf: np.ndarray, offsets: np.ndarray, floats: list[tuple]) -> None:
+    """The floats of ``floats`` (tuples, in slot order) as little-endian doubles at ``offsets``."""
+    values = np.fromiter(chain.from_iterable(floats), dtype="<f8", count=len(offsets))
+    buf[offsets[:, None] + _AR8] = values.view(np.uint8).reshape(-1, 8)
+
+
+def _write_dims(buf: np.ndarray, offsets: np.ndarray, dims: list[tuple]) -> None:
+    """The dimensions of the shapes in ``dims`` (tuples of shapes, in slot order) as 5-byte varints at ``offsets``:
+    7 bits a byte, the continuation bit on all but the last."""
+    values = np.fromiter(chain.from_iterable(chain.from_iterable(dims)), dtype=np.uint64, count=len(offsets))
+    buf[offsets[:, None] + _AR5] = ((values[:, None] >> _SHIFTS7) & np.uint64(0x7F)).astype(np.uint8) | _CONTINUE
 
 
 # --- columns: forwards encoded without ModuleCall objects ---------------------------------------------------
@@ -572,7 +575,7 @@ class _TimingTemplates:
     """The templates of calls with only the path and type attributes, for one handle's modules and trace state:
     one per module and parent kind, and one block per whole forward's module sequence (see ``_Block``)."""
 
-    __slots__ = ("modules", "trace_state", "by_kind", "blocks", "json_blocks")
+    __slots__ = ("modules", "trace_state", "by_kind", "blocks", "json_blocks", "stats_blocks")
 
     def __init__(self, modules: Sequence[Any], trace_state: str | None) -> None:
         self.modules = modules
@@ -580,6 +583,7 @@ class _TimingTemplates:
         self.by_kind: list[list] = [[None] * len(modules) for _ in range(4)]  # parent kind -> by module index
         self.blocks: dict[tuple, _Block] = {}  # (module sequence, root kind) -> block
         self.json_blocks: dict[tuple, Any] = {}  # the same, as OTLP/JSON text (``_otlp_json``)
+        self.stats_blocks: dict[tuple, list[_StatsBlock]] = {}  # forwards with statistics (``_stats_block``)
 
     def template(self, index: int, kind: int, limits: _Limits) -> Any:
         """The template of a call of ``modules[index]`` under a parent of ``kind``, made once (False: over the span
@@ -632,19 +636,16 @@ def root_kind(batch: CallBatch) -> int:
     return _ROOT_UNDER_REMOTE if batch.parent_is_remote else _ROOT_UNDER_LOCAL
 
 
-def is_timing_forward(batch: CallBatch) -> bool:
-    """A whole forward (not a slice of one) with one root, its first call, and only the module path and type on
-    every call: what a block encodes."""
+def _is_whole_forward(batch: CallBatch) -> bool:
+    """A whole forward (not a slice of one) with one root, its first call: what a block encodes."""
     parents = batch.parent
     n = len(parents)
-    return (
-        bool(n)
-        and not batch.lo
-        and batch.hi == n
-        and parents[0] < 0
-        and parents.count(-1) == 1
-        and (batch.attributes.count(None) == n)
-    )
+    return bool(n) and not batch.lo and batch.hi == n and parents[0] < 0 and parents.count(-1) == 1
+
+
+def is_timing_forward(batch: CallBatch) -> bool:
+    """A whole forward with only the module path and type on every call."""
+    return _is_whole_forward(batch) and batch.attributes.count(None) == len(batch.attributes)
 
 
 class _Block:
@@ -652,7 +653,7 @@ class _Block:
     end, with every slot's offset in the block. Made once per module sequence (a model's forwards repeat it), so
     a forward is one bytes copy and its ids and times are written with numpy (no Python step per call)."""
 
-    __slots__ = ("row", "tid", "sid", "pid", "has_pid", "start")
+    __slots__ = ("row", "tid", "sid", "pid", "has_pid", "start", "doubles", "dims")
 
     def __init__(self, templates: list[_Template]) -> None:
         at = np.cumsum([0, *(len(t.row) for t in templates[:-1])])
@@ -662,6 +663,104 @@ class _Block:
         self.has_pid = np.array([t.pid >= 0 for t in templates])
         self.pid = (at + [t.pid for t in templates])[self.has_pid]
         self.start = at + [t.start for t in templates]
+        self.doubles = np.concatenate([base + t.doubles for base, t in zip(at, templates)])  # in attribute order
+        self.dims = np.concatenate([base + t.dims for base, t in zip(at, templates)])
+
+
+_SCALAR_TYPES = frozenset((str, int, bool, type(None)))  # equal values of one of these types encode identically
+_MAX_STATS_BLOCKS = 8  # per module sequence: dtypes or structures that change from forward to forward
+
+
+class _StatsBlock:
+    """A whole forward whose every call has attributes (statistics), as one ``_Block``, and what a later forward
+    of the same module sequence must match to share it: the same attribute keys in the same order, the same
+    values other than floats and shapes (of the same types: True, 1 and 1.0 are equal in Python, not on the wire)
+    and shapes of the same ranks. Compared for the whole forward at once, as flat tuples: no Python step per call.
+    ``block`` None: such a forward does not fit a block (values of other types, over the span limits)."""
+
+    __slots__ = ("keys", "block", "others", "other_values", "other_types", "floats", "dims", "ranks")
+
+    def __init__(self, keys: tuple, block: _Block | None = None, slots: tuple = ((), (), ()), values: tuple = ()):
+        self.keys = keys
+        self.block = block
+        float_at, dims_at, other_at = slots  # positions in the forward's flat attribute values
+        self.floats, self.dims, self.others = _getter(float_at), _getter(dims_at), _getter(other_at)
+        self.other_values = self.others(values)
+        self.other_types = tuple(map(type, self.other_values))
+        self.ranks = tuple(map(len, self.dims(values)))
+
+    def match(self, keys: tuple, values: tuple) -> bool:
+        if keys != self.keys:
+            return False
+        if self.block is None:
+            return True
+        others = self.others(values)
+        if others != self.other_values or tuple(map(type, others)) != self.other_types:
+            return False
+        try:
+            return tuple(map(len, self.dims(values))) == self.ranks
+        except TypeError:  # a shape's place holds something without a length
+            return False
+
+
+def _stats_block(batch: CallBatch, root: int, trace_state: str | None, timing: _TimingTemplates, limits: _Limits):
+    """(block, its floats, its shapes) for a whole forward whose every call has attributes, or None (the per-call
+    templates then encode it). Made from the first forward of its kind; ``_slots_fit`` checks the floats and
+    shapes of every forward that shares it."""
+    attributes = batch.attributes
+    if None in attributes or not _is_whole_forward(batch):
+        return None
+    keys = tuple(chain.from_iterable(attributes))
+    values = tuple(chain.from_iterable(map(dict.values, attributes)))
+    cache_key = (tuple(batch.module), root, limits.attributes, limits.value_length)
+    candidates = timing.stats_blocks.get(cache_key)
+    for candidate in candidates or ():
+        if candidate.match(keys, values):
+            if candidate.block is None:
+                return None
+            return candidate.block, candidate.floats(values), candidate.dims(values)
+    made = _make_stats_block(batch, keys, values, trace_state, limits)
+    if candidates is None:
+        if len(timing.stats_blocks) >= _MAX_VARIANTS:
+            timing.stats_blocks.clear()
+        candidates = timing.stats_blocks[cache_key] = []
+    if len(candidates) >= _MAX_STATS_BLOCKS:
+        candidates.clear()
+    candidates.append(made)
+    if made.block is None:
+        return None
+    return made.block, made.floats(values), made.dims(values)
+
+
+def _make_stats_block(batch: CallBatch, keys: tuple, values: tuple, trace_state: str | None, limits: _Limits):
+    """The block of a forward with statistics: its calls' templates, those of the per-call path (float values and
+    shapes in slots); a refusal (``block`` None) where a call is over the span limits or a value has a type that
+    equality cannot key."""
+    max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
+    templates = []
+    float_at: list[int] = []
+    dims_at: list[int] = []
+    other_at: list[int] = []
+    at = 0
+    for position, attrs in enumerate(batch.attributes):
+        if len(attrs) > max_attributes or (limits.value_length is not None and _over_limits(attrs, limits)):
+            return _StatsBlock(keys)
+        found = _call_template(batch, position, attrs, trace_state)
+        if found is None:
+            return _StatsBlock(keys)
+        template, shape, vals = found
+        for i, value in enumerate(vals):
+            if i in shape.float_positions:
+                float_at.append(at + i)
+            elif i in shape.dims_positions:
+                dims_at.append(at + i)
+            elif type(value) in _SCALAR_TYPES or (type(value) is tuple and not value):  # (): a scalar's shape
+                other_at.append(at + i)
+            else:
+                return _StatsBlock(keys)
+        templates.append(template)
+        at += len(vals)
+    return _StatsBlock(keys, _Block(templates), (float_at, dims_at, other_at), values)
 
 
 def _timing_block(batch: CallBatch, root: int, timing: _TimingTemplates, limits: _Limits) -> Any:
@@ -683,12 +782,13 @@ def _timing_block(batch: CallBatch, root: int, timing: _TimingTemplates, limits:
     return block
 
 
-def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple[int, _Block, CallBatch]]) -> None:
-    """Write the trace ids, span ids, parent ids and times of every block-encoded forward into ``buf``."""
-    batches = [batch for _, _, batch in blocks]
+def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) -> None:
+    """Write the trace ids, span ids, parent ids and times of every block-encoded forward into ``buf``, and the
+    floats and shapes of those with statistics; ``blocks``: (position in rows, block, forward, floats, shapes)."""
+    batches = [batch for _, _, batch, _, _ in blocks]
     counts = [len(batch.span_id) for batch in batches]
     total = sum(counts)
-    placed = [(int(row_offsets[row]), block) for row, block, _ in blocks]
+    placed = [(int(row_offsets[row]), block) for row, block, _, _, _ in blocks]
 
     def offsets(slot: str) -> np.ndarray:
         return np.concatenate([base + getattr(block, slot) for base, block in placed])
@@ -711,6 +811,12 @@ def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple[in
     for name, shift in (("start_ns", 0), ("end_ns", 9)):  # Span.start_time_unix_nano, end (fixed64 fields)
         times = column(name, np.uint64).astype("<u8").view(np.uint8).reshape(total, 8)
         buf[(start_off + shift)[:, None] + _AR8] = times
+    doubles = offsets("doubles")
+    if len(doubles):
+        _write_doubles(buf, doubles, [floats for _, _, _, floats, _ in blocks])
+    dims = offsets("dims")
+    if len(dims):
+        _write_dims(buf, dims, [shapes for _, _, _, _, shapes in blocks])
 
 
 def _from_columns(batch: Sequence[ModuleCall]) -> bool:
@@ -721,14 +827,38 @@ def _from_columns(batch: Sequence[ModuleCall]) -> bool:
     return not any(extras[0] is not None for position, extras in batch.sparse.items() if lo <= position < hi)
 
 
-def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
+def _call_template(batch: CallBatch, position: int, attrs: dict, trace_state: str | None) -> tuple | None:
+    """(template, its ``_Shape``, the call's attribute values) of call ``position`` of a forward's columns, whose
+    attributes are ``attrs`` (within the span limits): cached per name, parent kind, trace state and attribute keys,
+    then per non-float values. None: values marshal cannot key (the call is then encoded alone)."""
+    vals = tuple(attrs.values())
+    info = batch.modules[batch.module[position]]
+    name = info.path or info.type_name
+    parent = batch.parent[position]
+    key = (name, parent >= 0 or batch.root_parent_id != 0, parent < 0 and batch.parent_is_remote, trace_state,
+           tuple(attrs))  # fmt: skip
+    shape = cached_shape(_shapes, key, vals)
+    try:
+        vkey = shape.variant(vals)
+    except (ValueError, TypeError):
+        return None
+    template = shape.variants.get(vkey)
+    if template is None:
+        if len(shape.variants) >= _MAX_VARIANTS:
+            shape.variants.clear()
+        template = shape.variants[vkey] = _build(
+            batch._make(position), name, trace_state, shape.float_positions, None, shape.dims_positions
+        )
+    return template, shape, vals
+
+
+def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytearray | None:
     """The spans of forwards straight from their columns, all of them at once: a call with only the module path
     and type takes its module's template; one with statistics the template of its attribute keys and non-float
     values (as ``_encode_call_list``); ids, times and doubles are written with numpy. None: a double slot would
     get a non-float (the general path then encodes span by span)."""
     max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
     check_lengths = limits.value_length is not None
-    shapes = _shapes
     rows: list[bytes] = []
     temps: list[_Template] = []
     templated: list[int] = []  # positions in rows of the spans with a template (the others are complete rows)
@@ -739,17 +869,23 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
     starts: list[int] = []
     ends: list[int] = []
     trace_ids: list[int] = []
-    blocks: list[tuple[int, _Block, CallBatch]] = []  # (position in rows, block, forward)
+    blocks: list[tuple] = []  # (position in rows, block, forward, floats, shapes)
     for batch in batches:
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
         timing = timing_templates_of(batch.modules, trace_state)
         root = root_kind(batch)
         block = _timing_block(batch, root, timing, limits)
         if block is not None:
-            blocks.append((len(rows), block, batch))
+            blocks.append((len(rows), block, batch, (), ()))
             rows.append(block.row)
             continue
-        modules, ids, trace_id, root_parent = batch.modules, batch.span_id, batch.trace_id, batch.root_parent_id
+        stats = _stats_block(batch, root, trace_state, timing, limits)
+        if stats is not None:
+            block, block_floats, block_dims = stats
+            blocks.append((len(rows), block, batch, block_floats, block_dims))
+            rows.append(block.row)
+            continue
+        ids, trace_id, root_parent = batch.span_id, batch.trace_id, batch.root_parent_id
         for position, index, _, parent, attrs, start, end in batch.rows():
             template = None
             shape_dims: tuple = ()
@@ -757,24 +893,9 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
                 template = timing.template(index, _CHILD if parent >= 0 else root, limits)
                 values: tuple = ()
             elif not (len(attrs) > max_attributes or (check_lengths and _over_limits(attrs, limits))):
-                vals = tuple(attrs.values())
-                info = modules[index]
-                name = info.path or info.type_name
-                key = (name, parent >= 0 or root_parent != 0, parent < 0 and batch.parent_is_remote, trace_state,
-                       tuple(attrs))  # fmt: skip
-                shape = cached_shape(shapes, key, vals)
-                try:
-                    vkey = shape.variant(vals)
-                except (ValueError, TypeError):
-                    pass
-                else:
-                    template = shape.variants.get(vkey)
-                    if template is None:
-                        if len(shape.variants) >= _MAX_VARIANTS:
-                            shape.variants.clear()
-                        template = shape.variants[vkey] = _build(
-                            batch._make(position), name, trace_state, shape.float_positions, None, shape.dims_positions
-                        )
+                found = _call_template(batch, position, attrs, trace_state)
+                if found is not None:
+                    template, shape, vals = found
                     values = shape.floats(vals)
                     shape_dims = shape.dims(vals)
             if not template:  # over the span limits, or values marshal cannot key: this span alone, complete
@@ -790,11 +911,11 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             starts.append(start)
             ends.append(end)
             trace_ids.append(trace_id)
-    if not _slots_fit(floats, dims):
+    if not _slots_fit([*floats, *(block[3] for block in blocks)], [*dims, *(block[4] for block in blocks)]):
         return None
-    out = bytearray(b"".join(rows))
+    out = bytearray().join(rows)  # written in place, returned as it is: the request joins it (no extra copies)
     if not (temps or blocks):
-        return bytes(out)
+        return out
     offsets = np.zeros(len(rows), dtype=np.intp)
     np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=len(rows) - 1), out=offsets[1:])
     if blocks:
@@ -808,7 +929,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytes | None:
             tid_bytes = np.frombuffer(b"".join(t.to_bytes(16, "big") for t in trace_ids), np.uint8).reshape(n, 16)
         base = offsets if n == len(rows) else offsets[np.asarray(templated, dtype=np.intp)]
         _fill_slots(np.frombuffer(out, dtype=np.uint8), base, temps, tid_bytes, nums, floats, dims)
-    return bytes(out)
+    return out
 
 
 # --- request ------------------------------------------------------------------------------------------------
