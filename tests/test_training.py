@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
-from nan_models import bad_backward_model, nan_model
+from nan_models import InjectNaN, bad_backward_model, nan_model
 from opentelemetry.trace import StatusCode
 from torch import nn
 
@@ -222,6 +222,30 @@ def test_the_first_module_to_produce_nan_in_a_forward_is_marked():
         # downstream layers and the container only pass the NaN on
         for name in ("0", "2", "3", "Sequential"):
             assert captured.span(name).status.status_code is StatusCode.UNSET, name
+
+
+def nan_after(layers: int, width: int) -> nn.Sequential:
+    """``layers`` Tanh, then layer ``layers`` puts a NaN into its (2, width // 2) output, then a ReLU."""
+    return nn.Sequential(*[nn.Tanh() for _ in range(layers)], InjectNaN(), nn.ReLU())
+
+
+@pytest.mark.parametrize(
+    ("layers", "width"), [(1, 4), (8, 4), (1, 8192)], ids=["small-alone", "small-batched", "large"]
+)
+def test_the_first_module_to_produce_nan_is_marked_however_its_statistics_were_taken(layers, width):
+    """Small tensors reduced one by one or together at the forward's end, large ones at once: each says whether it
+    counted NaN or Inf, and only then are the forward's calls looked at for the first producer."""
+    model = nan_after(layers, width)
+    with capture_spans(model) as captured:
+        model(torch.randn(2, width // 2))
+        model[layers].armed = False
+        model(torch.randn(2, width // 2))
+        culprit, clean = captured.spans_named(str(layers))
+        assert culprit.status.status_code is StatusCode.ERROR
+        assert "produced 1 NaN and 0 Inf in its output" in culprit.status.description
+        assert clean.status.status_code is StatusCode.UNSET
+        others = [span for span in captured.spans() if span.name != str(layers)]
+        assert all(span.status.status_code is StatusCode.UNSET for span in others)
 
 
 def test_the_first_module_whose_backward_produces_nan_is_marked():

@@ -151,10 +151,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             sparse[position] = [error, output_value, input_value, tensors, attrs]
     batch.span_id = _span_ids(n)
     batch.hi = n
-    # the first test is inline (no call per entry): with statistics off it is all a forward pays here
-    if any(entry[OUTPUT_STATS] is not None or entry[OUTPUTS] for entry in entries) and any(
-        map(_has_nonfinite_output, entries)
-    ):
+    # the hot path says when no statistic of the forward counted NaN or Inf: nothing to look at per call
+    if not forward.all_finite and any(map(_has_nonfinite_output, entries)):
         outputs = [output_summaries(entry) for entry in entries]
         _mark_first_nonfinite_output(batch, outputs, [entry[INPUTS] for entry in entries])
     if release:

@@ -74,6 +74,7 @@ class RawForward:
     thread_id: int
     clock_offset_ns: int  # epoch ns = perf_counter ns + offset
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
+    all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
 
 
 class _ThreadState:
@@ -369,13 +370,13 @@ class HookRecorder:
         entries = state.entries
         state.entries = []
         state.root_frame = None
-        rows = state.stats.finish_forward()
+        rows, all_finite = state.stats.finish_forward()
         device = None
         if rows or state.timer is not None:
             device = DeviceWork(rows, state.timer)
             if state.timer is not None and entries[0][END_EVENT] is not None:
                 device.done.append(entries[0][END_EVENT])
-        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns, device)
+        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns, device, all_finite)
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
             if state.timer is not None:

@@ -49,7 +49,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample",
+        "_rows_for", "sample", "_all_finite",
     )  # fmt: skip
 
     def __init__(
@@ -82,11 +82,14 @@ class StatComputer:
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
+        self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
 
-    def finish_forward(self) -> list[StatRows]:
+    def finish_forward(self) -> tuple[list[StatRows], bool]:
         """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
-        the copy of the device rows to the host and returns them (read by ``resolve`` once copied)."""
+        the copy of the device rows to the host and returns them (read by ``resolve`` once copied), and whether no
+        tensor of the forward is known to hold NaN or Inf (then nothing needs looking for its first producer)."""
         self._forget_recent()
+        all_finite, self._all_finite = self._all_finite, True
         groups = _size_groups(self._copies, self._filled)
         self._copies, self._filled = [], []
         for staging in self._staging.values():
@@ -95,19 +98,19 @@ class StatComputer:
                 staging.count, staging.filled = 0, []
         for values, filled in groups:
             try:
-                _batched_stats(values, filled, self.wanted)
+                all_finite = _batched_stats(values, filled, self.wanted) and all_finite
             except Exception as error:  # a statistic must never break the user's forward
                 for stats in filled:
                     stats["stats_error"] = error_text(error)
         if any(staging.values.nbytes > _MAX_STAGING_BYTES for staging in self._staging.values()):
             self._staging.clear()  # a forward with very many small tensors: its rows are not kept for the next
         if not self._rows:
-            return []
+            return [], all_finite
         rows = list(self._rows.values())
         self._rows = {}
         for device_rows in rows:
             device_rows.seal()
-        return rows
+        return rows, False  # read once on the host
 
     def _device_rows(self, device: torch.device) -> StatRows:
         if self._rows_for is not None:
@@ -182,6 +185,8 @@ class StatComputer:
                 else:
                     x = tensor.detach() if tensor.requires_grad else tensor
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
+                    if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
+                        self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
             stats["stats_error"] = error_text(error)
@@ -198,8 +203,8 @@ _COLUMN = {name: index for index, name in enumerate(_FLOAT_STATS)}
 _BATCH_AT_LEAST = 6  # tensors of one size worth the vectorised path (measured break-even: ~5)
 
 
-def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """One small copy, reduced with a few numpy calls."""
+def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> bool:
+    """One small copy, reduced with a few numpy calls; False if it holds NaN or Inf."""
     values = values.astype(np.float64)
     n = values.size
     with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
@@ -218,6 +223,7 @@ def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> 
     _fill(
         stats, wanted, n, mean, std, low, high, math.sqrt(squares), int(np.count_nonzero(values)), nan_count, inf_count
     )
+    return not (nan_count or inf_count)
 
 
 def _numpy_copy(x: torch.Tensor) -> np.ndarray:
@@ -237,15 +243,13 @@ def _size_groups(copies: list[np.ndarray], filled: list[dict]) -> list[tuple[np.
     return [(np.stack(rows), stats) for rows, stats in groups.values()]
 
 
-def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) -> None:
+def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) -> bool:
     """Reduces the small tensors of one size of a forward together, in numpy (a torch op's dispatch costs more than
     numpy's whole reduction of a small array): a few vectorised reductions over the rows ``values``, row ``i``
-    filling ``filled[i]``."""
+    filling ``filled[i]``. False if a row holds NaN or Inf."""
     n = values.shape[1]
     if len(filled) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
-        for row, stats in zip(values, filled):
-            _one_stats(row, wanted, stats)
-        return
+        return all([_one_stats(row, wanted, stats) for row, stats in zip(values, filled)])
     keys = [key for key in _FLOAT_STATS if key in wanted]
     pick = [_COLUMN[key] for key in keys]
     values = values.astype(np.float64)  # one pass: exact for what _as_real_float leaves
@@ -280,17 +284,18 @@ def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) ->
             for stats, row in zip(filled, rows):
                 stats.update(zip(keys, row))
                 stats.update(zeros)
-            return
-        counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1).tolist()
-        for stats, row, (nan_count, inf_count) in zip(filled, rows, counts):
+            return True
+        counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1)
+        for stats, row, (nan_count, inf_count) in zip(filled, rows, counts.tolist()):
             stats.update(zip(keys, row))
             if "nan_count" in wanted:
                 stats["nan_count"] = nan_count
             if "inf_count" in wanted:
                 stats["inf_count"] = inf_count
-        return
+        return not counts.any()
     for stats, row in zip(filled, rows):
         stats.update(zip(keys, row))
+    return True  # not counted: nothing to point at
 
 
 class _Staging:
