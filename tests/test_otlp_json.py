@@ -7,6 +7,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import TraceState
@@ -20,6 +21,7 @@ from test_otlp_encoding import (
     sample_calls,
     three_forwards,
     timing_batch,
+    with_statistics,
 )
 
 from torchtrace._calls import Calls, ModuleCall
@@ -65,6 +67,35 @@ def test_forwards_of_one_module_sequence_share_a_block_and_keep_their_own_ids_an
     assert spans[13]["parentSpanId"] == f"{0x302:016x}"
     assert (spans[11]["startTimeUnixNano"], spans[11]["endTimeUnixNano"]) == (str(T0 + 1005), str(T0 + 2020))
     assert spans[20]["traceState"] == "v=1%d" and spans[20]["flags"] == 0x300
+
+
+@pytest.mark.parametrize("odd", [None, "dtype", "shape", "float_shape", "nan", "numpy_value"])
+def test_forwards_with_statistics_share_a_text_and_keep_their_own_values(odd):
+    """A whole forward whose calls all carry statistics is written from one text per module sequence and kind of
+    values; shapes are text here, so a forward with other shapes (or a shape of floats, equal in Python) gets its
+    own. NaN (written as a string) and values marshal cannot key take the per-call path. Each reads back as the
+    protobuf path's JSON."""
+    first, second, third = (with_statistics(batch, scale) for batch, scale in zip(three_forwards(), (0.5, 1.5, 2.5)))
+    fourth = with_statistics(timing_batch(), 3.5)
+    for batch in (second, third, fourth):
+        batch.modules = first.modules  # one model's forwards
+    if odd == "dtype":
+        fourth.attributes[2]["torchtrace.output.dtype"] = "bfloat16"
+    elif odd == "shape":
+        fourth.attributes[2]["torchtrace.output.shape"] = (7, 32)
+    elif odd == "float_shape":
+        fourth.attributes[2]["torchtrace.output.shape"] = (3.0, 32)
+    elif odd == "nan":
+        fourth.attributes[1]["torchtrace.output.mean"] = float("nan")
+    elif odd == "numpy_value":
+        fourth.attributes[3]["odd"] = np.float32(2.0)
+    batches = [first, second, third, fourth, first]
+    from_blocks = direct(Calls(batches))
+    assert not any(batch.made for batch in batches)
+    calls = [call for batch in batches for call in batch.calls()]
+    assert from_blocks == through_protobuf(calls)
+    spans = from_blocks["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert {"key": "torchtrace.output.mean", "value": {"doubleValue": 1.5 * 3}} in spans[8]["attributes"]
 
 
 def test_cached_templates_never_carry_values_from_one_call_to_the_next():

@@ -32,6 +32,7 @@ import logging
 import marshal
 import struct
 from collections.abc import Mapping, Sequence
+from functools import partial
 from itertools import chain
 from operator import attrgetter, itemgetter
 from typing import Any
@@ -575,7 +576,7 @@ class _TimingTemplates:
     """The templates of calls with only the path and type attributes, for one handle's modules and trace state:
     one per module and parent kind, and one block per whole forward's module sequence (see ``_Block``)."""
 
-    __slots__ = ("modules", "trace_state", "by_kind", "blocks", "json_blocks", "stats_blocks")
+    __slots__ = ("modules", "trace_state", "by_kind", "blocks", "json_blocks", "stats_blocks", "json_stats_blocks")
 
     def __init__(self, modules: Sequence[Any], trace_state: str | None) -> None:
         self.modules = modules
@@ -584,6 +585,7 @@ class _TimingTemplates:
         self.blocks: dict[tuple, _Block] = {}  # (module sequence, root kind) -> block
         self.json_blocks: dict[tuple, Any] = {}  # the same, as OTLP/JSON text (``_otlp_json``)
         self.stats_blocks: dict[tuple, list[_StatsBlock]] = {}  # forwards with statistics (``_stats_block``)
+        self.json_stats_blocks: dict[tuple, list[_StatsBlock]] = {}  # the same, as OTLP/JSON text
 
     def template(self, index: int, kind: int, limits: _Limits) -> Any:
         """The template of a call of ``modules[index]`` under a parent of ``kind``, made once (False: over the span
@@ -672,67 +674,86 @@ _MAX_STATS_BLOCKS = 8  # per module sequence: dtypes or structures that change f
 
 
 class _StatsBlock:
-    """A whole forward whose every call has attributes (statistics), as one ``_Block``, and what a later forward
-    of the same module sequence must match to share it: the same attribute keys in the same order, the same
-    values other than floats and shapes (of the same types: True, 1 and 1.0 are equal in Python, not on the wire)
-    and shapes of the same ranks. Compared for the whole forward at once, as flat tuples: no Python step per call.
-    ``block`` None: such a forward does not fit a block (values of other types, over the span limits)."""
+    """A whole forward whose every call has attributes (statistics), encoded once (``payload``: a protobuf
+    ``_Block``, or OTLP/JSON text with its slots' order), and what a later forward of the same module sequence must
+    match to share it: the same attribute keys in the same order, the same values other than floats and shapes (of
+    the same types: True, 1 and 1.0 are equal in Python, not on the wire) and shapes of the same ranks (equal
+    shapes where they are text: ``literal_dims``). Compared for the whole forward at once, as flat tuples: no
+    Python step per call. ``payload`` None: such a forward does not fit a block (values of other types, over the
+    span limits)."""
 
-    __slots__ = ("keys", "block", "others", "other_values", "other_types", "floats", "dims", "ranks")
+    __slots__ = ("keys", "payload", "others", "other_values", "other_types", "floats", "dims", "dims_values",
+                 "ranks", "literal_dims")  # fmt: skip
 
-    def __init__(self, keys: tuple, block: _Block | None = None, slots: tuple = ((), (), ()), values: tuple = ()):
+    def __init__(
+        self, keys: tuple, payload: Any = None, slots: tuple = ((), (), ()), values: tuple = (), literal_dims=False
+    ) -> None:
         self.keys = keys
-        self.block = block
+        self.payload = payload
         float_at, dims_at, other_at = slots  # positions in the forward's flat attribute values
         self.floats, self.dims, self.others = _getter(float_at), _getter(dims_at), _getter(other_at)
         self.other_values = self.others(values)
         self.other_types = tuple(map(type, self.other_values))
-        self.ranks = tuple(map(len, self.dims(values)))
+        self.dims_values = self.dims(values)
+        self.ranks = tuple(map(len, self.dims_values))
+        self.literal_dims = literal_dims
 
     def match(self, keys: tuple, values: tuple) -> bool:
         if keys != self.keys:
             return False
-        if self.block is None:
+        if self.payload is None:
             return True
         others = self.others(values)
         if others != self.other_values or tuple(map(type, others)) != self.other_types:
             return False
+        dims = self.dims(values)
+        if self.literal_dims:  # equal, and plain ints (1.0 == 1, and True == 1, would be written otherwise)
+            return dims == self.dims_values and _INT_TYPES.issuperset(map(type, chain.from_iterable(dims)))
         try:
-            return tuple(map(len, self.dims(values))) == self.ranks
+            return tuple(map(len, dims)) == self.ranks
         except TypeError:  # a shape's place holds something without a length
             return False
 
 
-def _stats_block(batch: CallBatch, root: int, trace_state: str | None, timing: _TimingTemplates, limits: _Limits):
-    """(block, its floats, its shapes) for a whole forward whose every call has attributes, or None (the per-call
-    templates then encode it). Made from the first forward of its kind; ``_slots_fit`` checks the floats and
-    shapes of every forward that shares it."""
+def shared_stats_block(batch: CallBatch, cache: dict, limits: _Limits, make: Any) -> tuple[_StatsBlock, tuple] | None:
+    """(the block that a whole forward whose every call has attributes shares, the forward's flat attribute values),
+    or None: the per-call templates then encode it. ``cache``: blocks by module sequence, root kind and limits;
+    ``make(keys, values)`` makes a forward's block the first time its kind is seen, up to ``_MAX_STATS_BLOCKS`` kinds
+    per sequence (values that keep changing, such as shapes written as text, take the per-call path after that)."""
     attributes = batch.attributes
     if None in attributes or not _is_whole_forward(batch):
         return None
     keys = tuple(chain.from_iterable(attributes))
     values = tuple(chain.from_iterable(map(dict.values, attributes)))
-    cache_key = (tuple(batch.module), root, limits.attributes, limits.value_length)
-    candidates = timing.stats_blocks.get(cache_key)
+    cache_key = (tuple(batch.module), root_kind(batch), limits.attributes, limits.value_length)
+    candidates = cache.get(cache_key)
     for candidate in candidates or ():
         if candidate.match(keys, values):
-            if candidate.block is None:
-                return None
-            return candidate.block, candidate.floats(values), candidate.dims(values)
-    made = _make_stats_block(batch, keys, values, trace_state, limits)
+            return (candidate, values) if candidate.payload is not None else None
     if candidates is None:
-        if len(timing.stats_blocks) >= _MAX_VARIANTS:
-            timing.stats_blocks.clear()
-        candidates = timing.stats_blocks[cache_key] = []
+        if len(cache) >= _MAX_VARIANTS:
+            cache.clear()
+        candidates = cache[cache_key] = []
     if len(candidates) >= _MAX_STATS_BLOCKS:
-        candidates.clear()
-    candidates.append(made)
-    if made.block is None:
         return None
-    return made.block, made.floats(values), made.dims(values)
+    made = make(keys, values)
+    candidates.append(made)
+    return (made, values) if made.payload is not None else None
 
 
-def _make_stats_block(batch: CallBatch, keys: tuple, values: tuple, trace_state: str | None, limits: _Limits):
+def _stats_block(batch: CallBatch, trace_state: str | None, timing: _TimingTemplates, limits: _Limits):
+    """(block, its floats, its shapes) for a whole forward whose every call has attributes, or None. ``_slots_fit``
+    checks the floats and shapes of every forward that shares a block."""
+    found = shared_stats_block(
+        batch, timing.stats_blocks, limits, partial(_make_stats_block, batch, trace_state=trace_state, limits=limits)
+    )
+    if found is None:
+        return None
+    block, values = found
+    return block.payload, block.floats(values), block.dims(values)
+
+
+def _make_stats_block(batch: CallBatch, keys: tuple, values: tuple, *, trace_state: str | None, limits: _Limits):
     """The block of a forward with statistics: its calls' templates, those of the per-call path (float values and
     shapes in slots); a refusal (``block`` None) where a call is over the span limits or a value has a type that
     equality cannot key."""
@@ -879,7 +900,7 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytearray | No
             blocks.append((len(rows), block, batch, (), ()))
             rows.append(block.row)
             continue
-        stats = _stats_block(batch, root, trace_state, timing, limits)
+        stats = _stats_block(batch, trace_state, timing, limits)
         if stats is not None:
             block, block_floats, block_dims = stats
             blocks.append((len(rows), block, batch, block_floats, block_dims))

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -34,16 +35,20 @@ from torchtrace._otlp_encoding import (
     _INT64_MIN,
     _MAX_VARIANTS,
     _ROOT,
+    _SCALAR_TYPES,
     _bounded,
     _from_columns,
+    _is_dims,
     _Limits,
     _over_limits,
     _Shape,
+    _StatsBlock,
     _trace_state_str,
     cached_shape,
     exception_attributes,
     is_timing_forward,
     root_kind,
+    shared_stats_block,
     timing_call,
     timing_templates_of,
 )
@@ -230,25 +235,109 @@ def _templated_text(
     ``make_call`` gives the call itself where a template is made or a span does not fit one (rare)."""
     if len(attributes) > max_attributes or _over_limits(attributes, limits):
         return _dumps(_span(make_call(), trace_state, limits))
+    found = _json_template(name, attributes, has_parent, remote, trace_state, make_call)
+    if found is None:  # a type marshal does not know (numpy scalars...): built one by one
+        return _dumps(_span(make_call(), trace_state, limits))
+    template, shape, values = found
+    floats = shape.floats(values)
+    if not _fits(floats):
+        return _dumps(_span(make_call(), trace_state, limits))
+    if template.has_parent:
+        return template.text % (ids + floats)
+    return template.text % ((ids[0], ids[1], ids[3], ids[4]) + floats)
+
+
+def _fits(floats: tuple) -> bool:
+    """Whether the values for a template's float slots are all finite floats (a float slot holding something else
+    this time, or NaN / Inf, written as strings: the span is built as a dict)."""
+    return _FLOAT.issuperset(map(type, floats)) and math.isfinite(sum(floats))
+
+
+def _json_template(
+    name: str,
+    attributes: Mapping[str, Any],
+    has_parent: bool,
+    remote: bool,
+    trace_state: str | None,
+    make_call: Callable[[], ModuleCall],
+) -> tuple[_Template, _Shape, tuple] | None:
+    """(template, its ``_Shape``, the attribute values) of a span within the span limits, cached per name, parent
+    kind, trace state and attribute keys, then per non-float values; None where marshal cannot key the values."""
     values = tuple(attributes.values())
     key = (name, has_parent, remote, trace_state, tuple(attributes))
     shape = cached_shape(_shapes, key, values, dims=False)
-    floats = shape.floats(values)
     try:
         variant = marshal.dumps(shape.others(values), 2)  # equal keys, equal text: marshal tells True, 1, 1.0 apart
-    except ValueError:  # a type marshal does not know (numpy scalars...): built one by one
-        return _dumps(_span(make_call(), trace_state, limits))
-    if not _FLOAT.issuperset(map(type, floats)) or not math.isfinite(sum(floats)):
-        # a float slot holding something else this time, or NaN / Inf (written as strings): built as a dict
-        return _dumps(_span(make_call(), trace_state, limits))
+    except ValueError:
+        return None
     template = shape.variants.get(variant)
     if template is None:
         if len(shape.variants) >= _MAX_VARIANTS:
             shape.variants.clear()
         template = shape.variants[variant] = _Template(make_call(), trace_state, shape.float_positions)
-    if template.has_parent:
-        return template.text % (ids + floats)
-    return template.text % ((ids[0], ids[1], ids[3], ids[4]) + floats)
+    return template, shape, values
+
+
+def _stats_block_text(batch: CallBatch, trace_state: str | None, limits: _Limits) -> str | None:
+    """The spans of a whole forward whose every call has attributes (statistics), from one ``%`` format shared by
+    the forwards of its kind (``_otlp_encoding.shared_stats_block``): its ids, times and floats picked from one flat
+    tuple by one itemgetter, formatted in one C-level call. None: the per-call templates then write it."""
+    if not _from_columns(batch):
+        return None
+    cache = timing_templates_of(batch.modules, trace_state).json_stats_blocks
+    found = shared_stats_block(batch, cache, limits, partial(_make_stats_block, batch, trace_state, limits))
+    if found is None:
+        return None
+    block, values = found
+    if not _fits(block.floats(values)):
+        return None
+    text, gather = block.payload
+    ids = batch.span_id
+    parent_ids = map(ids.__getitem__, batch.parent[1:])
+    source = (batch.trace_id, *ids, batch.root_parent_id, *parent_ids, *batch.start_ns, *batch.end_ns, *values)
+    return text % gather(source)
+
+
+def _make_stats_block(batch: CallBatch, trace_state: str | None, limits: _Limits, keys: tuple, values: tuple):
+    """A forward's block: its calls' templates joined, and where each slot's value is in the flat tuple
+    ``_stats_block_text`` builds (trace id; span ids; parent ids, the root's first; starts; ends; attribute values).
+    Shapes are text here: a later forward shares the block only with equal shapes."""
+    n = len(batch.module)
+    max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
+    texts: list[str] = []
+    order: list[int] = []
+    float_at: list[int] = []
+    dims_at: list[int] = []
+    other_at: list[int] = []
+    at = 0
+    for position, attrs in enumerate(batch.attributes):
+        if len(attrs) > max_attributes or _over_limits(attrs, limits):
+            return _StatsBlock(keys)
+        info = batch.modules[batch.module[position]]
+        parent = batch.parent[position]
+        has_parent = parent >= 0 or batch.root_parent_id != 0
+        remote = parent < 0 and batch.parent_is_remote
+        found = _json_template(info.path or info.type_name, attrs, has_parent, remote, trace_state,
+                               partial(batch._make, position))  # fmt: skip
+        if found is None:
+            return _StatsBlock(keys)
+        template, shape, vals = found
+        order += [0, 1 + position, 1 + n + position] if template.has_parent else [0, 1 + position]
+        order += [1 + 2 * n + position, 1 + 3 * n + position]
+        for i, value in enumerate(vals):
+            if i in shape.float_positions:
+                float_at.append(at + i)
+                order.append(1 + 4 * n + at + i)
+            elif _is_dims(value):
+                dims_at.append(at + i)
+            elif type(value) in _SCALAR_TYPES or (type(value) is tuple and not value):  # (): a scalar's shape
+                other_at.append(at + i)
+            else:
+                return _StatsBlock(keys)
+        texts.append(template.text)
+        at += len(vals)
+    payload = (",".join(texts), itemgetter(*order))
+    return _StatsBlock(keys, payload, (float_at, dims_at, other_at), values, literal_dims=True)
 
 
 def _block_text(batch: CallBatch, limits: _Limits) -> str | None:
@@ -322,6 +411,9 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     for segment in calls.segments if isinstance(calls, Calls) else [calls]:
         if isinstance(segment, CallBatch) and not segment.made:
             block = _block_text(segment, limits)
+            if block is None and segment.attributes.count(None) != len(segment.attributes):
+                trace_state = _trace_state_str(segment.trace_state) if segment.trace_state is not None else None
+                block = _stats_block_text(segment, trace_state, limits)
             if block is not None:
                 spans.append(block)
             else:
@@ -344,4 +436,4 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     tail = "]}]"
     if resource.schema_url:
         tail += ',"schemaUrl":' + _dumps(resource.schema_url)
-    return head + ",".join(spans) + tail + "}]}"
+    return "".join((head, ",".join(spans), tail, "}]}"))  # one copy of the spans, not one per "+"
