@@ -39,7 +39,7 @@ _MAX_SHAPES = 10_000  # ever-new shapes (a new sequence length per request) stop
 
 
 class StatComputer:
-    """Computes the chosen statistics of a tensor; keeps one result per tensor object while it is unchanged.
+    """Computes the chosen statistics of a tensor; recognises the last two tensors it summarised while unchanged.
 
     Torch dispatch costs microseconds per op, so on CPU small tensors are not reduced one by one: the hook copies
     their values (a later in-place op cannot change the copy) and ``finish_forward`` reduces all copies of a
