@@ -770,18 +770,30 @@ def _make_stats_block(batch: CallBatch, keys: tuple, values: tuple, *, trace_sta
         if found is None:
             return _StatsBlock(keys)
         template, shape, vals = found
-        for i, value in enumerate(vals):
-            if i in shape.float_positions:
-                float_at.append(at + i)
-            elif i in shape.dims_positions:
-                dims_at.append(at + i)
-            elif type(value) in _SCALAR_TYPES or (type(value) is tuple and not value):  # (): a scalar's shape
-                other_at.append(at + i)
-            else:
-                return _StatsBlock(keys)
+        if not value_slots(vals, shape.float_positions, shape.dims_positions, at, (float_at, dims_at, other_at)):
+            return _StatsBlock(keys)
         templates.append(template)
         at += len(vals)
     return _StatsBlock(keys, _Block(templates), (float_at, dims_at, other_at), values)
+
+
+def value_slots(
+    vals: tuple, float_positions: Any, dims_positions: Any, at: int, slots: tuple[list, list, list]
+) -> bool:
+    """Adds the positions (offset by ``at`` in the forward's flat values) of one call's attribute values to
+    ``slots``: (floats, shapes, others). False where an other value has a type equality cannot key (a block then
+    refuses the forward)."""
+    float_at, dims_at, other_at = slots
+    for i, value in enumerate(vals):
+        if i in float_positions:
+            float_at.append(at + i)
+        elif i in dims_positions:
+            dims_at.append(at + i)
+        elif type(value) in _SCALAR_TYPES or (type(value) is tuple and not value):  # (): a scalar's shape
+            other_at.append(at + i)
+        else:
+            return False
+    return True
 
 
 def _timing_block(batch: CallBatch, root: int, timing: _TimingTemplates, limits: _Limits) -> Any:

@@ -35,7 +35,6 @@ from torchtrace._otlp_encoding import (
     _INT64_MIN,
     _MAX_VARIANTS,
     _ROOT,
-    _SCALAR_TYPES,
     _bounded,
     _from_columns,
     _is_dims,
@@ -51,6 +50,7 @@ from torchtrace._otlp_encoding import (
     shared_stats_block,
     timing_call,
     timing_templates_of,
+    value_slots,
 )
 
 __all__ = ["encode_otlp_json"]
@@ -278,12 +278,13 @@ def _json_template(
     return template, shape, values
 
 
-def _stats_block_text(batch: CallBatch, trace_state: str | None, limits: _Limits) -> str | None:
+def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
     """The spans of a whole forward whose every call has attributes (statistics), from one ``%`` format shared by
     the forwards of its kind (``_otlp_encoding.shared_stats_block``): its ids, times and floats picked from one flat
     tuple by one itemgetter, formatted in one C-level call. None: the per-call templates then write it."""
     if not _from_columns(batch):
         return None
+    trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
     cache = timing_templates_of(batch.modules, trace_state).json_stats_blocks
     found = shared_stats_block(batch, cache, limits, partial(_make_stats_block, batch, trace_state, limits))
     if found is None:
@@ -322,18 +323,12 @@ def _make_stats_block(batch: CallBatch, trace_state: str | None, limits: _Limits
         if found is None:
             return _StatsBlock(keys)
         template, shape, vals = found
+        floats_before = len(float_at)
+        shapes = {i for i, value in enumerate(vals) if _is_dims(value)}  # text here, compared whole
+        if not value_slots(vals, shape.float_positions, shapes, at, (float_at, dims_at, other_at)):
+            return _StatsBlock(keys)
         order += [0, 1 + position, 1 + n + position] if template.has_parent else [0, 1 + position]
-        order += [1 + 2 * n + position, 1 + 3 * n + position]
-        for i, value in enumerate(vals):
-            if i in shape.float_positions:
-                float_at.append(at + i)
-                order.append(1 + 4 * n + at + i)
-            elif _is_dims(value):
-                dims_at.append(at + i)
-            elif type(value) in _SCALAR_TYPES or (type(value) is tuple and not value):  # (): a scalar's shape
-                other_at.append(at + i)
-            else:
-                return _StatsBlock(keys)
+        order += [1 + 2 * n + position, 1 + 3 * n + position, *(1 + 4 * n + i for i in float_at[floats_before:])]
         texts.append(template.text)
         at += len(vals)
     payload = (",".join(texts), itemgetter(*order))
@@ -410,10 +405,7 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     spans = []
     for segment in calls.segments if isinstance(calls, Calls) else [calls]:
         if isinstance(segment, CallBatch) and not segment.made:
-            block = _block_text(segment, limits)
-            if block is None and segment.attributes.count(None) != len(segment.attributes):
-                trace_state = _trace_state_str(segment.trace_state) if segment.trace_state is not None else None
-                block = _stats_block_text(segment, trace_state, limits)
+            block = _block_text(segment, limits) or _stats_block_text(segment, limits)
             if block is not None:
                 spans.append(block)
             else:
