@@ -32,7 +32,7 @@ from torchtrace._hooks import (
     SummaryMarker,
     output_summaries,
 )
-from torchtrace._stats import resolve
+from torchtrace._stats import StatTable, resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 from torchtrace._worker import WORKER
 
@@ -52,28 +52,52 @@ class CallInterrupted(BaseException):
 _prefixed_keys: dict[tuple, tuple[str, ...]] = {}  # (prefix, tensor name, stat keys) -> attribute keys
 
 
-def _stat_attributes(attributes: dict, prefix: str, summaries: dict[str, dict] | None) -> None:
+def _stat_attributes(
+    attributes: dict, prefix: str, summaries: dict[str, dict] | None, table: StatTable | None = None
+) -> None:
     if not summaries:
         return
     for name, stats in summaries.items():
         if isinstance(name, SummaryMarker):  # truncated, a feature's error: not a tensor
             attributes.update((f"{prefix}.{key}", value) for key, value in stats.items())
         else:
-            _tensor_attributes(attributes, prefix, name, stats)
+            _tensor_attributes(attributes, prefix, name, stats, table)
 
 
-def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict) -> None:
-    """One tensor's statistics as ``<prefix>[.<name>].<stat>`` attributes."""
+def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, table: StatTable | None) -> None:
+    """One tensor's statistics as ``<prefix>[.<name>].<stat>`` attributes; the values of a tensor whose statistics
+    are a row of the forward's ``table`` come from the row (its stats dict is left as it is: it may be shared)."""
     if "_pending" in stats:
         resolve(stats)
-    cache_key = (prefix, name, *stats)
+    in_table = "_row" in stats
+    cache_key = (prefix, name, table.columns, *stats) if in_table else (prefix, name, *stats)
     keys = _prefixed_keys.get(cache_key)
     if keys is None:
         if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
             _prefixed_keys.clear()
         base = f"{prefix}.{name}" if name else prefix
-        keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in stats)
-    attributes.update(zip(keys, stats.values()))
+        names = [*list(stats)[:-1], *table.columns] if in_table else stats  # "_row": the dict's last key
+        keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in names)
+    if in_table:
+        values = [*stats.values()]
+        values[-1:] = table.rows()[values[-1]]
+        attributes.update(zip(keys, values))
+    else:
+        attributes.update(zip(keys, stats.values()))
+
+
+def fill_table_rows(forward: RawForward) -> None:
+    """Puts the values of every statistics row of a forward into the stats dicts naming them, for readers of the
+    dicts themselves (the NaN / Inf producer's search)."""
+    table = forward.stat_table
+    if table is None:
+        return
+    for entry in forward.entries:
+        if entry[OUTPUT_STATS] is not None:
+            table.fill(entry[OUTPUT_STATS])
+        for summaries in (entry[OUTPUTS], entry[INPUTS]):
+            for stats in (summaries or {}).values():
+                table.fill(stats)
 
 
 def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> CallBatch:
@@ -100,6 +124,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     # spans show execution on the device, nested as the events were recorded on one stream.
     origin = entries[0][START_EVENT] if device is not None and device.timer is not None else None
     origin_ns = entries[0][START]
+    table = forward.stat_table
     for position, (
         module,
         start,
@@ -133,11 +158,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
                 "torchtrace.module.type": info.type_name,
             }
             if output_stats is not None:
-                _tensor_attributes(attributes, OUTPUT_PREFIX, "", output_stats)
+                _tensor_attributes(attributes, OUTPUT_PREFIX, "", output_stats, table)
             if outputs:
-                _stat_attributes(attributes, OUTPUT_PREFIX, outputs)
+                _stat_attributes(attributes, OUTPUT_PREFIX, outputs, table)
             if inputs:
-                _stat_attributes(attributes, INPUT_PREFIX, inputs)
+                _stat_attributes(attributes, INPUT_PREFIX, inputs, table)
             if attrs:
                 for name, value in attrs.items():
                     if isinstance(value, (str, bool, int, float)):
@@ -152,9 +177,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     batch.span_id = _span_ids(n)
     batch.hi = n
     # the hot path says when no statistic of the forward counted NaN or Inf: nothing to look at per call
-    if not forward.all_finite and any(map(_has_nonfinite_output, entries)):
-        outputs = [output_summaries(entry) for entry in entries]
-        _mark_first_nonfinite_output(batch, outputs, [entry[INPUTS] for entry in entries])
+    if not forward.all_finite:
+        fill_table_rows(forward)
+        if any(map(_has_nonfinite_output, entries)):
+            outputs = [output_summaries(entry) for entry in entries]
+            _mark_first_nonfinite_output(batch, outputs, [entry[INPUTS] for entry in entries])
     if release:
         _release(forward)
     return batch
@@ -239,6 +266,8 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
     def resolved(summaries: dict | None) -> dict | None:
         return summaries and {name: resolve(stats) for name, stats in summaries.items()}
 
+    for fw in record.forwards:
+        fill_table_rows(fw)
     forward = _first_nonfinite(
         (entry[END] or 0, entry, resolved(output_summaries(entry)), resolved(entry[INPUTS]))
         for fw in record.forwards

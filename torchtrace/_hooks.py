@@ -25,7 +25,7 @@ from torchtrace._calls import error_text
 from torchtrace._config import Options
 from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
-from torchtrace._stats import StatComputer, find_tensors
+from torchtrace._stats import StatComputer, StatTable, find_tensors
 
 _UNKNOWN = object()
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
@@ -75,6 +75,7 @@ class RawForward:
     clock_offset_ns: int  # epoch ns = perf_counter ns + offset
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
+    stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
 
 
 class _ThreadState:
@@ -370,13 +371,15 @@ class HookRecorder:
         entries = state.entries
         state.entries = []
         state.root_frame = None
-        rows, all_finite = state.stats.finish_forward()
+        rows, all_finite, table = state.stats.finish_forward()
         device = None
         if rows or state.timer is not None:
             device = DeviceWork(rows, state.timer)
             if state.timer is not None and entries[0][END_EVENT] is not None:
                 device.done.append(entries[0][END_EVENT])
-        forward = RawForward(entries, state.parent, threading.get_ident(), state.clock_offset_ns, device, all_finite)
+        forward = RawForward(
+            entries, state.parent, threading.get_ident(), state.clock_offset_ns, device, all_finite, table
+        )
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
             if state.timer is not None:

@@ -11,7 +11,7 @@ import ctypes
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite",
+        "_rows_for", "sample", "_all_finite", "_columns",
     )  # fmt: skip
 
     def __init__(
@@ -83,11 +83,13 @@ class StatComputer:
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
+        self._columns = tuple(name for name in _NUMERIC if name in self.wanted)  # of the forward's StatTable
 
-    def finish_forward(self) -> tuple[list[StatRows], bool]:
-        """Fills the statistics of every small tensor copied during this forward, then forgets the copies; starts
-        the copy of the device rows to the host and returns them (read by ``resolve`` once copied), and whether no
-        tensor of the forward is known to hold NaN or Inf (then nothing needs looking for its first producer)."""
+    def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
+        """Reduces every small tensor copied during this forward into the forward's ``StatTable`` (a row each, which
+        its stats dict names), then forgets the copies; starts the copy of the device rows to the host and returns
+        them (read by ``resolve`` once copied); and says whether no tensor of the forward is known to hold NaN or Inf
+        (then nothing needs looking for its first producer)."""
         self._forget_recent()
         all_finite, self._all_finite = self._all_finite, True
         groups = _size_groups(self._copies, self._filled)
@@ -96,21 +98,35 @@ class StatComputer:
             if staging.count:
                 groups.append((staging.values[: staging.count], staging.filled))
                 staging.count, staging.filled = 0, []
-        for values, filled in groups:
-            try:
-                all_finite = _batched_stats(values, filled, self.wanted) and all_finite
-            except Exception as error:  # a statistic must never break the user's forward
-                for stats in filled:
-                    stats["stats_error"] = error_text(error)
+        table, finite = self._table_of(groups) if groups else (None, True)
+        all_finite = finite and all_finite
         if any(staging.values.nbytes > _MAX_STAGING_BYTES for staging in self._staging.values()):
             self._staging.clear()  # a forward with very many small tensors: its rows are not kept for the next
         if not self._rows:
-            return [], all_finite
+            return [], all_finite, table
         rows = list(self._rows.values())
         self._rows = {}
         for device_rows in rows:
             device_rows.seal()
-        return rows, False  # read once on the host
+        return rows, False, table  # read once on the host
+
+    def _table_of(self, groups: list[tuple[np.ndarray, list[dict]]]) -> tuple[StatTable | None, bool]:
+        """The forward's small tensors reduced group by group into one table, each stats dict given its row (None
+        if every group failed); and whether no row holds NaN or Inf."""
+        values = np.empty((sum(len(filled) for _, filled in groups), len(self._columns)))
+        first, all_finite = 0, True
+        for copies, filled in groups:
+            try:
+                values[first : first + len(filled)], finite = _stat_rows(copies, self._columns)
+            except Exception as error:  # a statistic must never break the user's forward
+                for stats in filled:
+                    stats["stats_error"] = error_text(error)
+                continue
+            all_finite = finite and all_finite
+            for row, stats in enumerate(filled, first):
+                stats["_row"] = row  # last: resolve puts the row's values in its place
+            first += len(filled)
+        return (StatTable(values, self._columns) if first else None), all_finite
 
     def _device_rows(self, device: torch.device) -> StatRows:
         if self._rows_for is not None:
@@ -193,17 +209,13 @@ class StatComputer:
         return stats
 
 
-_FLOAT_STATS = ("mean", "std", "min", "max", "abs_max", "norm", "zero_fraction")
 _COPIED_AS_IS = frozenset((torch.float32, torch.float64))  # numpy reads them as they are (see _as_real_float)
-
-
-_COLUMN = {name: index for index, name in enumerate(_FLOAT_STATS)}
 
 
 _BATCH_AT_LEAST = 6  # tensors of one size worth the vectorised path (measured break-even: ~5)
 
 
-def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> bool:
+def _one_stats(values: np.ndarray, wanted: Container[str], stats: dict[str, Any]) -> bool:
     """One small copy, reduced with a few numpy calls; False if it holds NaN or Inf."""
     values = values.astype(np.float64)
     n = values.size
@@ -211,7 +223,7 @@ def _one_stats(values: np.ndarray, wanted: frozenset, stats: dict[str, Any]) -> 
         total, squares = float(values.sum()), float(values @ values)
         low, high = float(values.min()), float(values.max())
         mean = total / n
-        centered_square = squares - total * mean  # as in _batched_stats: the second pass only where it cancels
+        centered_square = squares - total * mean  # as in _stat_rows: the second pass only where it cancels
         if not centered_square >= 0.5 * squares:
             centered = values - mean
             centered_square = float(centered @ centered)
@@ -243,15 +255,18 @@ def _size_groups(copies: list[np.ndarray], filled: list[dict]) -> list[tuple[np.
     return [(np.stack(rows), stats) for rows, stats in groups.values()]
 
 
-def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) -> bool:
-    """Reduces the small tensors of one size of a forward together, in numpy (a torch op's dispatch costs more than
-    numpy's whole reduction of a small array): a few vectorised reductions over the rows ``values``, row ``i``
-    filling ``filled[i]``. False if a row holds NaN or Inf."""
+def _stat_rows(values: np.ndarray, columns: tuple[str, ...]) -> tuple[np.ndarray, bool]:
+    """The statistics ``columns`` of each row of ``values`` (the small tensors of one size of a forward), reduced
+    together in numpy (a torch op's dispatch costs more than numpy's whole reduction of a small array): one row of
+    float64 each (NaN and Inf counts too); and whether no row holds NaN or Inf."""
+    if len(values) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
+        rows, all_finite = [], True
+        for row in values:
+            stats: dict[str, Any] = {}
+            all_finite = _one_stats(row, columns, stats) and all_finite
+            rows.append([stats[name] for name in columns])
+        return np.array(rows, dtype=np.float64).reshape(len(values), len(columns)), all_finite
     n = values.shape[1]
-    if len(filled) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
-        return all([_one_stats(row, wanted, stats) for row, stats in zip(values, filled)])
-    keys = [key for key in _FLOAT_STATS if key in wanted]
-    pick = [_COLUMN[key] for key in keys]
     values = values.astype(np.float64)  # one pass: exact for what _as_real_float leaves
     with np.errstate(all="ignore"):  # inf - inf is NaN, as in torch; never a warning in the user's process
         sums = values.sum(1)
@@ -264,38 +279,22 @@ def _batched_stats(values: np.ndarray, filled: list[dict], wanted: frozenset) ->
         cancels = ~(centered_squares >= 0.5 * squares)
         if cancels.any():
             centered_squares[cancels] = _row_dots(values[cancels] - mean[cancels, None])
-        table = np.stack(
-            [
-                mean,
-                np.sqrt(np.maximum(centered_squares, 0.0) / max(n - 1, 1)),  # torch.std; 0 for one element
-                lows,
-                highs,
-                np.maximum(np.abs(lows), np.abs(highs)),
-                np.sqrt(squares),
-                1 - np.add.reduce(values != 0, axis=1, dtype=np.int32) / n,  # NaN counts, -0.0 not
-            ],
-            axis=1,
-        )
-    rows = table[:, pick].tolist()
-    counts_wanted = [key for key in ("nan_count", "inf_count") if key in wanted]
-    if counts_wanted:
-        if np.isfinite(squares).all():  # a NaN or Inf anywhere makes its sum of squares so
-            zeros = dict.fromkeys(counts_wanted, 0)
-            for stats, row in zip(filled, rows):
-                stats.update(zip(keys, row))
-                stats.update(zeros)
-            return True
-        counts = np.stack([np.isnan(values).sum(1), np.isinf(values).sum(1)], axis=1)
-        for stats, row, (nan_count, inf_count) in zip(filled, rows, counts.tolist()):
-            stats.update(zip(keys, row))
-            if "nan_count" in wanted:
-                stats["nan_count"] = nan_count
-            if "inf_count" in wanted:
-                stats["inf_count"] = inf_count
-        return not counts.any()
-    for stats, row in zip(filled, rows):
-        stats.update(zip(keys, row))
-    return True  # not counted: nothing to point at
+        all_finite = bool(np.isfinite(squares).all())  # a NaN or Inf anywhere makes its sum of squares so
+        computed = {  # only the columns asked for are computed
+            "mean": lambda: mean,
+            "std": lambda: np.sqrt(np.maximum(centered_squares, 0.0) / max(n - 1, 1)),  # torch.std; 0 for one element
+            "min": lambda: lows,
+            "max": lambda: highs,
+            "abs_max": lambda: np.maximum(np.abs(lows), np.abs(highs)),
+            "norm": lambda: np.sqrt(squares),
+            "nan_count": lambda: 0 if all_finite else np.isnan(values).sum(1),
+            "inf_count": lambda: 0 if all_finite else np.isinf(values).sum(1),
+            "zero_fraction": lambda: 1 - np.add.reduce(values != 0, axis=1, dtype=np.int32) / n,  # NaN counts, -0.0 not
+        }
+        table = np.empty((len(values), len(columns)))
+        for index, name in enumerate(columns):
+            table[:, index] = computed[name]()
+    return table, all_finite
 
 
 class _Staging:
@@ -322,6 +321,38 @@ class _Staging:
         self.filled.append(stats)
 
 
+class StatTable:
+    """A forward's statistics of its small CPU tensors, reduced together when the forward ends: a row per tensor
+    (float64; ``columns``: the numeric statistics asked for, in ``STAT_NAMES`` order). The tensor's stats dict holds
+    its shape, dtype and device, then ``"_row"``: its row, whose values take that key's place (``fill``, or read
+    straight from ``rows()`` by ``resolve``). Held by the ``RawForward``; nothing per tensor on the hot path."""
+
+    __slots__ = ("values", "columns", "_rows")
+
+    def __init__(self, values: np.ndarray, columns: tuple[str, ...]) -> None:
+        self.values = values
+        self.columns = columns
+        self._rows: list[list] | None = None
+
+    def rows(self) -> list[list]:
+        """Every row as a list of Python values: floats, the NaN / Inf counts as ints. Made once."""
+        if self._rows is None:
+            typed = self.values.astype(object)
+            for index, name in enumerate(self.columns):
+                if name in _COUNTS:
+                    typed[:, index] = self.values[:, index].astype(np.int64)
+            self._rows = typed.tolist()
+        return self._rows
+
+    def fill(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """A stats dict that names a row of this table, with the row's values in place of the name."""
+        row = stats.pop("_row", None)
+        if row is not None:
+            stats.update(zip(self.columns, self.rows()[row]))
+        return stats
+
+
+_COUNTS = frozenset(("nan_count", "inf_count"))
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _MAX_STAGING_BYTES = 16 << 20  # rows kept between forwards at most per dtype and size
 _memmove = ctypes.memmove
@@ -403,7 +434,8 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     values = _flat_values(x)
     mean_v = float(x.sum()) / n  # torch's cascade sum: numpy's float32 sum is slower here
     low_v, high_v = float(values.min()), float(values.max())  # NaN if any is NaN, as torch.aminmax
-    squares = float(values @ values)
+    with np.errstate(all="ignore"):  # a float32 square past 3.4e38 is inf, as in torch; never a warning
+        squares = float(values @ values)
     nan_v = inf_v = 0
     if not math.isfinite(squares):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
         nan_v = int(np.count_nonzero(np.isnan(values)))
