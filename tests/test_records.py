@@ -526,3 +526,49 @@ def test_records_of_forwards_traced_without_statistics_read_back_as_delivered() 
             assert getattr(kept, field.name) == getattr(original, field.name), field.name
     assert [call.span_id for call in inner] == [call.span_id for call in delivered[-12:] if call.path == "1.0"]
     assert second.span_id == delivered[-11].span_id
+
+
+class Emit(nn.Module):
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self) -> object:
+        return self.value
+
+
+class WithQuietChild(nn.Module):
+    """Three calls with statistics and one whose output is no tensor (a call with only its module path and type)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.quiet = Emit(None)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.quiet()
+        return self.relu(self.linear(x))
+
+
+def test_records_of_forwards_with_statistics_read_back_as_delivered() -> None:
+    """Such a forward is kept as one packed tuple of its columns and its calls' attributes; reading it back gives
+    the calls delivered, attribute values and their types included, past max_records too (a forward cut in two)."""
+    delivered = []
+    model = WithQuietChild()
+    with torchtrace.instrument(model, exporter="none", sinks=[delivered.extend], max_records=10) as handle:
+        for _ in range(4):
+            model(torch.randn(2, 4))
+        handle.flush()
+        records, linear = handle.records, handle["linear"]
+    assert len(records) == 10 and handle.dropped_records == 6
+    for kept, original in zip(records, delivered[-10:], strict=True):
+        for field in fields(ModuleCall):
+            assert getattr(kept, field.name) == getattr(original, field.name), field.name
+        assert list(kept.attributes.items()) == list(original.attributes.items())
+        assert [type(value) for value in kept.attributes.values()] == [
+            type(value) for value in original.attributes.values()
+        ]
+    assert records[-3].attributes == {"torchtrace.module.path": "quiet", "torchtrace.module.type": "Emit"}
+    assert [call.span_id for call in linear] == [call.span_id for call in delivered[-10:] if call.path == "linear"]
+    assert linear[-1].attributes["torchtrace.output.nan_count"] == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
@@ -105,7 +106,7 @@ class CallBatch(Sequence[ModuleCall]):
 
     __slots__ = (
         "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "attributes", "sparse", "trace_id",
-        "root_parent_id", "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_made",
+        "root_parent_id", "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_made", "_flat",
     )  # fmt: skip
 
     def __init__(self, modules: Sequence[Any], trace_id: int, root_parent_id: int, parent_is_remote: bool,
@@ -127,6 +128,7 @@ class CallBatch(Sequence[ModuleCall]):
         self.thread_id = thread_id
         self.lo, self.hi = 0, 0
         self._made: list = [None]  # the ModuleCall objects once made, shared by every view of these columns
+        self._flat: list = [None]  # flat_attributes() once made, shared likewise
 
     @property
     def made(self) -> bool:
@@ -190,6 +192,22 @@ class CallBatch(Sequence[ModuleCall]):
             self.end_ns[lo:hi],
         )
 
+    def flat_attributes(self) -> tuple[tuple, tuple, tuple]:
+        """(each call's number of attributes, all their keys, all their values) of every call of the columns (not
+        only of this view), in call order; made once. What the records keep of a forward and what its encoded block
+        is matched by; the counts and keys are interned (the forwards of a model repeat them)."""
+        flat = self._flat[0]
+        if flat is None:
+            attributes = self.attributes
+            if None in attributes:
+                attributes = [attrs or _NO_ATTRIBUTES for attrs in attributes]
+            flat = self._flat[0] = (
+                interned(tuple(map(len, attributes))),
+                interned(tuple(chain.from_iterable(attributes))),
+                tuple(chain.from_iterable(map(dict.values, attributes))),
+            )
+        return flat
+
     def error(self, i: int) -> BaseException | None:
         sparse = self.sparse.get(i)
         return sparse[0] if sparse is not None else None
@@ -222,6 +240,19 @@ class CallBatch(Sequence[ModuleCall]):
 
 
 NO_EXTRAS = (None, None, None, None, None)  # a call with no error, no user values, no captures
+_NO_ATTRIBUTES: dict = {}  # in flat_attributes(): a call with only its module path and type
+_MAX_INTERNED = 10_000  # attribute layouts kept interned (ever-new output structures: start over)
+_interned_tuples: dict[tuple, tuple] = {}
+
+
+def interned(values: tuple) -> tuple:
+    """The one tuple kept equal to ``values`` (bounded): repeated layouts share one object, compared by identity."""
+    kept = _interned_tuples.get(values)
+    if kept is None:
+        if len(_interned_tuples) >= _MAX_INTERNED:
+            _interned_tuples.clear()
+        kept = _interned_tuples[values] = values
+    return kept
 
 
 class Calls(Sequence[ModuleCall]):

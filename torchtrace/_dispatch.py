@@ -49,7 +49,8 @@ class CallInterrupted(BaseException):
     """Stands in for an exception torch did not show the hooks (e.g. KeyboardInterrupt)."""
 
 
-_prefixed_keys: dict[tuple, tuple[str, ...]] = {}  # (prefix, tensor name, stat keys) -> attribute keys
+# (prefix, tensor name, stat keys) -> (attribute keys, the StatTable columns they end with, if a row's)
+_prefixed_keys: dict[tuple, tuple[tuple[str, ...], tuple | None]] = {}
 
 
 def _stat_attributes(
@@ -70,20 +71,21 @@ def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, ta
     if "_pending" in stats:
         resolve(stats)
     in_table = "_row" in stats
-    cache_key = (prefix, name, table.columns, *stats) if in_table else (prefix, name, *stats)
-    keys = _prefixed_keys.get(cache_key)
-    if keys is None:
+    cache_key = (prefix, name, *stats)
+    cached = _prefixed_keys.get(cache_key)
+    if cached is None or (in_table and cached[1] is not table.columns):
         if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
             _prefixed_keys.clear()
         base = f"{prefix}.{name}" if name else prefix
         names = [*list(stats)[:-1], *table.columns] if in_table else stats  # "_row": the dict's last key
-        keys = _prefixed_keys[cache_key] = tuple(f"{base}.{key}" for key in names)
+        columns = table.columns if in_table else None
+        cached = _prefixed_keys[cache_key] = (tuple(f"{base}.{key}" for key in names), columns)
     if in_table:
         values = [*stats.values()]
         values[-1:] = table.rows()[values[-1]]
-        attributes.update(zip(keys, values))
+        attributes.update(zip(cached[0], values))
     else:
-        attributes.update(zip(keys, stats.values()))
+        attributes.update(zip(cached[0], stats.values()))
 
 
 def fill_table_rows(forward: RawForward) -> None:

@@ -699,7 +699,7 @@ class _StatsBlock:
         self.literal_dims = literal_dims
 
     def match(self, keys: tuple, values: tuple) -> bool:
-        if keys != self.keys:
+        if keys is not self.keys and keys != self.keys:  # interned: the same object, forward after forward
             return False
         if self.payload is None:
             return True
@@ -720,11 +720,9 @@ def shared_stats_block(batch: CallBatch, cache: dict, limits: _Limits, make: Any
     or None: the per-call templates then encode it. ``cache``: blocks by module sequence, root kind and limits;
     ``make(keys, values)`` makes a forward's block the first time its kind is seen, up to ``_MAX_STATS_BLOCKS`` kinds
     per sequence (values that keep changing, such as shapes written as text, take the per-call path after that)."""
-    attributes = batch.attributes
-    if None in attributes or not _is_whole_forward(batch):
+    if None in batch.attributes or not _is_whole_forward(batch):
         return None
-    keys = tuple(chain.from_iterable(attributes))
-    values = tuple(chain.from_iterable(map(dict.values, attributes)))
+    _, keys, values = batch.flat_attributes()  # made once for the records and every encoder
     cache_key = (tuple(batch.module), root_kind(batch), limits.attributes, limits.value_length)
     candidates = cache.get(cache_key)
     for candidate in candidates or ():

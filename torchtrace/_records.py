@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
-from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall
+from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned
 
 _logger = logging.getLogger(__name__)
 
@@ -38,15 +38,13 @@ _HEAD_SIZE = 8
 _KEYS = _HEAD_SIZE + 10  # the attribute keys follow the fields, the attribute values follow them
 _KIND = _KEYS - 1
 _TENSORS = _KEYS - 3  # "tensors", then "module_attributes"
-_MAX_KEY_TUPLES = 10_000  # attribute layouts kept interned (ever-new output structures: start over)
-_key_tuples: dict[tuple, tuple] = {}
 
 
 def pack(call: ModuleCall) -> tuple:
     """``call`` as one tuple: GC-untracked once it survives a collection, when all its values are atomic."""
     attributes = call.attributes
     # flat: a tuple inside a tuple is untracked one collection later than it (the inner one is visited last)
-    return (*_HEAD(call), *_TAIL(call), _interned(tuple(attributes)), *attributes.values())
+    return (*_HEAD(call), *_TAIL(call), interned(tuple(attributes)), *attributes.values())
 
 
 _TIMING_KEYS = ("torchtrace.module.path", "torchtrace.module.type")
@@ -66,16 +64,7 @@ def pack_columns(batch: CallBatch) -> Iterator[tuple]:
         if attributes is None:
             yield (*head, _TIMING_KEYS, info.path, info.type_name)
         else:
-            yield (*head, _interned(tuple(attributes)), *attributes.values())
-
-
-def _interned(keys: tuple) -> tuple:
-    interned = _key_tuples.get(keys)
-    if interned is None:
-        if len(_key_tuples) >= _MAX_KEY_TUPLES:
-            _key_tuples.clear()
-        interned = _key_tuples[keys] = keys
-    return interned
+            yield (*head, interned(tuple(attributes)), *attributes.values())
 
 
 def unpack(packed: tuple) -> ModuleCall:
@@ -87,8 +76,8 @@ def unpack(packed: tuple) -> ModuleCall:
 class RecordStore:
     """The latest ``max_records`` calls, in call order (oldest dropped first).
 
-    A forward whose calls carry only their module path and type is kept as one flat tuple of its columns (a few
-    atomic values per call, packed in C); any other call as its own packed tuple. Both are untracked by the
+    A whole forward with no error, user value or capture is kept as one flat tuple of its columns and its calls'
+    attribute keys and values (packed in C); any other call as its own packed tuple. Both are untracked by the
     garbage collector; ``ModuleCall`` objects are made when the records are read.
     """
 
@@ -103,7 +92,7 @@ class RecordStore:
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
         records = self._records
         for segment in calls.segments if isinstance(calls, Calls) else [calls]:
-            if _timing_only(segment):
+            if _whole_forward(segment):
                 records.append(self._pack_forward(segment))
             elif isinstance(segment, CallBatch) and not segment.made:
                 records.extend(pack_columns(segment))
@@ -114,28 +103,42 @@ class RecordStore:
             self._drop_oldest(self._count - self.max_records)
 
     def _pack_forward(self, batch: CallBatch) -> tuple:
+        """A forward's calls as one flat tuple: its columns, then (when a call has attributes) the number of
+        attributes of each call, all their keys (interned: forwards of one model repeat them) and all their values."""
         self._modules.setdefault(id(batch.modules), batch.modules)
-        lo, hi = batch.lo, batch.hi
-        return (_FORWARD, hi - lo, id(batch.modules), batch.trace_id, batch.root_parent_id, batch.parent_is_remote,
-                batch.trace_flags, batch.thread_id, *batch.module[lo:hi], *batch.depth[lo:hi], *batch.parent[lo:hi],
-                *batch.start_ns[lo:hi], *batch.end_ns[lo:hi], *batch.span_id[lo:hi])  # fmt: skip
+        hi = batch.hi
+        columns = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id,
+                   *batch.module[:hi], *batch.depth[:hi], *batch.parent[:hi], *batch.start_ns[:hi],
+                   *batch.end_ns[:hi], *batch.span_id[:hi])  # fmt: skip
+        if not any(batch.attributes[:hi]):
+            return (_FORWARD, hi, id(batch.modules), *columns)
+        counts, keys, values = batch.flat_attributes()
+        return (_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *columns, counts, keys, *values)
 
     def _calls_of(self, packed: tuple) -> list[tuple]:
         """A packed forward as packed calls (a packed call as itself)."""
         if type(packed[0]) is not int:  # a packed call starts with its path
             return [packed]
-        _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
+        kind, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
         modules = self._modules[modules_id]
         columns = [packed[_FORWARD_HEAD + i * n : _FORWARD_HEAD + (i + 1) * n] for i in range(6)]
+        if kind == _FORWARD_WITH_ATTRIBUTES:
+            counts, keys = packed[_FORWARD_HEAD + 6 * n : _FORWARD_HEAD + 6 * n + 2]
+            values = packed[_FORWARD_HEAD + 6 * n + 2 :]
         calls = []
         span_ids = columns[5]
-        for index, depth, parent, start, end, span_id in zip(*columns):
+        at = 0
+        for position, (index, depth, parent, start, end, span_id) in enumerate(zip(*columns)):
             info = modules[index]
             parent_id = span_ids[parent] if parent >= 0 else root_parent
-            call = (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
-                    parent < 0 and remote, flags, None, None, None, None, None, "forward", _TIMING_KEYS, info.path,
-                    info.type_name)  # fmt: skip
-            calls.append(call)
+            head = (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
+                    parent < 0 and remote, flags, None, None, None, None, None, "forward")  # fmt: skip
+            count = counts[position] if kind == _FORWARD_WITH_ATTRIBUTES else 0
+            if count:
+                calls.append((*head, keys[at : at + count], *values[at : at + count]))
+                at += count
+            else:
+                calls.append((*head, _TIMING_KEYS, info.path, info.type_name))
         return calls
 
     def _drop_oldest(self, excess: int) -> None:
@@ -185,15 +188,19 @@ class RecordStore:
 
 
 _FORWARD = 0  # first value of a packed forward (an int: a packed call starts with its path, a str)
-_FORWARD_HEAD = 8  # (_FORWARD, calls, id(modules), trace id, root parent id, remote, flags, thread id), columns
+_FORWARD_WITH_ATTRIBUTES = 1  # the same, followed by its calls' attributes
+_FORWARD_HEAD = 8  # (kind, calls, id(modules), trace id, root parent id, remote, flags, thread id), columns
 
 
-def _timing_only(segment: Sequence[ModuleCall]) -> bool:
-    """Columns whose calls carry only the module path and type: no statistics, error, user values, trace state."""
+def _whole_forward(segment: Sequence[ModuleCall]) -> bool:
+    """Columns of a whole forward with nothing but attributes (or the first calls of one with none): no error, user
+    value, capture or trace state (what a packed forward leaves out)."""
     if not isinstance(segment, CallBatch) or segment.made or segment.trace_state is not None or segment.lo:
         return False  # (a view from the first call on: parent positions stay inside the packed columns)
-    lo, hi = segment.lo, segment.hi
-    return not any(segment.attributes[lo:hi]) and not any(lo <= position < hi for position in segment.sparse)
+    hi = segment.hi
+    if hi < len(segment.module) and any(segment.attributes[:hi]):
+        return False
+    return not any(position < hi for position in segment.sparse)
 
 
 def _holds_objects(packed: tuple) -> bool:
