@@ -159,6 +159,55 @@ def test_a_forwards_small_tensors_whose_reduction_fails_say_so_and_keep_shape_dt
     assert_stats_match(got, emits[3].value)
 
 
+class Emitted(torch.Tensor):
+    """A tensor subclass: its memory is not read as a plain tensor's."""
+
+
+def test_tensors_of_a_kind_seen_before_in_another_layout_each_equal_torch_forward_after_forward():
+    """Once a kind of tensor (dtype, shape) has been copied as a plain contiguous tensor, the next of that kind is
+    copied without deciding again: one of the same kind that is a view, a negative view or a subclass still gets its
+    own values, in the same forward and in the next."""
+    torch.manual_seed(7)
+    makes = [
+        lambda: torch.randn(4, 6),
+        lambda: torch.randn(6, 4).t(),
+        lambda: torch._neg_view(torch.randn(4, 6)),
+        lambda: torch.randn(4, 6).as_subclass(Emitted),
+        lambda: torch.randn(4, 6, dtype=torch.float64),
+        lambda: torch.randn(4, 6),
+    ]
+    emits = nn.ModuleList(Emit() for _ in makes)
+    model = nn.Sequential(*emits)
+    with capture_spans(model) as captured:
+        for _ in range(2):
+            for emit, make in zip(emits, makes):
+                emit.value = make()
+            model(None)
+            for i, emit in enumerate(emits):
+                span = captured.spans_named(str(i))[-1]
+                got = {key.removeprefix("torchtrace.output."): value for key, value in span.attributes.items()}
+                expected = emit.value.as_subclass(torch.Tensor) if isinstance(emit.value, Emitted) else emit.value
+                assert_stats_match(got, expected, rel=1e-9 if expected.dtype == torch.float64 else 1e-5)
+
+
+def test_small_tensors_keep_their_values_when_a_forward_had_too_many_rows_to_keep(monkeypatch):
+    """Rows kept between forwards are dropped after a forward that needed more than ``_MAX_STAGING_BYTES`` (with
+    what was decided about each kind of tensor): the next forward's tensors are summarised anew."""
+    monkeypatch.setattr(_stats, "_MAX_STAGING_BYTES", 256)
+    emits = nn.ModuleList(Emit() for _ in range(8))
+    model = nn.Sequential(*emits)
+    with capture_spans(model) as captured:
+        for seed in (1, 2, 3):
+            torch.manual_seed(seed)
+            for emit in emits:
+                emit.value = torch.randn(32)
+            model(None)
+            for i, emit in enumerate(emits):
+                span = captured.spans_named(str(i))[-1]
+                got = {key.removeprefix("torchtrace.output."): value for key, value in span.attributes.items()}
+                assert_stats_match(got, emit.value)
+
+
 def test_a_large_tensor_takes_the_same_values_as_torch():
     torch.manual_seed(1)
     tensor = torch.randn(300, 300) * 0.01 + 5

@@ -49,7 +49,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite", "_columns",
+        "_rows_for", "sample", "_all_finite", "_columns", "_staged",
     )  # fmt: skip
 
     def __init__(
@@ -84,6 +84,9 @@ class StatComputer:
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
         self._columns = tuple(name for name in _NUMERIC if name in self.wanted)  # of the forward's StatTable
+        # (dtype, shape, layout) of a plain CPU tensor that was staged -> (its stats before the values, its rows):
+        # what every tensor of that kind gets, decided once, so the next one costs a lookup and a copy
+        self._staged: dict[tuple, tuple[dict, _Staging]] = {}
 
     def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
         """Reduces every small tensor copied during this forward into the forward's ``StatTable`` (a row each, which
@@ -102,6 +105,7 @@ class StatComputer:
         all_finite = finite and all_finite
         if any(staging.values.nbytes > _MAX_STAGING_BYTES for staging in self._staging.values()):
             self._staging.clear()  # a forward with very many small tensors: its rows are not kept for the next
+            self._staged.clear()
         if not self._rows:
             return [], all_finite, table
         rows = list(self._rows.values())
@@ -157,6 +161,20 @@ class StatComputer:
         self._last_stats = self._previous_stats = {}
 
     def _compute(self, tensor: torch.Tensor) -> dict[str, Any]:
+        if type(tensor) is torch.Tensor and tensor.is_cpu:
+            staged = self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
+            # raw memory as numpy would read it: contiguous, no lazy negation (a neg view)
+            if staged is not None and tensor.is_contiguous() and not tensor.is_neg():
+                head, staging = staged
+                stats = head.copy()
+                try:
+                    staging.add(tensor, stats)
+                except Exception as error:  # a statistic must never break the user's forward
+                    stats["stats_error"] = error_text(error)
+                return stats
+        return self._compute_in_full(tensor)
+
+    def _compute_in_full(self, tensor: torch.Tensor) -> dict[str, Any]:
         stats: dict[str, Any] = {}
         if self._shape:
             # a jagged nested tensor's ragged dimension is symbolic: -1 there, as an int-array attribute must be
@@ -194,6 +212,8 @@ class StatComputer:
                         staging = self._staging.get((dtype, n))
                         if staging is None:
                             staging = self._staging[dtype, n] = _Staging(dtype, n)
+                        if not (self.extra or tensor.is_nested) and len(self._staged) < _MAX_STAGED_KINDS:
+                            self._staged[dtype, tensor.shape, tensor.layout] = (dict(stats), staging)
                         staging.add(tensor, stats)
                     else:
                         self._copies.append(_numpy_copy(tensor.detach()))
@@ -355,6 +375,7 @@ class StatTable:
 _COUNTS = frozenset(("nan_count", "inf_count"))
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _MAX_STAGING_BYTES = 16 << 20  # rows kept between forwards at most per dtype and size
+_MAX_STAGED_KINDS = 1024  # (dtype, shape) kinds remembered (a new sequence length per request: no more past this)
 _memmove = ctypes.memmove
 
 
