@@ -43,6 +43,7 @@ INPUT_PREFIX = "torchtrace.input"
 GRAD_OUTPUT_PREFIX = "torchtrace.grad_output"
 GRAD_INPUT_PREFIX = "torchtrace.grad_input"
 ATTRIBUTE_PREFIX = "torchtrace.module_attribute"
+_PATH_KEY, _TYPE_KEY = "torchtrace.module.path", "torchtrace.module.type"
 
 
 class CallInterrupted(BaseException):
@@ -88,6 +89,19 @@ def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, ta
         attributes.update(zip(cached[0], stats.values()))
 
 
+_row_keys: dict[tuple, tuple[str, ...]] = {}  # (stats keys, table columns) -> a call's attribute keys
+
+
+def _row_keys_of(stats: dict, table: StatTable) -> tuple[str, ...]:
+    """The attribute keys of a call whose only statistics are its output's row of ``table``: path, type, the
+    stats dict's keys before "_row", the table's columns."""
+    if len(_row_keys) > 10_000:  # ever-new layouts: stay bounded
+        _row_keys.clear()
+    names = [*list(stats)[:-1], *table.columns]
+    keys = _row_keys[(*stats, table.columns)] = (_PATH_KEY, _TYPE_KEY, *(f"{OUTPUT_PREFIX}.{name}" for name in names))
+    return keys
+
+
 def fill_table_rows(forward: RawForward) -> None:
     """Puts the values of every statistics row of a forward into the stats dicts naming them, for readers of the
     dicts themselves (the NaN / Inf producer's search)."""
@@ -127,6 +141,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     origin = entries[0][START_EVENT] if device is not None and device.timer is not None else None
     origin_ns = entries[0][START]
     table = forward.stat_table
+    table_rows = table.rows() if table is not None else None
     for position, (
         module,
         start,
@@ -153,12 +168,18 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         end_column.append((end if end is not None else start) + offset)
         parent_column.append(parent_position)
         depth_column.append(depth_column[parent_position] + 1 if parent_position >= 0 else 0)
-        if outputs or inputs or attrs or output_stats is not None:
+        if output_stats is not None and "_row" in output_stats and not (outputs or inputs or attrs):
+            # the usual call with statistics: one tensor out, its values a row of the forward's table
             info = modules[module]
-            attributes: dict[str, Any] = {
-                "torchtrace.module.path": info.path,
-                "torchtrace.module.type": info.type_name,
-            }
+            keys = _row_keys.get((*output_stats, table.columns))
+            if keys is None:
+                keys = _row_keys_of(output_stats, table)
+            values = [info.path, info.type_name, *output_stats.values()]
+            values[-1:] = table_rows[values[-1]]  # "_row", the dict's last key: the row's values in its place
+            attribute_column.append(dict(zip(keys, values)))
+        elif outputs or inputs or attrs or output_stats is not None:
+            info = modules[module]
+            attributes: dict[str, Any] = {_PATH_KEY: info.path, _TYPE_KEY: info.type_name}
             if output_stats is not None:
                 _tensor_attributes(attributes, OUTPUT_PREFIX, "", output_stats, table)
             if outputs:
