@@ -18,6 +18,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace import _stats
+from torchtrace._dispatch import resolve_forward
 from torchtrace._handle import _live_handles
 from torchtrace._stats import StatComputer
 from torchtrace._worker import WORKER
@@ -558,6 +559,30 @@ def test_statistics_add_no_object_per_call_for_the_collector_while_the_forward_r
                 gc.enable()
         grown[stats] = last.count - first.count
     assert grown[True] - grown[False] <= 5
+
+
+def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
+    """The worker turns a forward's statistics into its calls' attributes, a drain of forwards at a time: what it
+    makes per call must not be tracked by the collector either (a list per statistics row, alive until the drain
+    is resolved, was promoted towards full collections: benchmarks/latency.py)."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(50)])
+    with torchtrace.instrument(model, exporter="none") as handle:
+        dispatcher = handle._dispatcher
+        with WORKER._condition:  # the worker holds still: the forwards wait in the buffer
+            for _ in range(2):
+                model(torch.randn(1, 8))
+            warm, forward = dispatcher.buffer.take_all()
+        resolve_forward(warm, dispatcher.modules)  # attribute keys seen once
+        gc.collect()
+        gc.disable()
+        try:
+            before = len(gc.get_objects())
+            batch = resolve_forward(forward, dispatcher.modules)
+            grown = len(gc.get_objects()) - before
+        finally:
+            gc.enable()
+    assert len(batch.attributes) == 51 and all(not gc.is_tracked(attributes) for attributes in batch.attributes)
+    assert grown < 25, grown  # the batch's columns, not an object per call
 
 
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():

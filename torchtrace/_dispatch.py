@@ -83,7 +83,7 @@ def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, ta
         cached = _prefixed_keys[cache_key] = (tuple(f"{base}.{key}" for key in names), columns)
     if in_table:
         values = [*stats.values()]
-        values[-1:] = table.rows()[values[-1]]
+        values[-1:] = table.row(values[-1])
         attributes.update(zip(cached[0], values))
     else:
         attributes.update(zip(cached[0], stats.values()))
@@ -141,7 +141,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     origin = entries[0][START_EVENT] if device is not None and device.timer is not None else None
     origin_ns = entries[0][START]
     table = forward.stat_table
-    table_rows = table.rows() if table is not None else None
+    table_values = table.values_list() if table is not None else None
+    width = table.width if table is not None else 0
     for position, (
         module,
         start,
@@ -175,7 +176,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             if keys is None:
                 keys = _row_keys_of(output_stats, table)
             values = [info.path, info.type_name, *output_stats.values()]
-            values[-1:] = table_rows[values[-1]]  # "_row", the dict's last key: the row's values in its place
+            start = values[-1] * width  # "_row", the dict's last key: the row's values in its place
+            values[-1:] = table_values[start : start + width]
             attribute_column.append(dict(zip(keys, values)))
         elif outputs or inputs or attrs or output_stats is not None:
             info = modules[module]

@@ -345,30 +345,38 @@ class StatTable:
     """A forward's statistics of its small CPU tensors, reduced together when the forward ends: a row per tensor
     (float64; ``columns``: the numeric statistics asked for, in ``STAT_NAMES`` order). The tensor's stats dict holds
     its shape, dtype and device, then ``"_row"``: its row, whose values take that key's place (``fill``, or read
-    straight from ``rows()`` by ``resolve``). Held by the ``RawForward``; nothing per tensor on the hot path."""
+    straight from ``values_list()`` by ``resolve``). Held by the ``RawForward``; nothing per tensor on the hot
+    path."""
 
-    __slots__ = ("values", "columns", "_rows")
+    __slots__ = ("values", "columns", "width", "_list")
 
     def __init__(self, values: np.ndarray, columns: tuple[str, ...]) -> None:
         self.values = values
         self.columns = columns
-        self._rows: list[list] | None = None
+        self.width = len(columns)
+        self._list: list | None = None
 
-    def rows(self) -> list[list]:
-        """Every row as a list of Python values: floats, the NaN / Inf counts as ints. Made once."""
-        if self._rows is None:
+    def values_list(self) -> list:
+        """Every value, row after row, as Python values (floats; the NaN / Inf counts as ints): row ``i`` is
+        ``[i * width : (i + 1) * width]``. Made once, one list (a list per row would be as many objects for the
+        garbage collector to track while the forward's batch is resolved)."""
+        if self._list is None:
             typed = self.values.astype(object)
             for index, name in enumerate(self.columns):
                 if name in _COUNTS:
                     typed[:, index] = self.values[:, index].astype(np.int64)
-            self._rows = typed.tolist()
-        return self._rows
+            self._list = typed.ravel().tolist()
+        return self._list
+
+    def row(self, index: int) -> list:
+        start = index * self.width
+        return self.values_list()[start : start + self.width]
 
     def fill(self, stats: dict[str, Any]) -> dict[str, Any]:
         """A stats dict that names a row of this table, with the row's values in place of the name."""
         row = stats.pop("_row", None)
         if row is not None:
-            stats.update(zip(self.columns, self.rows()[row]))
+            stats.update(zip(self.columns, self.row(row)))
         return stats
 
 
