@@ -104,7 +104,7 @@ def _row_keys_of(stats: dict, table: StatTable) -> tuple[str, ...]:
 
 def fill_table_rows(forward: RawForward) -> None:
     """Puts the values of every statistics row of a forward into the stats dicts naming them, for readers of the
-    dicts themselves (the NaN / Inf producer's search)."""
+    dicts themselves (the NaN / Inf producer's search, a training step's verdict)."""
     table = forward.stat_table
     if table is None:
         return
@@ -176,8 +176,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             if keys is None:
                 keys = _row_keys_of(output_stats, table)
             values = [info.path, info.type_name, *output_stats.values()]
-            start = values[-1] * width  # "_row", the dict's last key: the row's values in its place
-            values[-1:] = table_values[start : start + width]
+            first = values[-1] * width  # "_row", the dict's last key: the row's values in its place
+            values[-1:] = table_values[first : first + width]
             attribute_column.append(dict(zip(keys, values)))
         elif outputs or inputs or attrs or output_stats is not None:
             info = modules[module]
