@@ -44,6 +44,7 @@ GRAD_OUTPUT_PREFIX = "torchtrace.grad_output"
 GRAD_INPUT_PREFIX = "torchtrace.grad_input"
 ATTRIBUTE_PREFIX = "torchtrace.module_attribute"
 _PATH_KEY, _TYPE_KEY = "torchtrace.module.path", "torchtrace.module.type"
+_CALL_KEYS = (_PATH_KEY, _TYPE_KEY)
 
 
 class CallInterrupted(BaseException):
@@ -52,6 +53,26 @@ class CallInterrupted(BaseException):
 
 # (prefix, tensor name, stat keys) -> (attribute keys, the StatTable columns they end with, if a row's)
 _prefixed_keys: dict[tuple, tuple[tuple[str, ...], tuple | None]] = {}
+# the same for a call whose only statistics are its output's table row, its path and type keys first
+_row_call_keys: dict[tuple, tuple[tuple[str, ...], tuple | None]] = {}
+
+
+def _keys_of(
+    cache: dict, cache_key: tuple, prefix: str, name: str, stats: dict, table: StatTable | None, head: tuple = ()
+) -> tuple[str, ...]:
+    """``head``, then ``<prefix>[.<name>].<stat>`` for each statistic of ``stats`` (a table row's columns in place of
+    its "_row", the dict's last key); cached under ``cache_key`` with the table's columns (compared by identity)."""
+    columns = table.columns if "_row" in stats else None
+    cached = cache.get(cache_key)
+    if cached is not None and cached[1] is columns:
+        return cached[0]
+    if len(cache) > 10_000:  # output structures with ever-new keys: stay bounded
+        cache.clear()
+    base = f"{prefix}.{name}" if name else prefix
+    names = [*list(stats)[:-1], *columns] if columns is not None else stats
+    keys = (*head, *(f"{base}.{key}" for key in names))
+    cache[cache_key] = (keys, columns)
+    return keys
 
 
 def _stat_attributes(
@@ -71,35 +92,13 @@ def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, ta
     are a row of the forward's ``table`` come from the row (its stats dict is left as it is: it may be shared)."""
     if "_pending" in stats:
         resolve(stats)
-    in_table = "_row" in stats
-    cache_key = (prefix, name, *stats)
-    cached = _prefixed_keys.get(cache_key)
-    if cached is None or (in_table and cached[1] is not table.columns):
-        if len(_prefixed_keys) > 10_000:  # output structures with ever-new keys: stay bounded
-            _prefixed_keys.clear()
-        base = f"{prefix}.{name}" if name else prefix
-        names = [*list(stats)[:-1], *table.columns] if in_table else stats  # "_row": the dict's last key
-        columns = table.columns if in_table else None
-        cached = _prefixed_keys[cache_key] = (tuple(f"{base}.{key}" for key in names), columns)
-    if in_table:
+    keys = _keys_of(_prefixed_keys, (prefix, name, *stats), prefix, name, stats, table)
+    if "_row" in stats:
         values = [*stats.values()]
         values[-1:] = table.row(values[-1])
-        attributes.update(zip(cached[0], values))
+        attributes.update(zip(keys, values))
     else:
-        attributes.update(zip(cached[0], stats.values()))
-
-
-_row_keys: dict[tuple, tuple[str, ...]] = {}  # (stats keys, table columns) -> a call's attribute keys
-
-
-def _row_keys_of(stats: dict, table: StatTable) -> tuple[str, ...]:
-    """The attribute keys of a call whose only statistics are its output's row of ``table``: path, type, the
-    stats dict's keys before "_row", the table's columns."""
-    if len(_row_keys) > 10_000:  # ever-new layouts: stay bounded
-        _row_keys.clear()
-    names = [*list(stats)[:-1], *table.columns]
-    keys = _row_keys[(*stats, table.columns)] = (_PATH_KEY, _TYPE_KEY, *(f"{OUTPUT_PREFIX}.{name}" for name in names))
-    return keys
+        attributes.update(zip(keys, stats.values()))
 
 
 def fill_table_rows(forward: RawForward) -> None:
@@ -172,9 +171,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         if output_stats is not None and "_row" in output_stats and not (outputs or inputs or attrs):
             # the usual call with statistics: one tensor out, its values a row of the forward's table
             info = modules[module]
-            keys = _row_keys.get((*output_stats, table.columns))
-            if keys is None:
-                keys = _row_keys_of(output_stats, table)
+            keys = _keys_of(_row_call_keys, (*output_stats,), OUTPUT_PREFIX, "", output_stats, table, _CALL_KEYS)
             values = [info.path, info.type_name, *output_stats.values()]
             first = values[-1] * width  # "_row", the dict's last key: the row's values in its place
             values[-1:] = table_values[first : first + width]

@@ -119,21 +119,20 @@ class RecordStore:
         """A packed forward as packed calls (a packed call as itself)."""
         if type(packed[0]) is not int:  # a packed call starts with its path
             return [packed]
-        kind, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
+        _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
         modules = self._modules[modules_id]
         columns = [packed[_FORWARD_HEAD + i * n : _FORWARD_HEAD + (i + 1) * n] for i in range(6)]
-        if kind == _FORWARD_WITH_ATTRIBUTES:
-            counts, keys = packed[_FORWARD_HEAD + 6 * n : _FORWARD_HEAD + 6 * n + 2]
-            values = packed[_FORWARD_HEAD + 6 * n + 2 :]
+        # a forward without attributes ends with its columns: no call has any
+        counts, keys = packed[_FORWARD_HEAD + 6 * n : _FORWARD_HEAD + 6 * n + 2] or ((0,) * n, ())
+        values = packed[_FORWARD_HEAD + 6 * n + 2 :]
         calls = []
         span_ids = columns[5]
         at = 0
-        for position, (index, depth, parent, start, end, span_id) in enumerate(zip(*columns)):
+        for index, depth, parent, start, end, span_id, count in zip(*columns, counts):
             info = modules[index]
             parent_id = span_ids[parent] if parent >= 0 else root_parent
             head = (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
                     parent < 0 and remote, flags, None, None, None, None, None, "forward")  # fmt: skip
-            count = counts[position] if kind == _FORWARD_WITH_ATTRIBUTES else 0
             if count:
                 calls.append((*head, keys[at : at + count], *values[at : at + count]))
                 at += count
