@@ -539,10 +539,10 @@ class TrackedObjects(nn.Module):
 
 
 @pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
-def test_statistics_add_no_object_per_call_for_the_collector_while_the_forward_runs(mode):
+def test_a_call_adds_no_object_for_the_collector_while_the_forward_runs(mode):
     """What a forward's calls hold until the worker takes them is promoted towards a full collection whenever a
-    young collection runs meanwhile (benchmarks/latency.py): with statistics on, a call adds no tracked object
-    beyond its own entry."""
+    young collection runs meanwhile (benchmarks/latency.py): a call adds no tracked object, with statistics or
+    without (the hot path writes columns of plain values)."""
     grown = {}
     for stats in (False, True):
         first, last = TrackedObjects(), TrackedObjects()
@@ -558,7 +558,7 @@ def test_statistics_add_no_object_per_call_for_the_collector_while_the_forward_r
             finally:
                 gc.enable()
         grown[stats] = last.count - first.count
-    assert grown[True] - grown[False] <= 5
+    assert grown[False] <= 3 and grown[True] <= 3, grown  # 51 calls in between
 
 
 def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():

@@ -19,18 +19,18 @@ from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink
 from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
-    END,
+    ATTRIBUTES,
+    END_EVENT,
+    ERROR,
+    INPUT_VALUE,
     INPUTS,
-    MODULE,
-    OUTPUT_STATS,
+    OUTPUT_VALUE,
     OUTPUTS,
-    PARENT,
-    START,
     START_EVENT,
+    TENSORS,
     ModuleInfo,
     RawForward,
     SummaryMarker,
-    output_summaries,
 )
 from torchtrace._stats import StatTable, resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
@@ -107,10 +107,10 @@ def fill_table_rows(forward: RawForward) -> None:
     table = forward.stat_table
     if table is None:
         return
-    for entry in forward.entries:
-        if entry[OUTPUT_STATS] is not None:
-            table.fill(entry[OUTPUT_STATS])
-        for summaries in (entry[OUTPUTS], entry[INPUTS]):
+    for stats in forward.output_stats.values():
+        table.fill(stats)
+    for extras in forward.extras.values():
+        for summaries in (extras[OUTPUTS], extras[INPUTS]):
             for stats in (summaries or {}).values():
                 table.fill(stats)
 
@@ -121,63 +121,94 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
 
     ``release``: give its device buffers and events back afterwards (a step keeps them for its backward).
     """
-    parent = forward.parent if forward.parent is not None else INVALID_SPAN_CONTEXT
+    parent = forward.context if forward.context is not None else INVALID_SPAN_CONTEXT
     if parent.is_valid:
         trace_id, root_parent_id = parent.trace_id, parent.span_id
         flags, trace_state = int(parent.trace_flags), parent.trace_state
     else:
         trace_id, root_parent_id, flags, trace_state = random.getrandbits(128) or 1, 0, 1, None
-    entries = forward.entries
     batch = CallBatch(modules, trace_id, root_parent_id, parent.is_remote, flags, trace_state, forward.thread_id)
-    n = len(entries)
+    n = len(forward.module)
     offset = forward.clock_offset_ns
-    module_column, start_column, end_column = batch.module, batch.start_ns, batch.end_ns
-    parent_column, depth_column, attribute_column = batch.parent, batch.depth, batch.attributes
+    starts, ends = _times(forward)
+    batch.module = forward.module  # the hot path is done with its columns: shared, not copied
+    batch.parent = parents = forward.parent
+    batch.start_ns = [start + offset for start in starts]
+    batch.end_ns = [(start if end is None else end) + offset for start, end in zip(starts, ends)]
+    depth = batch.depth = [0] * n
+    for position in range(1, n):
+        parent_position = parents[position]
+        if parent_position >= 0:
+            depth[position] = depth[parent_position] + 1
+    batch.attributes = _attributes(forward, modules)
     sparse = batch.sparse
-    device = forward.device
-    # Device timing: each call's start is placed after the root's host start by the events' distance, so the
-    # spans show execution on the device, nested as the events were recorded on one stream.
-    origin = entries[0][START_EVENT] if device is not None and device.timer is not None else None
-    origin_ns = entries[0][START]
+    for position in sorted(forward.extras):
+        extras = forward.extras[position]
+        error, output_value, input_value = extras[ERROR], extras[OUTPUT_VALUE], extras[INPUT_VALUE]
+        tensors, attrs = extras[TENSORS], extras[ATTRIBUTES]
+        if not (error is None and output_value is None and input_value is None and tensors is None and attrs is None):
+            if error is not None and error == "interrupted":
+                error = CallInterrupted("call interrupted")
+            sparse[position] = [error, output_value, input_value, tensors, attrs]
+    batch.span_id = _span_ids(n)
+    batch.hi = n
+    # the hot path says when no statistic of the forward counted NaN or Inf: nothing to look at per call
+    if not forward.all_finite:
+        fill_table_rows(forward)
+        if any(map(_has_nonfinite, forward.output_stats.values())) or any(
+            _nonfinite(extras[OUTPUTS]) is not None for extras in forward.extras.values()
+        ):
+            outputs = [forward.output_summaries(position) for position in range(n)]
+            _mark_first_nonfinite_output(batch, outputs, [forward.extra(position, INPUTS) for position in range(n)])
+    if release:
+        _release(forward)
+    return batch
+
+
+def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
+    """Each call's start and end, perf_counter ns. With device timing, each call timed by events is placed after
+    the root's host start by the events' distance, so the spans show execution on the device, nested as the
+    events were recorded on one stream."""
+    starts, ends = forward.start, forward.end
+    origin = forward.extra(0, START_EVENT) if forward.device is not None and forward.device.timer else None
+    if origin is None:
+        return starts, ends
+    starts, ends = list(starts), list(ends)
+    origin_ns = starts[0]
+    for position, extras in forward.extras.items():
+        start_event, end_event = extras[START_EVENT], extras[END_EVENT]
+        if start_event is not None:
+            start, end = starts[position], ends[position]
+            host_duration = (end if end is not None else start) - start
+            starts[position] = start = origin_ns + elapsed_ns(origin, start_event)
+            ends[position] = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
+    return starts, ends
+
+
+def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict | None]:
+    """Each call's span attributes, None for a call with only its module path and type."""
+    column: list[dict | None] = [None] * len(forward.module)
+    all_stats, all_extras = forward.output_stats, forward.extras
+    if not all_stats and not all_extras:
+        return column
+    module_of = forward.module
     table = forward.stat_table
     table_values = table.values_list() if table is not None else None
     width = table.width if table is not None else 0
-    for position, (
-        module,
-        start,
-        end,
-        parent_position,
-        _,
-        outputs,
-        inputs,
-        error,
-        output_value,
-        input_value,
-        attrs,
-        tensors,
-        output_stats,
-        start_event,
-        end_event,
-    ) in enumerate(entries):
-        if origin is not None and start_event is not None:
-            host_duration = (end if end is not None else start) - start
-            start = origin_ns + elapsed_ns(origin, start_event)
-            end = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
-        module_column.append(module)
-        start_column.append(start + offset)
-        end_column.append((end if end is not None else start) + offset)
-        parent_column.append(parent_position)
-        depth_column.append(depth_column[parent_position] + 1 if parent_position >= 0 else 0)
+    for position in all_stats.keys() | all_extras.keys():
+        output_stats = all_stats.get(position)
+        extras = all_extras.get(position)
+        outputs, inputs, attrs = (extras[OUTPUTS], extras[INPUTS], extras[ATTRIBUTES]) if extras else _NO_SUMMARIES
         if output_stats is not None and "_row" in output_stats and not (outputs or inputs or attrs):
             # the usual call with statistics: one tensor out, its values a row of the forward's table
-            info = modules[module]
+            info = modules[module_of[position]]
             keys = _keys_of(_row_call_keys, (*output_stats,), OUTPUT_PREFIX, "", output_stats, table, _CALL_KEYS)
             values = [info.path, info.type_name, *output_stats.values()]
             first = values[-1] * width  # "_row", the dict's last key: the row's values in its place
             values[-1:] = table_values[first : first + width]
-            attribute_column.append(dict(zip(keys, values)))
+            column[position] = dict(zip(keys, values))
         elif outputs or inputs or attrs or output_stats is not None:
-            info = modules[module]
+            info = modules[module_of[position]]
             attributes: dict[str, Any] = {_PATH_KEY: info.path, _TYPE_KEY: info.type_name}
             if output_stats is not None:
                 _tensor_attributes(attributes, OUTPUT_PREFIX, "", output_stats, table)
@@ -189,24 +220,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
                 for name, value in attrs.items():
                     if isinstance(value, (str, bool, int, float)):
                         attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
-            attribute_column.append(attributes)
-        else:
-            attribute_column.append(None)
-        if not (error is None and output_value is None and input_value is None and tensors is None and attrs is None):
-            if error is not None and error == "interrupted":
-                error = CallInterrupted("call interrupted")
-            sparse[position] = [error, output_value, input_value, tensors, attrs]
-    batch.span_id = _span_ids(n)
-    batch.hi = n
-    # the hot path says when no statistic of the forward counted NaN or Inf: nothing to look at per call
-    if not forward.all_finite:
-        fill_table_rows(forward)
-        if any(map(_has_nonfinite_output, entries)):
-            outputs = [output_summaries(entry) for entry in entries]
-            _mark_first_nonfinite_output(batch, outputs, [entry[INPUTS] for entry in entries])
-    if release:
-        _release(forward)
-    return batch
+            column[position] = attributes
+    return column
+
+
+_NO_SUMMARIES = (None, None, None)
 
 
 def _span_ids(n: int) -> list[int]:
@@ -220,15 +238,12 @@ def _span_ids(n: int) -> list[int]:
 def _release(forward: RawForward) -> None:
     """Every statistic and time of the forward is read: its rows and events go back to their pools."""
     if forward.device is not None:
-        forward.device.release(event for entry in forward.entries for event in entry[START_EVENT:])
+        forward.device.release(event for extras in forward.extras.values() for event in extras[START_EVENT:])
 
 
-def _has_nonfinite_output(entry: list) -> bool:
-    """Whether any output tensor of a call (statistics read) has NaN or Inf: the rare case, looked at closer."""
-    stats = entry[OUTPUT_STATS]
-    if stats is not None and (stats.get("nan_count") or stats.get("inf_count")):
-        return True
-    return _nonfinite(entry[OUTPUTS]) is not None
+def _has_nonfinite(stats: dict) -> bool:
+    """Whether a tensor's statistics (read) count NaN or Inf: the rare case, looked at closer."""
+    return bool(stats.get("nan_count") or stats.get("inf_count"))
 
 
 def _nonfinite(summaries: dict[str, dict] | None) -> tuple[str, int, int] | None:
@@ -291,21 +306,23 @@ def first_nonfinite(record: StepRecord, modules: Sequence[ModuleInfo]) -> str | 
     for fw in record.forwards:
         fill_table_rows(fw)
     forward = _first_nonfinite(
-        (entry[END] or 0, entry, resolved(output_summaries(entry)), resolved(entry[INPUTS]))
+        (fw.end[p] or 0, (fw, p), resolved(fw.output_summaries(p)), resolved(fw.extra(p, INPUTS)))
         for fw in record.forwards
-        for entry in fw.entries
+        for p in range(len(fw))
     )
     if forward is not None:
-        info = modules[forward[0][MODULE]]
-        return f"{info.path or info.type_name} produced NaN/Inf in output {forward[1]}".rstrip()
-    incoming = {id(entry): grads for entry, event, _, grads, *_ in record.backward_events if event == BACKWARD_START}
+        (fw, p), name = forward[0], forward[1]
+        info = modules[fw.module[p]]
+        return f"{info.path or info.type_name} produced NaN/Inf in output {name}".rstrip()
+    incoming = {call: grads for call, event, _, grads, *_ in record.backward_events if event == BACKWARD_START}
     backward = _first_nonfinite(
-        (time_ns, entry, resolved(grads), resolved(incoming.get(id(entry))))
-        for entry, event, time_ns, grads, *_ in record.backward_events
+        (time_ns, call, resolved(grads), resolved(incoming.get(call)))
+        for call, event, time_ns, grads, *_ in record.backward_events
         if event != BACKWARD_START
     )
     if backward is not None:
-        info = modules[backward[0][MODULE]]
+        fw, p = backward[0]
+        info = modules[fw.module[p]]
         return f"{info.path or info.type_name} backward produced NaN/Inf in grad_input {backward[1]}"
     return None
 
@@ -364,12 +381,12 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
                 {"torchtrace.comm.bucket": bucket, "torchtrace.comm.bytes": size, "torchtrace.comm.last": is_last},
             )
         )
-    forward_of: dict[int, tuple[ModuleCall, list, list]] = {}  # id(entry) -> (forward call, entry, its forward)
+    forward_of: dict[tuple[RawForward, int], ModuleCall] = {}  # (forward, position) -> its call
     for forward in record.forwards:
         resolved = resolve_forward(forward, modules, release=False)
         calls.extend(resolved)
-        for entry, call in zip(forward.entries, resolved):
-            forward_of[id(entry)] = (call, entry, forward.entries)
+        for position, call in enumerate(resolved):
+            forward_of[forward, position] = call
     if record.optimizer_ns:
         start, end = record.optimizer_ns
         calls.append(phase("optimizer.step", start + offset, end + offset))
@@ -390,11 +407,11 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
     """(CUDA event or None, host perf_counter ns) -> ns on the step's clock. Events are placed by their distance
     from the start event of the step's first forward (at that forward's host start), as its module calls are."""
-    origin = next((fw for fw in record.forwards if fw.entries[0][START_EVENT] is not None), None)
+    origin = next((fw for fw in record.forwards if fw.extra(0, START_EVENT) is not None), None)
     if origin is None:
         return lambda mark, host_ns: host_ns
-    root = origin.entries[0]
-    origin_event, origin_ns = root[START_EVENT], root[START] + origin.clock_offset_ns - record.clock_offset_ns
+    origin_event = origin.extra(0, START_EVENT)
+    origin_ns = origin.start[0] + origin.clock_offset_ns - record.clock_offset_ns
 
     def on_step_clock(mark: Any, host_ns: int) -> int:
         if mark is None or mark.device != origin_event.device:  # events of two devices have no common clock
@@ -408,10 +425,9 @@ def _backward_calls(
     record: StepRecord, forward_of: dict, phase: Any, on_step_clock: Callable[[Any, int], int]
 ) -> list[ModuleCall]:
     offset = record.clock_offset_ns
-    starts: dict[int, tuple[int, dict, Any]] = {}  # id(entry) -> (time, grad_output stats, user's value)
-    ends: dict[int, tuple[int, dict, Any]] = {}  # id(entry) -> (time, grad_input stats, user's value)
-    for entry, event, time_ns, grads, mark, value in record.backward_events:
-        key = id(entry)
+    starts: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_output stats, user's value)
+    ends: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_input stats, user's value)
+    for key, event, time_ns, grads, mark, value in record.backward_events:
         if key not in forward_of:
             continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
         time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
@@ -425,10 +441,10 @@ def _backward_calls(
     first = min((starts.get(k) or ends[k])[0] for k in keys)
     last = max((ends.get(k) or starts[k])[0] for k in keys)
     backward = phase("backward", first, last)
-    spans: dict[int, ModuleCall] = {}
-    grads_of: dict[int, tuple[dict | None, dict | None]] = {}  # id(entry) -> (grad_inputs made, grad_outputs received)
+    spans: dict[tuple, ModuleCall] = {}
+    grads_of: dict[tuple, tuple[dict | None, dict | None]] = {}  # (grad_inputs made, grad_outputs received)
     for key in keys:
-        forward_call, entry, entries = forward_of[key]
+        forward_call = forward_of[key]
         start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
         end, grad_inputs, input_value = ends.get(key) or (start, None, None)
         attributes: dict[str, Any] = {
@@ -460,16 +476,16 @@ def _backward_calls(
     # first, so that a child is final (holds its own descendants) before its parent is stretched over it.
     for key in sorted(spans, key=lambda k: -spans[k].depth):
         span = spans[key]
-        _, entry, entries = forward_of[key]
-        position = entry[PARENT]
+        forward, position = key
+        position = forward.parent[position]
         while position >= 0:
-            ancestor = spans.get(id(entries[position]))
+            ancestor = spans.get((forward, position))
             if ancestor is not None:
                 span.parent_span_id = ancestor.span_id
                 ancestor.start_ns = min(ancestor.start_ns, span.start_ns)
                 ancestor.end_ns = max(ancestor.end_ns, span.end_ns)
                 break
-            position = entries[position][PARENT]
+            position = forward.parent[position]
     backward_spans = list(spans.values())
     made, received = zip(*(grads_of[key] for key in spans))
     _mark_first_nonfinite(backward_spans, made, received, "grad_input")

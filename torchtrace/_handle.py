@@ -243,7 +243,7 @@ class TraceHandle:
     def _deliver_step(self, record: StepRecord | None) -> None:
         if record is not None:
             # module spans, forward and backward (two grad events each): the step and phase spans are not counted
-            calls = sum(len(forward.entries) for forward in record.forwards) + len(record.backward_events) // 2
+            calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
             self.buffer.put(record, calls)
 
     def __enter__(self) -> TraceHandle:

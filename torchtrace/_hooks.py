@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,12 +48,11 @@ class SummaryMarker:
 TRUNCATED = SummaryMarker("truncated")  # more tensors than max_tensors: {"truncated": True}
 FEATURE_ERROR = SummaryMarker("feature error")  # a feature failed on this call: {"stats_error": text}
 
-# Slots of one raw call entry (a list: the cheapest thing to create in a hook). A bare tensor output's statistics
-# go in OUTPUT_STATS (a dict of plain values, which the garbage collector does not track); OUTPUTS holds the tensor
-# summaries of any other output ({name: stats}), a tracked dict: one more object per call for the collector to
-# promote while the forward runs. START_EVENT and END_EVENT stay last (read as a slice).
-(MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS,
- OUTPUT_STATS, START_EVENT, END_EVENT) = range(15)  # fmt: skip
+# Slots of a call's extras (``RawForward.extras[position]``, a list made only for a call that has one: an error, a
+# non-tensor output's summaries, a user function's value, timing events...). START_EVENT and END_EVENT stay last
+# (read as a slice).
+(OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS, START_EVENT, END_EVENT) = range(9)  # fmt: skip
+_EXTRAS = 9
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,37 +64,62 @@ class ModuleInfo:
     depth: int
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RawForward:
-    """One outermost forward as the hot path left it."""
+    """One outermost forward as the hot path leaves it: a few columns, one value per call in start order, and
+    what few calls have besides. A call adds no object of its own for the garbage collector to track (a list per
+    call, kept until the worker resolved it, was promoted to the oldest generation by the thousand per second)."""
 
-    entries: list  # call entries in start order; PARENT is an index into this list or -1
-    parent: Any  # the caller's OTel SpanContext (may be invalid)
+    context: Any  # the caller's OTel SpanContext (may be invalid)
     thread_id: int
     clock_offset_ns: int  # epoch ns = perf_counter ns + offset
+    module: list[int] = field(default_factory=list)  # index into the instrumentation's modules
+    start: list[int] = field(default_factory=list)  # perf_counter ns
+    end: list[int | None] = field(default_factory=list)  # None: still open
+    parent: list[int] = field(default_factory=list)  # position of the parent call, -1 for the root
+    output_stats: dict[int, dict] = field(default_factory=dict)  # position -> a bare tensor output's statistics
+    extras: dict[int, list] = field(default_factory=dict)  # position -> [OUTPUTS, INPUTS, ERROR, ...]
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
     stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
+
+    def extra(self, position: int, slot: int) -> Any:
+        extras = self.extras.get(position)
+        return None if extras is None else extras[slot]
+
+    def set_extra(self, position: int, slot: int, value: Any) -> None:
+        extras = self.extras.get(position)
+        if extras is None:
+            extras = self.extras[position] = [None] * _EXTRAS
+        extras[slot] = value
+
+    def output_summaries(self, position: int) -> dict[str, dict] | None:
+        """A call's output tensor summaries, {name: stats}, whichever column holds them."""
+        stats = self.output_stats.get(position)
+        outputs = self.extra(position, OUTPUTS)
+        if stats is None:
+            return outputs
+        return {"": stats, **outputs} if outputs else {"": stats}
+
+    def __len__(self) -> int:
+        return len(self.module)
 
 
 class _ThreadState:
     """What the hooks of one instrumentation keep per thread (plain slots: read many times per call)."""
 
-    __slots__ = ("stats", "stack", "entries", "skip_depth", "skip_root", "root_frame", "parent", "clock_offset_ns",
-                 "timer")  # fmt: skip
+    __slots__ = ("stats", "stack", "forward", "skip_depth", "skip_root", "root_frame", "timer")  # fmt: skip
 
     def __init__(self, options: Options, steps: Any) -> None:
         # per thread: it batches per forward; in training, device statistics share the step's rows
         self.stats = StatComputer(
             options.stats, options.extra_stats, steps.device_rows if steps else None, options.stats_sample
         )
-        self.stack: list = []  # open entries, innermost last
-        self.entries: list = []
+        self.stack: list[int] = []  # positions of the open calls, innermost last
+        self.forward: RawForward | None = None  # the forward being recorded
         self.skip_depth = 0  # > 0 inside a forward that is not traced
         self.skip_root = -1  # the outermost module of that forward
         self.root_frame: Any = None  # frame of the outermost call: tells recursion from an interrupted forward
-        self.parent: Any = None
-        self.clock_offset_ns = 0
         self.timer: Any = None  # the EventTimer of the current forward's device (CUDA), else None
 
 
@@ -166,23 +190,26 @@ class HookRecorder:
                     return
                 state.skip_depth = 0  # the skipped forward never finished: see _close_interrupted
             stack = state.stack
-            if stack and stack[0][MODULE] == index and not _on_call_stack(state.root_frame):
+            if stack and state.forward.module[stack[0]] == index and not _on_call_stack(state.root_frame):
                 self._close_interrupted(state)
             if not stack and not self._begin_forward(state, index, module, args):
                 return
-            entries = state.entries
-            # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR (the exception the caller is handling,
-            # if any: a None output seen with it still current is no error), OUTPUT_VALUE, INPUT_VALUE, ...
-            entry = [index, 0, None, stack[-1][POSITION] if stack else -1, len(entries), None, None, exc_info()[1],
-                     None, None, None, None, None, None, None]  # fmt: skip
+            forward = state.forward
+            position = len(forward.module)
+            forward.module.append(index)
+            forward.parent.append(stack[-1] if stack else -1)
+            forward.start.append(0)
+            forward.end.append(None)
+            handled = exc_info()[1]  # the exception the caller is handling, if any: a None output seen with it
+            if handled is not None:  # still current is no error of this call (post_hook)
+                forward.set_extra(position, ERROR, handled)
             if input_work:
-                _run_work(input_work, INPUTS, entry, module, args, kwargs)
-            entries.append(entry)
-            stack.append(entry)
+                _run_work(input_work, INPUTS, forward, position, module, args, kwargs)
+            stack.append(position)
             timer = state.timer  # the root always marks: its events are the forward's origin and completion
             if timer is not None and (len(stack) == 1 or self._on_timer_device(index, module, args, timer)):
-                entry[START_EVENT] = timer.mark()
-            entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
+                forward.set_extra(position, START_EVENT, timer.mark())
+            forward.start[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
         # model still gets its outermost span: region-level tracing, announced once by warn_region_level.
@@ -211,40 +238,42 @@ class HookRecorder:
                 if state.skip_depth:  # inside a forward that is not traced
                     return function(module, *args, **kwargs)
                 return _through_hooks(pre, post, module, function, args, kwargs)
-            entries = state.entries
-            # MODULE, START, END, PARENT, POSITION, OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ...
-            entry = [index, 0, None, stack[-1][POSITION], len(entries), None, None, None, None, None, None, None,
-                     None, None, None]  # fmt: skip
+            forward = state.forward
+            starts, ends = forward.start, forward.end
+            position = len(starts)
+            forward.module.append(index)
+            forward.parent.append(stack[-1])
+            starts.append(0)
+            ends.append(None)
             if input_work:
-                _run_work(input_work, INPUTS, entry, module, args, kwargs)
-            entries.append(entry)
-            stack.append(entry)
+                _run_work(input_work, INPUTS, forward, position, module, args, kwargs)
+            stack.append(position)
             timer = state.timer
             if timer is not None and self._on_timer_device(index, module, args, timer):
-                entry[START_EVENT] = timer.mark()
-            entry[START] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
+                forward.set_extra(position, START_EVENT, timer.mark())
+            starts[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
             try:
                 output = function(module, *args, **kwargs)
             except BaseException as error:
                 end = perf_counter_ns()
-                _pop_to(stack, entry, end)
-                entry[END] = end
-                entry[ERROR] = _call_error(error)
-                if entry[START_EVENT] is not None:  # before the statistics' kernels: not the module's work
-                    entry[END_EVENT] = state.timer.mark()
+                _pop_to(state, forward, position, end)
+                ends[position] = end
+                forward.set_extra(position, ERROR, _call_error(error))
+                if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels
+                    forward.set_extra(position, END_EVENT, state.timer.mark())
                 if output_work:
-                    _run_work(output_work, OUTPUTS, entry, module, args, None)
+                    _run_work(output_work, OUTPUTS, forward, position, module, args, None)
                 raise
             end = perf_counter_ns()
-            if stack and stack[-1] is entry:
+            if stack and stack[-1] == position and state.forward is forward:
                 stack.pop()
             else:
-                _pop_to(stack, entry, end)
-            entry[END] = end
-            if entry[START_EVENT] is not None:
-                entry[END_EVENT] = state.timer.mark()
+                _pop_to(state, forward, position, end)
+            ends[position] = end
+            if timer is not None and forward.extra(position, START_EVENT) is not None:
+                forward.set_extra(position, END_EVENT, state.timer.mark())
             if output_work:
-                _run_work(output_work, OUTPUTS, entry, module, args, output)
+                _run_work(output_work, OUTPUTS, forward, position, module, args, output)
             return output
 
         return call
@@ -271,26 +300,30 @@ class HookRecorder:
             stack = state.stack
             if not stack:  # enabled in the middle of a forward: nothing open to close
                 return
-            if stack[-1][MODULE] != index and all(open_entry[MODULE] != index for open_entry in stack):
+            forward = state.forward
+            modules = forward.module
+            if modules[stack[-1]] != index and all(modules[open_call] != index for open_call in stack):
                 return  # never opened: a pre-hook registered before ours raised (torch still runs always_call hooks)
-            entry = stack.pop()
-            while entry[MODULE] != index and stack:
+            position = stack.pop()
+            while modules[position] != index and stack:
                 # An exception that torch does not pass to always_call hooks (BaseException) skipped these closes.
-                entry[END] = end
-                entry[ERROR] = "interrupted"
-                entry = stack.pop()
-            entry[END] = end
-            if entry[START_EVENT] is not None:  # before the statistics' kernels: they are not the module's work
-                entry[END_EVENT] = state.timer.mark()
+                forward.end[position] = end
+                forward.set_extra(position, ERROR, "interrupted")
+                position = stack.pop()
+            forward.end[position] = end
+            if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels: not the module's
+                forward.set_extra(position, END_EVENT, state.timer.mark())
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
                 # One the caller was already handling before the call (pre hook) is not this call's error.
                 error = sys.exc_info()[1]
-                entry[ERROR] = None if error is entry[ERROR] else _call_error(error)
+                error = None if error is forward.extra(position, ERROR) else _call_error(error)
             else:
-                entry[ERROR] = None
+                error = None
+            if error is not None or position in forward.extras:
+                forward.set_extra(position, ERROR, error)
             if output_work:
-                _run_work(output_work, OUTPUTS, entry, module, args, output)
+                _run_work(output_work, OUTPUTS, forward, position, module, args, output)
             if not stack:
                 self._end_forward(state)
 
@@ -322,8 +355,7 @@ class HookRecorder:
             state.skip_depth = 1
             state.skip_root = index
             return False
-        state.parent = parent
-        state.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
+        state.forward = RawForward(parent, threading.get_ident(), time.time_ns() - time.perf_counter_ns())
         state.timer = event_timer(device) if self.options.cuda_events else None
         return True
 
@@ -357,65 +389,64 @@ class HookRecorder:
         the forward open forever: close it as interrupted and deliver it. Its open calls end at the last moment the
         hooks saw the forward (its latest start or end): when it really stopped is not known, and no earlier.
         """
-        end = max(entry[END] or entry[START] for entry in state.entries)
-        for entry in state.stack:
-            entry[END] = end
-            entry[ERROR] = "interrupted"
-        root = state.stack[0]
-        if root[START_EVENT] is not None:  # the forward's events are read once this one completes
-            root[END_EVENT] = state.timer.mark()
+        forward = state.forward
+        end = max(max(filter(None, forward.end), default=0), max(forward.start))
+        for position in state.stack:
+            forward.end[position] = end
+            forward.set_extra(position, ERROR, "interrupted")
+        if forward.extra(0, START_EVENT) is not None:  # the forward's events are read once this one completes
+            forward.set_extra(0, END_EVENT, state.timer.mark())
         state.stack.clear()
         self._end_forward(state)
 
     def _end_forward(self, state: _ThreadState) -> None:
-        entries = state.entries
-        state.entries = []
+        forward = state.forward
+        state.forward = None
         state.root_frame = None
-        rows, all_finite, table = state.stats.finish_forward()
-        device = None
+        rows, forward.all_finite, forward.stat_table = state.stats.finish_forward()
         if rows or state.timer is not None:
-            device = DeviceWork(rows, state.timer)
-            if state.timer is not None and entries[0][END_EVENT] is not None:
-                device.done.append(entries[0][END_EVENT])
-        forward = RawForward(
-            entries, state.parent, threading.get_ident(), state.clock_offset_ns, device, all_finite, table
-        )
+            forward.device = DeviceWork(rows, state.timer)
+            if state.timer is not None and forward.extra(0, END_EVENT) is not None:
+                forward.device.done.append(forward.extra(0, END_EVENT))
+        calls = len(forward.module)
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
             if state.timer is not None:
                 steps.timer = state.timer  # the step's backward and all-reduce marks use it too
-            if steps.pending_calls + len(entries) > self.options.max_pending_calls:
-                self.buffer.drop(len(entries), "training step never closed: call handle.step() each step")
+            if steps.pending_calls + calls > self.options.max_pending_calls:
+                self.buffer.drop(calls, "training step never closed: call handle.step() each step")
             else:
                 steps.forwards.append(forward)
-                steps.pending_calls += len(entries)
+                steps.pending_calls += calls
         else:
-            self.buffer.put(forward, len(entries))
+            self.buffer.put(forward, calls)
 
     # -- what a call records --------------------------------------------------------------------------------------
 
-    def _input_stats(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
+    # Each takes (forward, position, module, args, inputs or output) and writes the call's column or extras slot.
+
+    def _input_stats(self, forward: RawForward, position: int, module: Any, args: tuple, kwargs: Any) -> None:
         value: Any = args if not kwargs else {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-        entry[INPUTS] = self._summarise_value(value)
+        forward.set_extra(position, INPUTS, self._summarise_value(value))
 
-    def _input_value(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
-        entry[INPUT_VALUE] = self.options.function_on_input(args[0] if len(args) == 1 else args)
+    def _input_value(self, forward: RawForward, position: int, module: Any, args: tuple, kwargs: Any) -> None:
+        forward.set_extra(position, INPUT_VALUE, self.options.function_on_input(args[0] if len(args) == 1 else args))
 
-    def _attributes_before(self, entry: list, module: torch.nn.Module, args: tuple, kwargs: dict | None) -> None:
-        entry[ATTRIBUTES] = self._attribute_values(module)
+    def _attributes_before(self, forward: RawForward, position: int, module: Any, args: tuple, kwargs: Any) -> None:
+        forward.set_extra(position, ATTRIBUTES, self._attribute_values(module))
 
-    def _output_stats(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _output_stats(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if isinstance(output, torch.Tensor):
-            entry[OUTPUT_STATS] = self._thread_state().stats(output)
+            forward.output_stats[position] = self._local.state.stats(output)
         elif output is not None:  # None: a call that raised (always_call hooks)
-            entry[OUTPUTS] = self._summarise_value(output)
+            forward.set_extra(position, OUTPUTS, self._summarise_value(output))
 
-    def _output_value(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _output_value(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if output is not None:
-            entry[OUTPUT_VALUE] = self.options.function_on_output(output)
+            forward.set_extra(position, OUTPUT_VALUE, self.options.function_on_output(output))
 
-    def _output_attributes(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        entry[ATTRIBUTES] = self._attribute_values(module)
+    def _output_attributes(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
+        forward.set_extra(position, ATTRIBUTES, self._attribute_values(module))
 
     def _attribute_values(self, module: torch.nn.Module) -> dict[str, Any]:
         """The module attributes asked for: ``function_on_attribute(value)`` when given (the live value, kept as
@@ -440,15 +471,16 @@ class HookRecorder:
         self.captured_bytes += size
         return tensor.detach().to("cpu", copy=True)
 
-    def _output_capture(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _output_capture(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if output is not None:
-            entry[TENSORS] = self._capture(output)
+            forward.set_extra(position, TENSORS, self._capture(output))
 
-    def _output_backward(self, entry: list, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def _output_backward(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if self.steps.pending_calls >= self.options.max_pending_calls:
             return  # a step that is never closed: its forwards are dropped, so are their backward hooks
-        timer = self._thread_state().timer if entry[START_EVENT] is not None else None  # on the timer's device only
-        self.steps.watch_backward(entry, module, args, output, timer)
+        on_timer = forward.extra(position, START_EVENT) is not None  # on the timer's device only
+        timer = self._local.state.timer if on_timer else None
+        self.steps.watch_backward((forward, position), module, args, output, timer)
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
@@ -487,36 +519,31 @@ def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, 
     return output
 
 
-def output_summaries(entry: list) -> dict[str, dict] | None:
-    """A call's output tensor summaries, {name: stats}, whichever slot holds them."""
-    stats = entry[OUTPUT_STATS]
-    if stats is None:
-        return entry[OUTPUTS]
-    return {"": stats, **entry[OUTPUTS]} if entry[OUTPUTS] else {"": stats}
-
-
-def _pop_to(stack: list, entry: list, end: int) -> None:
+def _pop_to(state: _ThreadState, forward: RawForward, position: int, end: int) -> None:
     """Pops a finished call off the stack. Calls above it still open were left so by an exception that torch runs
     no always_call hook for (the root's hooks, re-entered inside it): they end here, interrupted. A call no longer
-    on the stack (closed from outside) leaves the stack alone."""
-    if not any(open_entry is entry for open_entry in stack):
+    on the stack (its forward closed from outside) leaves the stack alone."""
+    stack = state.stack
+    if state.forward is not forward or position not in stack:
         return
     while stack:
         top = stack.pop()
-        if top is entry:
+        if top == position:
             return
-        top[END] = end
-        top[ERROR] = "interrupted"
+        forward.end[top] = end
+        forward.set_extra(top, ERROR, "interrupted")
 
 
-def _run_work(works: tuple, slot: int, entry: list, module: torch.nn.Module, args: tuple, value: Any) -> None:
+def _run_work(
+    works: tuple, slot: int, forward: RawForward, position: int, module: Any, args: tuple, value: Any
+) -> None:
     """A call's features (statistics, user functions, attributes, captures) on its inputs or output; each fails
     alone, noted in ``slot``: never let tracing break the user's forward."""
     for work in works:
         try:
-            work(entry, module, args, value)
+            work(forward, position, module, args, value)
         except Exception as error:
-            _note_error(entry, slot, error)
+            _note_error(forward, position, slot, error)
 
 
 def _call_error(error: BaseException | None) -> Any:
@@ -525,11 +552,12 @@ def _call_error(error: BaseException | None) -> Any:
     return error if error is None or isinstance(error, Exception) else "interrupted"
 
 
-def _note_error(entry: list, slot: int, error: Exception) -> None:
+def _note_error(forward: RawForward, position: int, slot: int, error: Exception) -> None:
     """A feature failed on this call: its error becomes the call's ``<prefix>.stats_error`` attribute; what the other
     features recorded stays (tensor summaries are left alone: they may be shared with other calls, and small
     tensors' numbers are filled in at the end of the forward)."""
-    entry[slot] = {**(entry[slot] or {}), FEATURE_ERROR: {"stats_error": error_text(error)}}
+    noted = {**(forward.extra(position, slot) or {}), FEATURE_ERROR: {"stats_error": error_text(error)}}
+    forward.set_extra(position, slot, noted)
 
 
 def _inside_tracer_or_backward() -> bool:

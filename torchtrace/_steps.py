@@ -47,12 +47,12 @@ class StepRecord:
     start_ns: int  # epoch
     end_ns: int
     forwards: list  # RawForward, in completion order
-    # (entry, BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name, CUDA timing event or None,
-    #  the user's function_on_grad_output / _input of the gradients, or None)
+    # ((forward, position), BACKWARD_START | BACKWARD_END, perf_counter_ns, grad stats by name, CUDA timing event
+    #  or None, the user's function_on_grad_output / _input of the gradients, or None)
     backward_events: list
     optimizer_ns: tuple[int, int] | None  # perf_counter start/end of optimizer.step()
     clock_offset_ns: int
-    param_stats: dict[int, dict[str, float]] = field(default_factory=dict)  # id(entry) -> parameter norms
+    param_stats: dict[tuple, dict[str, float]] = field(default_factory=dict)  # (forward, position) -> norms
     rank: RankInfo | None = None
     root_span_id: int = 0  # the step's root shared by all ranks (distributed), emitted by rank 0; else 0
     comm: list = field(default_factory=list)  # (bucket, bytes, perf start, perf end, is_last, (start, end events))
@@ -118,17 +118,19 @@ class StepTracker:
         self.hook_handles: list = []
         self.optimizer_ns: list[int] = []
         self.comm: list = []
-        self.parameter_owners: list = []  # (entry, module) whose parameter norms are read at the step's end
-        self._param_stats: dict[int, dict[str, Any]] = {}  # float, or statistics pending on a device
+        # ((forward, position), module) whose parameter norms are read at the step's end
+        self.parameter_owners: list = []
+        self._param_stats: dict[tuple, dict[str, Any]] = {}  # float, or statistics pending on a device
         self._rows: dict[torch.device, StatRows] = {}  # the step's statistics reduced on devices
         self.timer: EventTimer | None = None  # the CUDA timer of the step's forwards, if any
 
     # -- called from the forward hooks (only while this step is traced and backward tracing is on) ------------
 
     def watch_backward(
-        self, entry: list, module: torch.nn.Module, inputs: Any, output: Any, timer: EventTimer | None = None
+        self, call: tuple, module: torch.nn.Module, inputs: Any, output: Any, timer: EventTimer | None = None
     ) -> None:
-        """Registers the grad hooks that time this call's backward and summarise its gradients.
+        """Registers the grad hooks that time this call's backward and summarise its gradients; ``call`` is
+        (forward, position).
 
         With a ``timer`` (CUDA), each hook also marks the stream with a timing event, on autograd's thread for
         that device: the backward span is then device time, read with the step's other device work.
@@ -166,7 +168,7 @@ class StepTracker:
             value = _user_value(self.on_grad_output, grad, grad_outputs)
             started.append(True)
             mark = timer.mark() if timer is not None else None
-            events.append((entry, BACKWARD_START, now, grad_outputs, mark, value))
+            events.append((call, BACKWARD_START, now, grad_outputs, mark, value))
 
         def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             now = time.perf_counter_ns()
@@ -177,7 +179,7 @@ class StepTracker:
             grads = [grads] if isinstance(grads, torch.Tensor) else grads
             stats = self._grad_stats(grads)
             value = _user_value(self.on_grad_input, grads[0] if len(grads) == 1 else tuple(grads), stats)
-            events.append((entry, BACKWARD_END, now, stats, mark, value))
+            events.append((call, BACKWARD_END, now, stats, mark, value))
 
         for name, tensor in outputs:
             handles: list = []
@@ -198,7 +200,7 @@ class StepTracker:
             end_handle.append(handle)
             self.hook_handles.append(handle)
         if self.param_stats:
-            self.parameter_owners.append((entry, module))
+            self.parameter_owners.append((call, module))
 
     def record_comm(
         self, bucket: int, size: int, start: int, end: int, is_last: bool, marks: tuple = (None, None)
@@ -220,10 +222,10 @@ class StepTracker:
             self.optimizer_ns.append(time.perf_counter_ns())
 
     def read_parameter_stats(self) -> None:
-        for entry, module in self.parameter_owners:
+        for call, module in self.parameter_owners:
             params = list(module.parameters(recurse=False))
             grads = [p.grad for p in params if p.grad is not None]
-            stats = self._param_stats.setdefault(id(entry), {})
+            stats = self._param_stats.setdefault(call, {})
             if params:
                 stats["torchtrace.param.norm"] = self._joint_norm(params)
             if grads:
