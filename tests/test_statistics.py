@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import gc
 import warnings
+from itertools import chain
 from typing import Any, NamedTuple
 
 import pytest
@@ -17,7 +18,7 @@ from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
-from torchtrace import _stats
+from torchtrace import _dispatch, _stats
 from torchtrace._dispatch import resolve_forward
 from torchtrace._handle import _live_handles
 from torchtrace._stats import StatComputer
@@ -583,6 +584,37 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
             gc.enable()
     assert len(batch.attributes) == 51 and all(not gc.is_tracked(attributes) for attributes in batch.attributes)
     assert grown < 25, grown  # the batch's columns, not an object per call
+
+
+def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per_call():
+    """The usual forward with statistics (every call returns one small tensor) is resolved straight to the flat
+    keys and values the records and the encoders read; a call's attributes dict is made only when asked for, and
+    equals the one the per-call path makes, every statistic equal to torch's."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+    x = torch.randn(3, 8)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        dispatcher = handle._dispatcher
+        with WORKER._condition:
+            model(x)
+            (forward,) = dispatcher.buffer.take_all()
+        batch = resolve_forward(forward, dispatcher.modules)
+        assert batch._attributes[0] is None  # nothing made yet
+        counts, keys, values = batch.flat_attributes()
+        assert len(counts) == 6 and len(keys) == len(values) == sum(counts)
+        per_call = _dispatch._attributes(forward, dispatcher.modules)
+        assert batch.attributes == per_call
+        assert [type(value) for value in chain.from_iterable(map(dict.values, batch.attributes))] == [
+            type(value) for value in chain.from_iterable(map(dict.values, per_call))
+        ]
+    outputs, y = [], x
+    for layer in model:
+        y = layer(y)
+        outputs.append(y.detach())
+    for attributes, output in zip(batch.attributes[1:], outputs):
+        assert attributes["torchtrace.output.mean"] == pytest.approx(output.mean().item(), rel=1e-6, abs=1e-7)
+        assert attributes["torchtrace.output.max"] == output.max().item()
+        assert attributes["torchtrace.output.shape"] == (3, 8)
+    assert batch.attributes[0]["torchtrace.output.norm"] == pytest.approx(outputs[-1].norm().item(), rel=1e-6)
 
 
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():

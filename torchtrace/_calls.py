@@ -1,6 +1,6 @@
 """The record stream: one resolved ``ModuleCall`` per traced module call.
 
-The hot path (``_hooks``) leaves raw entries in a buffer; ``_dispatch`` resolves each finished forward into
+The hot path (``_hooks``) leaves each forward's columns in a buffer; ``_dispatch`` resolves each finished forward into
 ``ModuleCall`` objects (ids assigned, timestamps on the epoch clock, statistics turned into attributes) and hands
 the batch to every sink: span builder, OTLP encoder, in-memory records, summary, metrics.
 """
@@ -101,12 +101,14 @@ class CallBatch(Sequence[ModuleCall]):
     Columns, one entry per call in start order: ``module`` (index into ``modules``), ``start_ns`` / ``end_ns``
     (epoch ns), ``parent`` (position of the parent call, -1 for the root), ``depth``, ``span_id``;
     ``attributes[i]`` is None for a call with only the module path and type; ``sparse`` holds what few calls have
-    (position -> (error, output value, input value, tensors, module attributes)).
+    (position -> (error, output value, input value, tensors, module attributes)). A forward whose every call carries
+    statistics is resolved straight to ``flat_attributes()`` (what the records and the encoders' blocks read): its
+    ``attributes`` dicts are then made only if something asks for them.
     """
 
     __slots__ = (
-        "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "attributes", "sparse", "trace_id",
-        "root_parent_id", "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_made", "_flat",
+        "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "sparse", "trace_id", "root_parent_id",
+        "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_attributes", "_made", "_flat",
     )  # fmt: skip
 
     def __init__(self, modules: Sequence[Any], trace_id: int, root_parent_id: int, parent_is_remote: bool,
@@ -118,7 +120,6 @@ class CallBatch(Sequence[ModuleCall]):
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.span_id: list[int] = []
-        self.attributes: list[dict | None] = []
         self.sparse: dict[int, list] = {}
         self.trace_id = trace_id
         self.root_parent_id = root_parent_id
@@ -127,8 +128,44 @@ class CallBatch(Sequence[ModuleCall]):
         self.trace_state = trace_state
         self.thread_id = thread_id
         self.lo, self.hi = 0, 0
+        self._attributes: list = [[]]  # the attributes column (None: to be made from _flat), shared likewise
         self._made: list = [None]  # the ModuleCall objects once made, shared by every view of these columns
         self._flat: list = [None]  # flat_attributes() once made, shared likewise
+
+    @property
+    def attributes(self) -> list[dict | None]:
+        """Each call's own attributes, None for a call with only its module path and type (every call, not only
+        this view's)."""
+        column = self._attributes[0]
+        if column is None:
+            counts, keys, values = self._flat[0]
+            column, at = [], 0
+            for count in counts:
+                column.append(dict(zip(keys[at : at + count], values[at : at + count])))
+                at += count
+            if self._attributes[0] is None:  # another thread may have made them meanwhile: one column for all
+                self._attributes[0] = column
+        return self._attributes[0]
+
+    @attributes.setter
+    def attributes(self, column: list[dict | None]) -> None:
+        self._attributes[0] = column
+
+    def set_flat_attributes(self, counts: tuple, keys: tuple, values: tuple) -> None:
+        """Every call's attributes as ``flat_attributes()`` gives them (each call has some): the dicts are made
+        only if ``attributes`` is read."""
+        self._flat[0] = (counts, keys, values)
+        self._attributes[0] = None
+
+    def every_call_attributed(self) -> bool:
+        """Whether every call (of the columns) has attributes of its own, without making them."""
+        column = self._attributes[0]
+        return column is None or None not in column
+
+    def any_call_attributed(self, hi: int) -> bool:
+        """Whether any of the first ``hi`` calls has attributes of its own, without making them."""
+        column = self._attributes[0]
+        return hi > 0 if column is None else any(column[:hi])
 
     @property
     def made(self) -> bool:

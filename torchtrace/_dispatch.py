@@ -10,13 +10,14 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink
+from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
 from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
     ATTRIBUTES,
@@ -140,7 +141,10 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         parent_position = parents[position]
         if parent_position >= 0:
             depth[position] = depth[parent_position] + 1
-    batch.attributes = _attributes(forward, modules)
+    if _every_call_a_table_row(forward):
+        batch.set_flat_attributes(*_flat_row_attributes(forward, modules))
+    else:
+        batch.attributes = _attributes(forward, modules)
     sparse = batch.sparse
     for position in sorted(forward.extras):
         extras = forward.extras[position]
@@ -183,6 +187,40 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
             starts[position] = start = origin_ns + elapsed_ns(origin, start_event)
             ends[position] = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
     return starts, ends
+
+
+def _every_call_a_table_row(forward: RawForward) -> bool:
+    """The usual forward with statistics: every call returned one tensor whose statistics are a row of the
+    forward's table, and has nothing else (no extras)."""
+    all_stats = forward.output_stats
+    return (
+        forward.stat_table is not None
+        and not forward.extras
+        and len(all_stats) == len(forward.module)
+        and all("_row" in stats for stats in all_stats.values())
+    )
+
+
+def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
+    """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row, made without a
+    dict per call: per call its module path and type, its stats dict's values up to "_row" (the dict's last key),
+    then the row's values."""
+    all_stats, module_of = forward.output_stats, forward.module
+    table = forward.stat_table
+    table_values, width = table.values_list(), table.width
+    call_keys = []
+    values: list = []
+    extend = values.extend
+    for position in range(len(module_of)):
+        stats = all_stats[position]
+        info = modules[module_of[position]]
+        call_keys.append(_keys_of(_row_call_keys, (*stats,), OUTPUT_PREFIX, "", stats, table, _CALL_KEYS))
+        head = [info.path, info.type_name, *stats.values()]
+        first = head.pop() * width
+        extend(head)
+        extend(table_values[first : first + width])
+    counts = interned(tuple(map(len, call_keys)))
+    return counts, interned(tuple(chain.from_iterable(call_keys))), tuple(values)
 
 
 def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict | None]:

@@ -647,7 +647,7 @@ def _is_whole_forward(batch: CallBatch) -> bool:
 
 def is_timing_forward(batch: CallBatch) -> bool:
     """A whole forward with only the module path and type on every call."""
-    return _is_whole_forward(batch) and batch.attributes.count(None) == len(batch.attributes)
+    return _is_whole_forward(batch) and not batch.any_call_attributed(len(batch.module))
 
 
 class _Block:
@@ -720,7 +720,7 @@ def shared_stats_block(batch: CallBatch, cache: dict, limits: _Limits, make: Any
     or None: the per-call templates then encode it. ``cache``: blocks by module sequence, root kind and limits;
     ``make(keys, values)`` makes a forward's block the first time its kind is seen, up to ``_MAX_STATS_BLOCKS`` kinds
     per sequence (values that keep changing, such as shapes written as text, take the per-call path after that)."""
-    if None in batch.attributes or not _is_whole_forward(batch):
+    if not batch.every_call_attributed() or not _is_whole_forward(batch):
         return None
     _, keys, values = batch.flat_attributes()  # made once for the records and every encoder
     cache_key = (tuple(batch.module), root_kind(batch), limits.attributes, limits.value_length)

@@ -110,7 +110,7 @@ class RecordStore:
         columns = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id,
                    *batch.module[:hi], *batch.depth[:hi], *batch.parent[:hi], *batch.start_ns[:hi],
                    *batch.end_ns[:hi], *batch.span_id[:hi])  # fmt: skip
-        if not any(batch.attributes[:hi]):
+        if not batch.any_call_attributed(hi):
             return (_FORWARD, hi, id(batch.modules), *columns)
         counts, keys, values = batch.flat_attributes()
         return (_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *columns, counts, keys, *values)
@@ -197,7 +197,7 @@ def _whole_forward(segment: Sequence[ModuleCall]) -> bool:
     if not isinstance(segment, CallBatch) or segment.made or segment.trace_state is not None or segment.lo:
         return False  # (a view from the first call on: parent positions stay inside the packed columns)
     hi = segment.hi
-    if hi < len(segment.module) and any(segment.attributes[:hi]):
+    if hi < len(segment.module) and segment.any_call_attributed(hi):
         return False
     return not any(position < hi for position in segment.sparse)
 

@@ -8,13 +8,12 @@ interval after that drain ended. A drain that raises is logged; the other handle
 
 In between, every ``RESOLVE_INTERVAL_S`` while forwards keep coming (backing off to ``_IDLE_RESOLVE_INTERVAL_S``
 when they stop), and at once when a handle's buffer holds a backlog (``RecordBuffer.backlog_calls`` calls in
-``backlog_forwards`` forwards: ``resolve_soon``), it resolves them (``Dispatcher.resolve``): the hooks' raw entries
-(a list per call, tracked by the garbage collector, plus a summaries dict where an output is not a bare tensor) then
-die young. Left for a whole export interval they would outlive the collector's young generations, be promoted by
-the ten thousand per second and trigger a full collection of the whole heap every second or two: pauses of 100-400
-ms in a torch process (measured 2026-11-23; benchmarks/latency.py). The backlog bound is what keeps a model of
-small, fast forwards below the young generation's threshold (700 allocations): thousands of forwards a second
-would otherwise leave a hundred calls or more waiting at every tick.
+``backlog_forwards`` forwards: ``resolve_soon``), it resolves them (``Dispatcher.resolve``): the forwards the hooks
+left (a few tracked objects each: their columns, and a summaries dict where an output is not a bare tensor) then die
+young. Left for a whole export interval they would outlive the collector's young generations, be promoted, and
+trigger full collections of the whole heap: pauses of 100-400 ms in a torch process (measured 2026-11-23, when
+each call was a tracked list; benchmarks/latency.py). The backlog bound keeps a model of small, fast forwards
+(thousands a second) below the young generation's threshold (700 allocations) between ticks.
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
