@@ -174,7 +174,8 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     the root's host start by the events' distance, so the spans show execution on the device, nested as the
     events were recorded on one stream."""
     starts, ends = forward.start, forward.end
-    origin = forward.extra(0, START_EVENT) if forward.device is not None and forward.device.timer else None
+    timed = forward.device is not None and forward.device.timer is not None
+    origin = forward.extra(0, START_EVENT) if timed else None
     if origin is None:
         return starts, ends
     starts, ends = list(starts), list(ends)
