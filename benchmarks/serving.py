@@ -11,7 +11,10 @@ Two measurements, one JSON line last:
 2. memory: RSS of this process while ``--calls`` module calls (default 1,000,000) are traced to the file exporter
    (the embedded default; statistics, records and summary as configured by default), background export. RSS is
    read after a warm-up (5% of the calls, at least 1,025 forwards: the bounded records and summary reservoirs are
-   full by then) and at the end: ``growth_mib`` is what tracing kept beyond its bounds (target: <= 5 MiB).
+   full by then), then after each tenth of the remaining calls (each reading after a flush): ``growth_mib`` is the
+   last reading less the first, what tracing kept beyond its bounds (target: <= 5 MiB). One reading moves by tens
+   of MiB with what the allocator keeps of the last export batches, so the readings are reported too, with their
+   least-squares trend per million calls (``trend_mib_per_million_calls``): a leak shows as a steady slope.
 
 Run: python benchmarks/serving.py [--seconds S] [--calls N] [--quick]
 """
@@ -109,26 +112,37 @@ def measure_memory(calls: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         trace_file = os.path.join(directory, "traces.jsonl")
         handle = torchtrace.instrument(model, exporter="file", trace_file=trace_file, export_interval_ms=1000)
+        readings = []  # (calls so far, RSS MiB), each after a flush
         with torch.inference_mode():
-            for _ in range(warm_up):
-                model(x)
-            handle.flush()
-            before = rss_mib()
-            for _ in range(forwards - warm_up):
-                model(x)
-            handle.flush()
-            after = rss_mib()
+            done = 0
+            for target in [warm_up, *(warm_up + (forwards - warm_up) * tenth // 10 for tenth in range(1, 11))]:
+                for _ in range(target - done):
+                    model(x)
+                done = target
+                handle.flush()
+                readings.append((done * per_forward, rss_mib()))
         exported = handle.exported_spans
         handle.remove()
         file_mib = sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)) / 2**20
+    before, after = readings[0][1], readings[-1][1]
     return {
         "calls": forwards * per_forward,
         "rss_after_warm_up_mib": round(before, 1),
         "rss_at_end_mib": round(after, 1),
         "growth_mib": round(after - before, 2),
+        "readings_mib": [round(rss, 1) for _, rss in readings],
+        "trend_mib_per_million_calls": round(_slope(readings) * 1e6, 2),
         "exported_spans": exported,
         "trace_files_mib": round(file_mib, 1),
     }
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """The least-squares slope of (x, y) points (0 for fewer than two distinct x)."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = measure_memory(args.calls)
     print(
         f"memory: {memory['calls']} calls to the file exporter: RSS {memory['rss_after_warm_up_mib']} -> "
-        f"{memory['rss_at_end_mib']} MiB (growth {memory['growth_mib']} MiB), "
+        f"{memory['rss_at_end_mib']} MiB (growth {memory['growth_mib']} MiB; trend "
+        f"{memory['trend_mib_per_million_calls']} MiB per million calls over readings {memory['readings_mib']}), "
         f"trace files {memory['trace_files_mib']} MiB"
     )
     print(json.dumps({"rate": rate, "memory": memory}, separators=(",", ":")))

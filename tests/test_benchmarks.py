@@ -118,3 +118,5 @@ def test_serving_quick_reports_rates_and_memory() -> None:
     assert all(count > 0 for count in rate["exported_spans"].values())  # both traced variants really exported
     assert memory["calls"] >= 159_000 and memory["exported_spans"] >= memory["calls"]
     assert memory["rss_at_end_mib"] > 0
+    assert len(memory["readings_mib"]) == 11 and memory["readings_mib"][-1] == memory["rss_at_end_mib"]
+    assert isinstance(memory["trend_mib_per_million_calls"], float)
