@@ -203,9 +203,8 @@ def _every_call_a_table_row(forward: RawForward) -> bool:
 
 
 def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
-    """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row, made without a
-    dict per call: per call its module path and type, its stats dict's values up to "_row" (the dict's last key),
-    then the row's values."""
+    """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row (``_row_call``),
+    made without a dict per call."""
     all_stats, module_of = forward.output_stats, forward.module
     table = forward.stat_table
     table_values, width = table.values_list(), table.width
@@ -213,15 +212,21 @@ def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> 
     values: list = []
     extend = values.extend
     for position in range(len(module_of)):
-        stats = all_stats[position]
-        info = modules[module_of[position]]
-        call_keys.append(_keys_of(_row_call_keys, (*stats,), OUTPUT_PREFIX, "", stats, table, _CALL_KEYS))
-        head = [info.path, info.type_name, *stats.values()]
-        first = head.pop() * width
-        extend(head)
-        extend(table_values[first : first + width])
+        keys, call_values = _row_call(modules[module_of[position]], all_stats[position], table, table_values, width)
+        call_keys.append(keys)
+        extend(call_values)
     counts = interned(tuple(map(len, call_keys)))
     return counts, interned(tuple(chain.from_iterable(call_keys))), tuple(values)
+
+
+def _row_call(info: ModuleInfo, stats: dict, table: StatTable, table_values: list, width: int) -> tuple[tuple, list]:
+    """(attribute keys, values) of a call whose only statistics are its output's table row: its module path and
+    type, its stats dict's values up to "_row" (the dict's last key), then the row's values in that key's place."""
+    keys = _keys_of(_row_call_keys, (*stats,), OUTPUT_PREFIX, "", stats, table, _CALL_KEYS)
+    values = [info.path, info.type_name, *stats.values()]
+    first = values.pop() * width
+    values += table_values[first : first + width]
+    return keys, values
 
 
 def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict | None]:
@@ -240,11 +245,7 @@ def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict
         outputs, inputs, attrs = (extras[OUTPUTS], extras[INPUTS], extras[ATTRIBUTES]) if extras else _NO_SUMMARIES
         if output_stats is not None and "_row" in output_stats and not (outputs or inputs or attrs):
             # the usual call with statistics: one tensor out, its values a row of the forward's table
-            info = modules[module_of[position]]
-            keys = _keys_of(_row_call_keys, (*output_stats,), OUTPUT_PREFIX, "", output_stats, table, _CALL_KEYS)
-            values = [info.path, info.type_name, *output_stats.values()]
-            first = values[-1] * width  # "_row", the dict's last key: the row's values in its place
-            values[-1:] = table_values[first : first + width]
+            keys, values = _row_call(modules[module_of[position]], output_stats, table, table_values, width)
             column[position] = dict(zip(keys, values))
         elif outputs or inputs or attrs or output_stats is not None:
             info = modules[module_of[position]]

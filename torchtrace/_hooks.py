@@ -93,6 +93,11 @@ class RawForward:
             extras = self.extras[position] = [None] * _EXTRAS
         extras[slot] = value
 
+    def interrupt(self, position: int, end: int) -> None:
+        """An open call ends at ``end``, interrupted (by an exception torch showed no always_call hook)."""
+        self.end[position] = end
+        self.set_extra(position, ERROR, "interrupted")
+
     def output_summaries(self, position: int) -> dict[str, dict] | None:
         """A call's output tensor summaries, {name: stats}, whichever column holds them."""
         stats = self.output_stats.get(position)
@@ -307,12 +312,12 @@ class HookRecorder:
             position = stack.pop()
             while modules[position] != index and stack:
                 # An exception that torch does not pass to always_call hooks (BaseException) skipped these closes.
-                forward.end[position] = end
-                forward.set_extra(position, ERROR, "interrupted")
+                forward.interrupt(position, end)
                 position = stack.pop()
             forward.end[position] = end
-            if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels: not the module's
-                forward.set_extra(position, END_EVENT, state.timer.mark())
+            timer = state.timer  # before the statistics' kernels: they are not the module's work
+            if timer is not None and forward.extra(position, START_EVENT) is not None:
+                forward.set_extra(position, END_EVENT, timer.mark())
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
                 # One the caller was already handling before the call (pre hook) is not this call's error.
@@ -392,8 +397,7 @@ class HookRecorder:
         forward = state.forward
         end = max(max(filter(None, forward.end), default=0), max(forward.start))
         for position in state.stack:
-            forward.end[position] = end
-            forward.set_extra(position, ERROR, "interrupted")
+            forward.interrupt(position, end)
         if forward.extra(0, START_EVENT) is not None:  # the forward's events are read once this one completes
             forward.set_extra(0, END_EVENT, state.timer.mark())
         state.stack.clear()
@@ -530,8 +534,7 @@ def _pop_to(state: _ThreadState, forward: RawForward, position: int, end: int) -
         top = stack.pop()
         if top == position:
             return
-        forward.end[top] = end
-        forward.set_extra(top, ERROR, "interrupted")
+        forward.interrupt(top, end)
 
 
 def _run_work(
