@@ -515,6 +515,25 @@ def test_the_std_of_millions_of_values_far_from_zero_is_right():
     assert got["norm"] == pytest.approx(float(exact.norm()), rel=1e-3)
 
 
+def test_statistics_without_std_take_no_second_pass_over_a_large_tensor(monkeypatch):
+    """Gradients' statistics (mean, abs_max, norm, counts) have no std: data whose mean carries its sum of squares
+    costs no exact second pass for them."""
+    torch.manual_seed(0)
+    tensor = torch.randn(100_000) * 0.01 + 100
+    exact = tensor.double()
+    mean, norm, std = float(exact.mean()), float(exact.norm()), float(exact.std())
+    second_passes = []
+    vector_norm = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: second_passes.append(1) or vector_norm(*a, **k))
+    got = output_attributes(tensor, stats=("mean", "abs_max", "norm", "nan_count", "inf_count"))
+    assert second_passes == []
+    assert got["mean"] == pytest.approx(mean, rel=1e-6)
+    assert got["abs_max"] == float(tensor.abs().max())
+    assert got["norm"] == pytest.approx(norm, rel=1e-5)
+    assert output_attributes(tensor, stats=("mean", "std"))["std"] == pytest.approx(std, rel=1e-3)
+    assert second_passes == [1]  # with std: the exact pass this data needs
+
+
 @pytest.mark.parametrize("elements", [12, 50_000], ids=["small", "large"])
 def test_a_calls_statistics_stay_out_of_the_garbage_collectors_generations(elements):
     """Calls waiting for the worker must not be promoted towards a full collection (benchmarks/latency.py): their

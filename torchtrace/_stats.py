@@ -470,17 +470,17 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
         nan_v = int(np.count_nonzero(np.isnan(values)))
         inf_v = int(np.count_nonzero(np.isinf(values)))
     norm_v = math.sqrt(squares)
-    # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels when the mean carries much of |x|^2:
-    # float32 sums of millions of squares are off by up to ~1e-3, which then becomes the whole variance. Where the
-    # mean carries half or more (and for non-finite data), take the exact second pass.
-    centered_square = squares - n * mean_v * mean_v
-    if n > 1 and (not math.isfinite(centered_square) or centered_square < 0.5 * squares):
-        centered_square = float(torch.linalg.vector_norm(x - mean_v)) ** 2
-        if not math.isfinite(centered_square) and not (nan_v or inf_v):  # |x| past float32's square: float64
-            centered_square = float(torch.linalg.vector_norm(x.double() - mean_v)) ** 2
-    std_v = math.sqrt(max(centered_square, 0.0) / (n - 1)) if n > 1 else 0.0
-    if nan_v or inf_v:
-        std_v = math.nan  # as torch.std of data with NaN or Inf
+    std_v = math.nan if nan_v or inf_v else 0.0  # as torch.std of data with NaN or Inf; of one element: 0
+    if n > 1 and not (nan_v or inf_v) and "std" in wanted:  # gradients (GRAD_STATS) have no std: no second pass
+        # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels when the mean carries much of
+        # |x|^2: float32 sums of millions of squares are off by up to ~1e-3, which then becomes the whole variance.
+        # Where the mean carries half or more, take the exact second pass.
+        centered_square = squares - n * mean_v * mean_v
+        if not math.isfinite(centered_square) or centered_square < 0.5 * squares:
+            centered_square = float(torch.linalg.vector_norm(x - mean_v)) ** 2
+            if not math.isfinite(centered_square):  # |x| past float32's square: float64
+                centered_square = float(torch.linalg.vector_norm(x.double() - mean_v)) ** 2
+        std_v = math.sqrt(max(centered_square, 0.0) / (n - 1))
     # NaN != 0, as count_nonzero counts it; -0.0 == 0
     nonzero = int(np.count_nonzero(values != 0)) if "zero_fraction" in wanted else n
     _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
