@@ -71,9 +71,13 @@ def _imported(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the torchtrace modules it imports, for every ``torchtrace/*.py``."""
+    """Module -> the torchtrace modules it imports, for every ``torchtrace/*.py``; a compiled module
+    (``torchtrace/*.c``) imports none."""
     paths = {_module_name(path): path for path in sorted(PACKAGE.glob("*.py"))}
-    return {name: _imported(path, set(paths)) for name, path in paths.items()}
+    compiled = {f"torchtrace.{path.stem}" for path in PACKAGE.glob("*.c")}
+    graph = {name: _imported(path, set(paths) | compiled) for name, path in paths.items()}
+    graph.update((name, set()) for name in compiled)
+    return graph
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gc
+import shutil
 import warnings
 from itertools import chain
 from typing import Any, NamedTuple
@@ -210,14 +211,69 @@ def test_small_tensors_keep_their_values_when_a_forward_had_too_many_rows_to_kee
                 assert_stats_match(got, emit.value)
 
 
-def test_a_large_tensor_takes_the_same_values_as_torch():
+@pytest.fixture(params=["one-pass", "numpy-passes"])
+def large_tensor_passes(request, monkeypatch):
+    """Large CPU tensors reduced by the compiled single pass (``torchtrace._reduce``), and by numpy's and torch's
+    passes: what an install without a C compiler runs, and what any NaN or Inf falls back to."""
+    if request.param == "one-pass" and _stats._one_pass is None:
+        pytest.skip("torchtrace._reduce is not built here")
+    if request.param == "numpy-passes":
+        monkeypatch.setattr(_stats, "_one_pass", None)
+    return request.param
+
+
+def test_the_one_pass_reduction_is_built_where_there_is_a_c_compiler():
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler: the statistics take numpy's passes")
+    assert _stats._one_pass is not None  # a failed build is optional for pip: here it would go unseen
+
+
+def test_a_large_tensor_takes_the_same_values_as_torch(large_tensor_passes):
     torch.manual_seed(1)
     tensor = torch.randn(300, 300) * 0.01 + 5
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(300, 301).t(),
+        lambda: torch.randn(100_003)[3:],  # contiguous, from an offset into its storage
+        lambda: torch._neg_view(torch.randn(200, 101)),
+        lambda: torch.randn(50_001, dtype=torch.float64) * 1e3,
+        lambda: torch.randint(-5, 5, (40_000,)),
+        lambda: torch.randn(40_000) > 0.5,
+        lambda: torch.randn(30_000).half(),
+        lambda: torch.randn(64, 1024).relu(),  # half of it zeros
+        lambda: torch.zeros(20_000),
+        lambda: torch.full((20_000,), -3.0),
+    ],
+    ids=["transposed", "offset", "negative-view", "float64", "int64", "bool", "float16", "relu", "zeros", "constant"],
+)
+def test_large_tensors_in_any_layout_and_dtype_equal_torch(make, large_tensor_passes):
+    torch.manual_seed(4)
+    tensor = make()
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(4097, 40_000),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(1e-6, 1e6),
+    shift=st.floats(-1e3, 1e3),
+    zeros=st.floats(0.0, 1.0),
+)
+def test_property_large_float32_statistics_equal_torch_in_one_pass(n, seed, scale, shift, zeros):
+    """Any length (not a multiple of the pass's lanes or blocks), spread, offset and share of zeros."""
+    generator = torch.Generator().manual_seed(seed)
+    tensor = torch.randn(n, generator=generator) * scale + shift
+    tensor[torch.rand(n, generator=generator) < zeros] = 0.0
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+
+
 @pytest.mark.parametrize("repeat", [1, 5000], ids=["small", "large"])
-def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat):
+def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat, large_tensor_passes):
     tensor = torch.tensor([1e8, 1e8 + 1e-3, 1e8 - 1e-3, 1e8], dtype=torch.float64).repeat(repeat)
     got = output_attributes(tensor)
     assert got["std"] == pytest.approx(torch.std(tensor).item(), rel=1e-3)
@@ -277,7 +333,7 @@ def test_a_one_element_tensor_has_std_zero():
     ids=["nan", "inf", "neg-inf", "both-infs", "nan-and-inf"],
 )
 @pytest.mark.parametrize("padding", [0, 10_000], ids=["small", "large"])
-def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding):
+def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding, large_tensor_passes):
     tensor = torch.cat([torch.tensor(values), torch.ones(padding)])
     got = output_attributes(tensor)
     assert_stats_match(got, tensor)
@@ -494,7 +550,7 @@ def test_outputs_named_like_internal_markers_are_summarised_like_any_other():
     assert got == {"_error.mean": 2.0, "_truncated.mean": 0.0}
 
 
-def test_the_std_of_huge_float32_values_does_not_overflow():
+def test_the_std_of_huge_float32_values_does_not_overflow(large_tensor_passes):
     tensor = torch.tensor([1e20, -1e20] * 2500, dtype=torch.float32)  # > 4096 elements: reduced with torch passes
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no numpy overflow warning in the user's process
@@ -503,7 +559,7 @@ def test_the_std_of_huge_float32_values_does_not_overflow():
     assert got["norm"] == float(torch.linalg.vector_norm(tensor))  # inf in float32, as torch says
 
 
-def test_the_std_of_millions_of_values_far_from_zero_is_right():
+def test_the_std_of_millions_of_values_far_from_zero_is_right(large_tensor_passes):
     """A float32 sum of millions of squares is off by ~1e-4 of itself: subtracting n * mean^2 from it leaves noise
     where the mean carries most of it (the std was off by 460x here); such data takes the exact second pass."""
     torch.manual_seed(0)
@@ -515,7 +571,7 @@ def test_the_std_of_millions_of_values_far_from_zero_is_right():
     assert got["norm"] == pytest.approx(float(exact.norm()), rel=1e-3)
 
 
-def test_statistics_without_std_take_no_second_pass_over_a_large_tensor(monkeypatch):
+def test_statistics_without_std_take_no_second_pass_over_a_large_tensor(monkeypatch, large_tensor_passes):
     """Gradients' statistics (mean, abs_max, norm, counts) have no std: data whose mean carries its sum of squares
     costs no exact second pass for them."""
     torch.manual_seed(0)
