@@ -1,11 +1,10 @@
-"""The one compiled part: a single pass over a large CPU tensor for its statistics (torchtrace/_reduce.c).
-
-Optional: where it cannot be built (no C compiler), statistics take numpy's and torch's passes instead, the same
-values a few times slower. Everything else is configured in pyproject.toml.
+"""The one compiled part: the statistics' hot-path helpers (torchtrace/_native.c: one pass over a large CPU tensor,
+a copy without ctypes). Optional: where it cannot be built (no C compiler), statistics take numpy's and torch's
+passes and ctypes.memmove instead, the same values, slower. Everything else is configured in pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
 setup(
-    ext_modules=[Extension("torchtrace._reduce", ["torchtrace/_reduce.c"], extra_compile_args=["-O3"], optional=True)]
+    ext_modules=[Extension("torchtrace._native", ["torchtrace/_native.c"], extra_compile_args=["-O3"], optional=True)]
 )

@@ -26,7 +26,7 @@ def test_the_wheel_holds_the_package_its_data_and_the_compiled_pass(tmp_path):
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = tmp_path.glob("torchtrace-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(name.startswith("torchtrace/_reduce.") and name.endswith((".so", ".pyd")) for name in names), names
+    assert any(name.startswith("torchtrace/_native.") and name.endswith((".so", ".pyd")) for name in names), names
     for expected in ("torchtrace/__init__.py", "torchtrace/_stats.py", "torchtrace/_report_page.html"):
         assert expected in names
     assert not any(name.startswith("tests/") for name in names)

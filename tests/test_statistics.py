@@ -4,6 +4,7 @@ tensor sits in the output (or input); tracing never changes what the model compu
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import gc
 import shutil
@@ -96,7 +97,17 @@ def test_float_statistics_equal_torch(dtype, rel):
     assert_stats_match(output_attributes(tensor), tensor, rel=rel)
 
 
-def test_small_tensors_of_one_size_reduced_together_each_equal_torch():
+@pytest.fixture(params=["native-copy", "ctypes-memmove"])
+def staging_copy(request, monkeypatch):
+    """Small tensors copied into their staging rows by ``torchtrace._native.copy``, and by ctypes (without it)."""
+    if request.param == "native-copy" and _stats._copy is ctypes.memmove:
+        pytest.skip("torchtrace._native is not built here")
+    if request.param == "ctypes-memmove":
+        monkeypatch.setattr(_stats, "_copy", ctypes.memmove)
+    return request.param
+
+
+def test_small_tensors_of_one_size_reduced_together_each_equal_torch(staging_copy):
     """A forward's small tensors of one size are reduced in one batch: each row still gets torch's values, including
     a row whose mean carries nearly all of its sum of squares (the exact second pass), NaN and Inf rows, a row of
     zeros of both signs, and float64 data."""
@@ -116,7 +127,7 @@ def test_small_tensors_of_one_size_reduced_together_each_equal_torch():
         assert_stats_match(got, tensor, prefix=f"{name}.", rel=rel)
 
 
-def test_more_small_tensors_of_one_size_than_the_first_rows_hold_each_equal_torch_forward_after_forward():
+def test_more_small_tensors_of_one_size_than_the_first_rows_hold_each_equal_torch_forward_after_forward(staging_copy):
     """Small float tensors are copied into rows kept between forwards (grown when a forward has more): every call
     gets its own tensor's values, and a later forward's values never mix with an earlier one's."""
     emits = nn.ModuleList(Emit() for _ in range(40))
@@ -166,7 +177,7 @@ class Emitted(torch.Tensor):
     """A tensor subclass: its memory is not read as a plain tensor's."""
 
 
-def test_tensors_of_a_kind_seen_before_in_another_layout_each_equal_torch_forward_after_forward():
+def test_tensors_of_a_kind_seen_before_in_another_layout_each_equal_torch_forward_after_forward(staging_copy):
     """Once a kind of tensor (dtype, shape) has been copied as a plain contiguous tensor, the next of that kind is
     copied without deciding again: one of the same kind that is a view, a negative view or a subclass still gets its
     own values, in the same forward and in the next."""
@@ -213,10 +224,10 @@ def test_small_tensors_keep_their_values_when_a_forward_had_too_many_rows_to_kee
 
 @pytest.fixture(params=["one-pass", "numpy-passes"])
 def large_tensor_passes(request, monkeypatch):
-    """Large CPU tensors reduced by the compiled single pass (``torchtrace._reduce``), and by numpy's and torch's
+    """Large CPU tensors reduced by the compiled single pass (``torchtrace._native``), and by numpy's and torch's
     passes: what an install without a C compiler runs, and what any NaN or Inf falls back to."""
     if request.param == "one-pass" and _stats._one_pass is None:
-        pytest.skip("torchtrace._reduce is not built here")
+        pytest.skip("torchtrace._native is not built here")
     if request.param == "numpy-passes":
         monkeypatch.setattr(_stats, "_one_pass", None)
     return request.param

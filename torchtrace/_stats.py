@@ -22,9 +22,11 @@ from torchtrace._config import STAT_NAMES, StatFunction
 from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, reduce
 
 try:
-    from torchtrace._reduce import reduce as _one_pass
-except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, the same values
+    from torchtrace._native import copy as _copy
+    from torchtrace._native import reduce as _one_pass
+except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
     _one_pass = None
+    _copy = ctypes.memmove
 
 _logger = logging.getLogger(__name__)
 
@@ -324,7 +326,8 @@ def _stat_rows(values: np.ndarray, columns: tuple[str, ...]) -> tuple[np.ndarray
 
 class _Staging:
     """The values of a forward's small contiguous tensors of one dtype and size, one row each, copied in the hook
-    with one memmove (a numpy copy costs twice as much); kept and reused forward after forward."""
+    with one memcpy (``_native.copy``; a numpy copy costs several times as much); kept and reused forward after
+    forward."""
 
     __slots__ = ("values", "address", "row_bytes", "count", "filled")
 
@@ -341,7 +344,7 @@ class _Staging:
         if count == len(self.values):
             self.values = np.concatenate([self.values, np.empty_like(self.values)])
             self.address = self.values.ctypes.data
-        _memmove(self.address + count * self.row_bytes, tensor.data_ptr(), self.row_bytes)
+        _copy(self.address + count * self.row_bytes, tensor.data_ptr(), self.row_bytes)
         self.count = count + 1
         self.filled.append(stats)
 
@@ -389,7 +392,6 @@ _COUNTS = frozenset(("nan_count", "inf_count"))
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _MAX_STAGING_BYTES = 16 << 20  # rows kept between forwards at most per dtype and size
 _MAX_STAGED_KINDS = 1024  # (dtype, shape) kinds remembered (a new sequence length per request: no more past this)
-_memmove = ctypes.memmove
 
 
 def _row_dots(rows: np.ndarray) -> np.ndarray:
@@ -459,8 +461,8 @@ def device_stats(
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """One CPU tensor, reduced at once: in one pass (``_reduce``) where its values are finite and contiguous, else in
-    a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch does."""
+    """One CPU tensor, reduced at once: in one pass (``_native.reduce``) where its values are finite and contiguous,
+    else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch does."""
     x = _as_real_float(tensor)
     n = x.numel()
     mean_v, squares, low_v, high_v, nonzero, nan_v, inf_v = _passes(x, n, "zero_fraction" in wanted)
