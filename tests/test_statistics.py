@@ -11,6 +11,7 @@ import shutil
 import warnings
 from itertools import chain
 from typing import Any, NamedTuple
+from unittest import mock
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def assert_stats_match(got: dict[str, Any], tensor: torch.Tensor, prefix: str = 
     ("dtype", "rel"),
     [(torch.float32, 1e-5), (torch.float64, 1e-9), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)],
 )
-def test_float_statistics_equal_torch(dtype, rel):
+def test_float_statistics_equal_torch(dtype, rel, passes):
     torch.manual_seed(0)
     tensor = (torch.randn(4, 5, 6) * 3 + 1).to(dtype)
     tensor[0, 0, :3] = 0
@@ -107,7 +108,7 @@ def staging_copy(request, monkeypatch):
     return request.param
 
 
-def test_small_tensors_of_one_size_reduced_together_each_equal_torch(staging_copy):
+def test_small_tensors_of_one_size_reduced_together_each_equal_torch(staging_copy, passes):
     """A forward's small tensors of one size are reduced in one batch: each row still gets torch's values, including
     a row whose mean carries nearly all of its sum of squares (the exact second pass), NaN and Inf rows, a row of
     zeros of both signs, and float64 data."""
@@ -223,13 +224,15 @@ def test_small_tensors_keep_their_values_when_a_forward_had_too_many_rows_to_kee
 
 
 @pytest.fixture(params=["one-pass", "numpy-passes"])
-def large_tensor_passes(request, monkeypatch):
-    """Large CPU tensors reduced by the compiled single pass (``torchtrace._native``), and by numpy's and torch's
-    passes: what an install without a C compiler runs, and what any NaN or Inf falls back to."""
+def passes(request, monkeypatch):
+    """CPU tensors reduced by the compiled single pass (``torchtrace._native``: a large tensor, or each row of a
+    forward's small tensors of one size), and by numpy's and torch's passes: what an install without a C compiler
+    runs, and what any NaN or Inf falls back to."""
     if request.param == "one-pass" and _stats._one_pass is None:
         pytest.skip("torchtrace._native is not built here")
     if request.param == "numpy-passes":
         monkeypatch.setattr(_stats, "_one_pass", None)
+        monkeypatch.setattr(_stats, "_table_rows", None)
     return request.param
 
 
@@ -239,7 +242,7 @@ def test_the_one_pass_reduction_is_built_where_there_is_a_c_compiler():
     assert _stats._one_pass is not None  # a failed build is optional for pip: here it would go unseen
 
 
-def test_a_large_tensor_takes_the_same_values_as_torch(large_tensor_passes):
+def test_a_large_tensor_takes_the_same_values_as_torch(passes):
     torch.manual_seed(1)
     tensor = torch.randn(300, 300) * 0.01 + 5
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
@@ -261,7 +264,7 @@ def test_a_large_tensor_takes_the_same_values_as_torch(large_tensor_passes):
     ],
     ids=["transposed", "offset", "negative-view", "float64", "int64", "bool", "float16", "relu", "zeros", "constant"],
 )
-def test_large_tensors_in_any_layout_and_dtype_equal_torch(make, large_tensor_passes):
+def test_large_tensors_in_any_layout_and_dtype_equal_torch(make, passes):
     torch.manual_seed(4)
     tensor = make()
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
@@ -284,14 +287,14 @@ def test_property_large_float32_statistics_equal_torch_in_one_pass(n, seed, scal
 
 
 @pytest.mark.parametrize("repeat", [1, 5000], ids=["small", "large"])
-def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat, large_tensor_passes):
+def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat, passes):
     tensor = torch.tensor([1e8, 1e8 + 1e-3, 1e8 - 1e-3, 1e8], dtype=torch.float64).repeat(repeat)
     got = output_attributes(tensor)
     assert got["std"] == pytest.approx(torch.std(tensor).item(), rel=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.int64, torch.uint8])
-def test_integer_statistics_are_those_of_the_values_as_floats(dtype):
+def test_integer_statistics_are_those_of_the_values_as_floats(dtype, passes):
     tensor = torch.tensor([[0, 3, 7], [100, 0, 1]], dtype=dtype)
     got = output_attributes(tensor)
     assert_stats_match(got, tensor)
@@ -299,7 +302,7 @@ def test_integer_statistics_are_those_of_the_values_as_floats(dtype):
     assert got["zero_fraction"] == pytest.approx(2 / 6)
 
 
-def test_bool_statistics_count_true_as_one():
+def test_bool_statistics_count_true_as_one(passes):
     tensor = torch.tensor([True, False, True, True])
     got = output_attributes(tensor)
     assert_stats_match(got, tensor)
@@ -319,14 +322,14 @@ def test_an_empty_tensor_has_only_shape_dtype_and_device():
     assert got == {"shape": (0, 3), "dtype": "float32", "device": "cpu"}
 
 
-def test_a_zero_dim_tensor_has_std_zero_and_an_empty_shape():
+def test_a_zero_dim_tensor_has_std_zero_and_an_empty_shape(passes):
     got = output_attributes(torch.tensor(-2.5))
     assert got["shape"] == ()
     numbers = {name: got[name] for name in ("mean", "std", "min", "max", "abs_max", "norm")}
     assert numbers == {"mean": -2.5, "std": 0.0, "min": -2.5, "max": -2.5, "abs_max": 2.5, "norm": 2.5}
 
 
-def test_a_one_element_tensor_has_std_zero():
+def test_a_one_element_tensor_has_std_zero(passes):
     got = output_attributes(torch.tensor([7.0]))
     assert got["std"] == 0.0
     assert got["norm"] == 7.0
@@ -344,7 +347,7 @@ def test_a_one_element_tensor_has_std_zero():
     ids=["nan", "inf", "neg-inf", "both-infs", "nan-and-inf"],
 )
 @pytest.mark.parametrize("padding", [0, 10_000], ids=["small", "large"])
-def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding, large_tensor_passes):
+def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding, passes):
     tensor = torch.cat([torch.tensor(values), torch.ones(padding)])
     got = output_attributes(tensor)
     assert_stats_match(got, tensor)
@@ -360,8 +363,11 @@ def test_non_finite_values_are_counted_and_propagate_like_torch(values, padding,
     )
 )
 def test_property_float32_statistics_equal_torch(values):
+    """Through the compiled pass, and numpy's (where it is not built)."""
     tensor = torch.tensor(values, dtype=torch.float32)
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+    with mock.patch.object(_stats, "_one_pass", None), mock.patch.object(_stats, "_table_rows", None):
+        assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -375,7 +381,7 @@ def test_property_float32_statistics_equal_torch(values):
     ],
     ids=["transposed", "strided-slice", "negative-view", "requires-grad-transposed", "float64-requires-grad"],
 )
-def test_small_tensors_in_any_layout_equal_torch(make):
+def test_small_tensors_in_any_layout_equal_torch(make, passes):
     """Small CPU tensors are copied in the hook and reduced at the forward's end: views, negative views and tensors
     that require grad give torch's values."""
     torch.manual_seed(3)
@@ -561,7 +567,7 @@ def test_outputs_named_like_internal_markers_are_summarised_like_any_other():
     assert got == {"_error.mean": 2.0, "_truncated.mean": 0.0}
 
 
-def test_the_std_of_huge_float32_values_does_not_overflow(large_tensor_passes):
+def test_the_std_of_huge_float32_values_does_not_overflow(passes):
     tensor = torch.tensor([1e20, -1e20] * 2500, dtype=torch.float32)  # > 4096 elements: reduced with torch passes
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no numpy overflow warning in the user's process
@@ -570,7 +576,7 @@ def test_the_std_of_huge_float32_values_does_not_overflow(large_tensor_passes):
     assert got["norm"] == float(torch.linalg.vector_norm(tensor))  # inf in float32, as torch says
 
 
-def test_the_std_of_millions_of_values_far_from_zero_is_right(large_tensor_passes):
+def test_the_std_of_millions_of_values_far_from_zero_is_right(passes):
     """A float32 sum of millions of squares is off by ~1e-4 of itself: subtracting n * mean^2 from it leaves noise
     where the mean carries most of it (the std was off by 460x here); such data takes the exact second pass."""
     torch.manual_seed(0)
@@ -582,7 +588,7 @@ def test_the_std_of_millions_of_values_far_from_zero_is_right(large_tensor_passe
     assert got["norm"] == pytest.approx(float(exact.norm()), rel=1e-3)
 
 
-def test_statistics_without_std_take_no_second_pass_over_a_large_tensor(monkeypatch, large_tensor_passes):
+def test_statistics_without_std_take_no_second_pass_over_a_large_tensor(monkeypatch, passes):
     """Gradients' statistics (mean, abs_max, norm, counts) have no std: data whose mean carries its sum of squares
     costs no exact second pass for them."""
     torch.manual_seed(0)

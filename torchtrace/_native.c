@@ -10,11 +10,17 @@
    are not handled here: they make the sum of squares non-finite, and the caller then takes its exact numpy / torch
    passes, which count them and propagate them as torch does.
 
+   stat_rows: the statistics of each row of a forward's small tensors of one size, staged as rows of one array, as
+   a table (128 rows of 32 floats: 11 us, the call included, where numpy's vectorised passes and its column
+   arithmetic take 64, 2026-11-25).
+
    copy: a small tensor's bytes into its staging row (39 ns a call where ctypes.memmove takes 279, 2026-11-25). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <float.h>
+#include <math.h>
 #include <string.h>
 
 #define LANES 16
@@ -97,6 +103,81 @@ static PyObject *reduce(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(ddddL)", out[0], out[1], out[2], out[3], (long long)out[4]);
 }
 
+/* The second pass of one row: sum((x - mean)^2) in double. */
+#define CENTERED(NAME, T)                                                                                             \
+    static double NAME(const T *x, int64_t n, double mean) {                                                          \
+        double total = 0.0;                                                                                           \
+        for (int64_t i = 0; i < n; i++) {                                                                             \
+            double d = (double)x[i] - mean;                                                                           \
+            total += d * d;                                                                                           \
+        }                                                                                                             \
+        return total;                                                                                                 \
+    }
+
+CENTERED(centered_float, float)
+CENTERED(centered_double, double)
+
+/* stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: the statistics of each of `rows`
+   contiguous rows of n values at address (a forward's small tensors of one size, one row each) into a rows x
+   len(columns) table of doubles at out_address; `columns` (bytes) picks from mean, std, min, max, abs_max, norm,
+   nan_count, inf_count, zero_fraction (0-8), in its order. The std takes the exact second pass where the mean
+   carries half of the sum of squares or more, as the numpy path does. False (the table unfinished) when a row's
+   sum of squares is not finite, or for float32 past float32's range: the caller's numpy passes then count NaN and
+   Inf as torch does. */
+static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "stat_rows(address, rows, n, is_float64, columns, out_address) takes 6 "
+                                         "arguments");
+        return NULL;
+    }
+    void *address = PyLong_AsVoidPtr(args[0]);
+    long long rows = PyLong_AsLongLong(args[1]);
+    long long n = PyLong_AsLongLong(args[2]);
+    int is_double = PyObject_IsTrue(args[3]);
+    char *columns;
+    Py_ssize_t width;
+    if (PyBytes_AsStringAndSize(args[4], &columns, &width) < 0) return NULL;
+    double *out = (double *)PyLong_AsVoidPtr(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (address == NULL || out == NULL || rows < 0 || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "stat_rows needs non-null addresses and at least one value a row");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < width; j++) {
+        if (columns[j] < 0 || columns[j] > 8) {
+            PyErr_SetString(PyExc_ValueError, "stat_rows: a column is a number from 0 to 8");
+            return NULL;
+        }
+    }
+    const double most = is_double ? DBL_MAX : FLT_MAX;
+    for (long long row = 0; row < rows; row++) {
+        double sums[5], values[9];
+        if (is_double)
+            reduce_double((const double *)address + row * n, (int64_t)n, sums);
+        else
+            reduce_float((const float *)address + row * n, (int64_t)n, sums);
+        double total = sums[0], squares = sums[1], low = sums[2], high = sums[3];
+        if (!(squares <= most)) Py_RETURN_FALSE; /* NaN, Inf, or past the dtype's range */
+        double mean = total / (double)n;
+        double centered = squares - total * mean;
+        if (!(centered >= 0.5 * squares))
+            centered = is_double ? centered_double((const double *)address + row * n, (int64_t)n, mean)
+                                 : centered_float((const float *)address + row * n, (int64_t)n, mean);
+        values[0] = mean;
+        values[1] = sqrt((centered > 0.0 ? centered : 0.0) / (double)(n > 1 ? n - 1 : 1));
+        values[2] = low;
+        values[3] = high;
+        values[4] = fabs(low) > fabs(high) ? fabs(low) : fabs(high);
+        values[5] = sqrt(squares);
+        values[6] = 0.0;
+        values[7] = 0.0;
+        values[8] = 1.0 - sums[4] / (double)n;
+        for (Py_ssize_t j = 0; j < width; j++) out[row * width + j] = values[(int)columns[j]];
+    }
+    Py_RETURN_TRUE;
+}
+
 /* copy(destination, source, nbytes): memcpy between two addresses the caller owns (a staging row, a tensor's
    data_ptr()). */
 static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -120,6 +201,8 @@ static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count)"},
+    {"stat_rows", (PyCFunction)(void (*)(void))stat_rows, METH_FASTCALL,
+     "stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: each row's statistics as a table"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
     {NULL, NULL, 0, NULL},
 };

@@ -24,8 +24,9 @@ from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish
 try:
     from torchtrace._native import copy as _copy
     from torchtrace._native import reduce as _one_pass
+    from torchtrace._native import stat_rows as _table_rows
 except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
-    _one_pass = None
+    _one_pass = _table_rows = None
     _copy = ctypes.memmove
 
 _logger = logging.getLogger(__name__)
@@ -285,7 +286,13 @@ def _size_groups(copies: list[np.ndarray], filled: list[dict]) -> list[tuple[np.
 def _stat_rows(values: np.ndarray, columns: tuple[str, ...]) -> tuple[np.ndarray, bool]:
     """The statistics ``columns`` of each row of ``values`` (the small tensors of one size of a forward), reduced
     together in numpy (a torch op's dispatch costs more than numpy's whole reduction of a small array): one row of
-    float64 each (NaN and Inf counts too); and whether no row holds NaN or Inf."""
+    float64 each (NaN and Inf counts too); and whether no row holds NaN or Inf.
+
+    In one compiled pass a row (``_native.stat_rows``) where every row is finite; else (or without the module) in
+    numpy, which counts NaN and Inf as torch does."""
+    table = _table_in_one_pass(values, columns)
+    if table is not None:
+        return table, True
     if len(values) < _BATCH_AT_LEAST:  # a dozen vectorised calls cost more than a few scalar reductions
         rows, all_finite = [], True
         for row in values:
@@ -322,6 +329,24 @@ def _stat_rows(values: np.ndarray, columns: tuple[str, ...]) -> tuple[np.ndarray
         for index, name in enumerate(columns):
             table[:, index] = computed[name]()
     return table, all_finite
+
+
+def _table_in_one_pass(values: np.ndarray, columns: tuple[str, ...]) -> np.ndarray | None:
+    """The statistics table of a contiguous float32 / float64 array's rows from ``_native.stat_rows``, or None
+    (not built, another dtype, or a row not finite)."""
+    double = values.dtype == np.float64
+    if _table_rows is None or not (double or values.dtype == np.float32) or not values.flags.c_contiguous:
+        return None
+    codes = _COLUMN_CODES.get(columns)
+    if codes is None:
+        codes = _COLUMN_CODES[columns] = bytes(_NUMERIC.index(name) for name in columns)
+    table = np.empty((len(values), len(columns)))
+    if not _table_rows(values.ctypes.data, len(values), values.shape[1], double, codes, table.ctypes.data):
+        return None
+    return table
+
+
+_COLUMN_CODES: dict[tuple[str, ...], bytes] = {}  # columns -> their positions in _NUMERIC: _native.stat_rows's codes
 
 
 class _Staging:
