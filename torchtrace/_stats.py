@@ -516,7 +516,7 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
     248 us for 1M float32: torch.aminmax 21 us on 131K floats where numpy's min and max take 10; counting ``x != 0``
     7 us where sign(x) . sign(x) takes 21 and torch's ``(x != 0).sum()`` 93; torch.std_mean is several times slower
     still."""
-    if _one_pass is not None and type(x) is torch.Tensor and x.is_contiguous() and not x.is_neg():
+    if _one_pass is not None and type(x) is torch.Tensor and x.is_contiguous() and not (x.is_neg() or x.is_nested):
         double = x.dtype is torch.float64
         total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
         if squares <= _FLOAT32_MAX or (double and math.isfinite(squares)):  # False for NaN
