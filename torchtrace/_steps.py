@@ -192,11 +192,12 @@ class StepTracker:
         # gradient ends the span (a layer's parameter gradients come from one node, at once)
         non_leaves = [t for t in sources if t.grad_fn is not None]
         if sources:
-            handle = (
-                register_multi_grad_hook(non_leaves, finished)
-                if non_leaves
-                else register_multi_grad_hook(sources, finished, mode="any")
-            )
+            if len(non_leaves) == 1:  # the usual layer: its input's own hook fires at the same moment, cheaper
+                handle = non_leaves[0].register_hook(finished)
+            elif non_leaves:
+                handle = register_multi_grad_hook(non_leaves, finished)
+            else:
+                handle = register_multi_grad_hook(sources, finished, mode="any")
             end_handle.append(handle)
             self.hook_handles.append(handle)
         if self.param_stats:
