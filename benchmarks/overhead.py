@@ -20,6 +20,7 @@ same math and the same calls for all); the extra `none_fastpath` variant (encode
 what the fast path alone is worth.
 
 Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder,varlen] [--otlp-protocol P]
+     [--threads N]   (torch's intra-op threads; default torch's own: one pass of statistics is single-threaded)
 The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}}}, ...}
 """
 
@@ -435,6 +436,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
     parser.add_argument("--models", default="cheap,encoder,varlen", help="comma-separated: cheap, encoder, varlen")
     parser.add_argument("--otlp-protocol", default="http/protobuf", choices=("http/protobuf", "grpc"))
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--serve-discard", choices=("http/protobuf", "grpc"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_discard:
@@ -445,7 +447,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(MODELS)}")
 
-    print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()} (default, not changed)")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    chosen = "set by --threads" if args.threads is not None else "default, not changed"
+    print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()} ({chosen})")
     print(f"torchtrace {torchtrace.__version__}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     factories = list(BASE_VARIANTS)
     with discard_receiver(args.otlp_protocol) as endpoint:

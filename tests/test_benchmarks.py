@@ -42,7 +42,7 @@ def run_benchmark(script: str, *args: str, timeout: int = 240) -> tuple[dict, st
 
 
 def test_overhead_quick_prints_a_json_report_last() -> None:
-    report, stdout = run_benchmark("overhead.py", "--quick", "--models", "cheap")
+    report, stdout = run_benchmark("overhead.py", "--quick", "--models", "cheap", "--threads", "1")
     assert set(report) == {"cheap"}
     variants = report["cheap"]["variants"]
     expected = BASE_VARIANTS | OTLP_VARIANTS
@@ -56,7 +56,7 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     assert variants["none"]["x_none"] == 1.0
     assert report["cheap"]["calls_per_forward"] == 129
     assert "cheap: 129 module calls per forward" in stdout
-    assert "torch.get_num_threads()" in stdout
+    assert "torch.get_num_threads() = 1 (set by --threads)" in stdout
 
 
 def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> None:
