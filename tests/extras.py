@@ -1,9 +1,11 @@
-"""Test-extra packages some tests need (mkdocs, fastapi...), checked the way the Prometheus tests check theirs."""
+"""Test-extra packages some tests need (mkdocs, fastapi...), checked the way the Prometheus tests check theirs; and
+whether this machine can build the compiled module."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import pytest
 
@@ -17,3 +19,8 @@ def require_modules(*names: str) -> None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(message)
         pytest.skip(message)
+
+
+def has_c_compiler() -> bool:
+    """Whether a C compiler is on PATH (then installing torchtrace builds ``torchtrace._native``)."""
+    return any(shutil.which(name) for name in ("cc", "gcc", "clang"))

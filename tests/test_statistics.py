@@ -8,7 +8,6 @@ import ctypes
 import dataclasses
 import gc
 import importlib.metadata
-import shutil
 import warnings
 from itertools import chain
 from typing import Any, NamedTuple
@@ -16,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+from extras import has_c_compiler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from instrumented import traced_modules
@@ -238,7 +238,7 @@ def passes(request, monkeypatch):
 
 
 def test_the_one_pass_reduction_is_built_where_there_is_a_c_compiler():
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+    if not has_c_compiler():
         pytest.skip("no C compiler: the statistics take numpy's passes")
     try:
         importlib.metadata.distribution("torchtrace")

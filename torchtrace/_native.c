@@ -79,14 +79,26 @@
 REDUCE(reduce_float, float)
 REDUCE(reduce_double, double)
 
+/* The n values from position `first` at address, float64 or float32. */
+static void reduce_values(const void *address, int64_t first, int64_t n, int is_double, double *out) {
+    if (is_double)
+        reduce_double((const double *)address + first, n, out);
+    else
+        reduce_float((const float *)address + first, n, out);
+}
+
+/* A call's argument count, or a TypeError naming its signature. */
+static int takes(Py_ssize_t nargs, Py_ssize_t expected, const char *signature) {
+    if (nargs == expected) return 1;
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", signature, expected, nargs);
+    return 0;
+}
+
 /* reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count): n >= 1 contiguous values at
    address (a tensor's data_ptr()). The GIL is kept: the pass is shorter than a hand-over of it can cost. */
 static PyObject *reduce(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "reduce(address, n, is_float64) takes 3 arguments");
-        return NULL;
-    }
+    if (!takes(nargs, 3, "reduce(address, n, is_float64)")) return NULL;
     void *address = PyLong_AsVoidPtr(args[0]);
     long long n = PyLong_AsLongLong(args[1]);
     int is_double = PyObject_IsTrue(args[2]);
@@ -96,10 +108,7 @@ static PyObject *reduce(PyObject *module, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     double out[5];
-    if (is_double)
-        reduce_double((const double *)address, (int64_t)n, out);
-    else
-        reduce_float((const float *)address, (int64_t)n, out);
+    reduce_values(address, 0, (int64_t)n, is_double, out);
     return Py_BuildValue("(ddddL)", out[0], out[1], out[2], out[3], (long long)out[4]);
 }
 
@@ -126,11 +135,7 @@ CENTERED(centered_double, double)
    Inf as torch does. */
 static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "stat_rows(address, rows, n, is_float64, columns, out_address) takes 6 "
-                                         "arguments");
-        return NULL;
-    }
+    if (!takes(nargs, 6, "stat_rows(address, rows, n, is_float64, columns, out_address)")) return NULL;
     void *address = PyLong_AsVoidPtr(args[0]);
     long long rows = PyLong_AsLongLong(args[1]);
     long long n = PyLong_AsLongLong(args[2]);
@@ -153,10 +158,7 @@ static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     const double most = is_double ? DBL_MAX : FLT_MAX;
     for (long long row = 0; row < rows; row++) {
         double sums[5], values[9];
-        if (is_double)
-            reduce_double((const double *)address + row * n, (int64_t)n, sums);
-        else
-            reduce_float((const float *)address + row * n, (int64_t)n, sums);
+        reduce_values(address, row * n, (int64_t)n, is_double, sums);
         double total = sums[0], squares = sums[1], low = sums[2], high = sums[3];
         if (!(squares <= most)) Py_RETURN_FALSE; /* NaN, Inf, or past the dtype's range */
         double mean = total / (double)n;
@@ -182,10 +184,7 @@ static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
    data_ptr()). */
 static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "copy(destination, source, nbytes) takes 3 arguments");
-        return NULL;
-    }
+    if (!takes(nargs, 3, "copy(destination, source, nbytes)")) return NULL;
     void *destination = PyLong_AsVoidPtr(args[0]);
     void *source = PyLong_AsVoidPtr(args[1]);
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[2]);

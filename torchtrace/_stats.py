@@ -519,7 +519,7 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
     if _one_pass is not None and type(x) is torch.Tensor and x.is_contiguous() and not (x.is_neg() or x.is_nested):
         double = x.dtype is torch.float64
         total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
-        if squares <= _FLOAT32_MAX or (double and math.isfinite(squares)):  # False for NaN
+        if squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # False for NaN and Inf
             return total / n, squares, low, high, nonzero, 0, 0
     values = _flat_values(x)
     mean = float(x.sum()) / n  # torch's cascade sum: numpy's float32 sum is slower here
@@ -536,6 +536,7 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT64_MAX = float(np.finfo(np.float64).max)
 
 
 def _flat_values(x: torch.Tensor) -> np.ndarray:
