@@ -320,8 +320,11 @@ def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one
         ours = [w for w in caught if "torchtrace" in str(w.message)]
         assert len(ours) == 1 and "region level" in str(ours[0].message)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs_after_first_call  # no recompiles
-        # the root's hooks run outside the graph; its modules' traced forwards fold away: the model is one graph
-        assert graphs_after_first_call == 1 and torch._dynamo.utils.counters["stats"]["calls_captured"] == 3
+        # the root's hooks run outside the graph (the only graph breaks); its modules' traced forwards fold away:
+        # all three of the model's ops are compiled (how many frames around the break dynamo counts varies by torch)
+        breaks = list(torch._dynamo.utils.counters["graph_break"])
+        assert breaks and all("HookRecorder.forward_pre_hook" in reason for reason in breaks)
+        assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 3
         stats = captured.spans()[-1].attributes
         assert stats["torchtrace.output.shape"] == (3, 2) and math.isfinite(stats["torchtrace.output.mean"])
     torch._dynamo.reset()
