@@ -70,6 +70,20 @@ def remote_child() -> ModuleCall:
     return call("", 0x20, 0x99, 0, 5, {"mean": 1.0}, parent_is_remote=True, trace_state=trace_state)
 
 
+@pytest.fixture(autouse=True, params=["compiled-writers", "numpy-writers"])
+def block_writers(request, monkeypatch):
+    """Every test runs with a block's floats and shapes written by ``torchtrace._native`` (put_doubles / put_dims)
+    and by numpy (an install without a C compiler): the bytes must not differ."""
+    from torchtrace import _otlp_encoding
+
+    if request.param == "compiled-writers" and _otlp_encoding._put_doubles is None:
+        pytest.skip("torchtrace._native is not built here")
+    if request.param == "numpy-writers":
+        monkeypatch.setattr(_otlp_encoding, "_put_doubles", None)
+        monkeypatch.setattr(_otlp_encoding, "_put_dims", None)
+    return request.param
+
+
 def decode(payload: bytes) -> ExportTraceServiceRequest:
     request = ExportTraceServiceRequest()
     request.ParseFromString(payload)
@@ -411,3 +425,29 @@ def test_forwards_with_statistics_share_a_block_and_keep_their_own_values(odd) -
     assert attrs(spans[8].attributes)["torchtrace.output.mean"] == 1.5 * 3
     assert attrs(spans[13].attributes)["torchtrace.output.shape"] == [4, 32]
     assert attrs(spans[24].attributes)["torchtrace.output.mean"] == 0.5 * 4
+
+
+def test_the_compiled_slot_writers_refuse_what_does_not_fit_and_never_write_outside_the_buffer(block_writers):
+    """``put_doubles`` / ``put_dims`` write a block's floats and shapes where the encoder's offsets say, and answer
+    False (the batch then takes the general path) for a value of another type, a dimension no slot holds, more or
+    fewer dimensions than slots, or an offset past the buffer."""
+    import numpy as np
+
+    if block_writers == "numpy-writers":
+        pytest.skip("the compiled writers themselves")
+    from torchtrace._native import put_dims, put_doubles
+
+    two = np.array([0, 8], dtype=np.int64)
+    first_two = np.array([0, 1], dtype=np.int64)
+    buf = bytearray(16)
+    assert put_doubles(buf, 0, two, (1.5, -0.0), first_two) and buf == struct.pack("<dd", 1.5, -0.0)
+    assert not put_doubles(bytearray(16), 1, two, (1.5, 2.5), first_two)  # the second slot ends past the buffer
+    assert not put_doubles(bytearray(16), 0, two, (1.5, 2), first_two)  # an int in a double slot
+    assert not put_doubles(bytearray(16), 0, two, (1.5,), first_two)  # no value at position 1
+    slots = np.array([0, 5], dtype=np.int64)
+    buf = bytearray(10)
+    assert put_dims(buf, 0, slots, ("x", (3, 2**35 - 1)), np.array([1], dtype=np.int64))
+    assert buf == bytes([0x83, 0x80, 0x80, 0x80, 0x00, 0xFF, 0xFF, 0xFF, 0xFF, 0x7F])  # 5-byte varints
+    for shape in [(True, 1), (-1, 1), (2**35, 1), (1, 2**70), (), [3, 2], (1,), (1, 2, 3), 5]:
+        assert not put_dims(bytearray(10), 0, slots, (shape,), np.array([0], dtype=np.int64)), shape
+    assert not put_dims(bytearray(9), 0, slots, ((3, 2),), np.array([0], dtype=np.int64))  # past the buffer

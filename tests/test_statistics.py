@@ -13,6 +13,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from extras import has_c_compiler
@@ -683,7 +684,18 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
     assert grown < 25, grown  # the batch's columns, not an object per call
 
 
-def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per_call():
+@pytest.fixture(params=["compiled", "python"])
+def row_values(request, monkeypatch):
+    """A forward of table-row calls resolved by ``torchtrace._native.row_call_values``, and call by call in Python
+    (an install without a C compiler)."""
+    if request.param == "compiled" and _dispatch._row_call_values is None:
+        pytest.skip("torchtrace._native is not built here")
+    if request.param == "python":
+        monkeypatch.setattr(_dispatch, "_row_call_values", None)
+    return request.param
+
+
+def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per_call(row_values):
     """The usual forward with statistics (every call returns one small tensor) is resolved straight to the flat
     keys and values the records and the encoders read; a call's attributes dict is made only when asked for, and
     equals the one the per-call path makes, every statistic equal to torch's."""
@@ -712,6 +724,73 @@ def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per
         assert attributes["torchtrace.output.max"] == output.max().item()
         assert attributes["torchtrace.output.shape"] == (3, 8)
     assert batch.attributes[0]["torchtrace.output.norm"] == pytest.approx(outputs[-1].norm().item(), rel=1e-6)
+
+
+def table_row_forward(layouts: list[tuple[str, ...]]) -> tuple[Any, list]:
+    """A raw forward of len(layouts) calls of modules 0, 1, 0, 1, ..., call i's stats dict holding the keys of
+    ``layouts[i]`` (then "_row": row n - 1 - i of a table of two columns), and the modules."""
+    from torchtrace._hooks import ModuleInfo, RawForward
+
+    modules = [ModuleInfo("", "Net", 0), ModuleInfo("block", "Block", 1)]
+    n = len(layouts)
+    table = _stats.StatTable(np.arange(2.0 * n).reshape(n, 2), ("mean", "nan_count"))
+    forward = RawForward(None, 0, 0, module=[i % 2 for i in range(n)], parent=[-1, *[0] * (n - 1)])
+    for position, keys in enumerate(layouts):
+        forward.output_stats[position] = {**{key: f"{key}-{position}" for key in keys}, "_row": n - 1 - position}
+    forward.stat_table = table
+    return forward, modules
+
+
+@pytest.mark.parametrize(
+    "layouts",
+    [[("shape", "dtype")] * 4, [("shape", "dtype"), ("shape",), ("shape",), ("dtype", "shape"), ()] * 3, [()]],
+    ids=["one-layout", "runs-of-layouts", "row-only"],
+)
+def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_python(layouts, monkeypatch):
+    """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row) get the
+    same counts, keys and values from the compiled loop as call by call, the counts and keys the same objects
+    (interned: blocks are matched by identity); count columns stay ints."""
+    if _dispatch._row_call_values is None:
+        pytest.skip("torchtrace._native is not built here")
+    forward, modules = table_row_forward(layouts)
+    compiled = _dispatch._flat_row_attributes(forward, modules)
+    monkeypatch.setattr(_dispatch, "_row_call_values", None)
+    python = _dispatch._flat_row_attributes(forward, modules)
+    assert compiled == python
+    assert compiled[0] is python[0] and compiled[1] is python[1]
+    n, first = len(layouts), compiled[0][0]  # the first call: module 0, row n - 1 of the table
+    assert compiled[1][:first] == (
+        "torchtrace.module.path",
+        "torchtrace.module.type",
+        *(f"torchtrace.output.{key}" for key in (*layouts[0], "mean", "nan_count")),
+    )
+    assert compiled[2][:first] == ("", "Net", *(f"{key}-0" for key in layouts[0]), 2.0 * n - 2, 2 * n - 1)
+    assert type(compiled[2][first - 1]) is int  # a count column
+
+
+@pytest.mark.parametrize("odd", ["row-out-of-range", "row-not-int", "row-not-last", "no-stats", "module-out-of-range"])
+def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
+    """The compiled loop answers None (the caller's Python path then resolves the forward) for anything but the
+    form it is made for, never a wrong value or a crash."""
+    if _dispatch._row_call_values is None:
+        pytest.skip("torchtrace._native is not built here")
+    forward, modules = table_row_forward([("shape",)] * 3)
+    stats = forward.output_stats
+    if odd == "row-out-of-range":
+        stats[1]["_row"] = 3
+    elif odd == "row-not-int":
+        stats[1]["_row"] = 1.0
+    elif odd == "row-not-last":
+        stats[1] = {"_row": 1, "shape": (1,)}
+    elif odd == "no-stats":
+        del stats[2]
+    else:
+        forward.module[1] = 7
+    table = forward.stat_table
+    made = _dispatch._row_call_values(
+        forward.module, stats, *_dispatch._names_of(modules), table.values_list(), table.width
+    )
+    assert made is None
 
 
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():

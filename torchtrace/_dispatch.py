@@ -37,6 +37,11 @@ from torchtrace._stats import StatTable, resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 from torchtrace._worker import WORKER
 
+try:
+    from torchtrace._native import row_call_values as _row_call_values
+except ImportError:  # not built (no C compiler at install): the Python loop makes the same values
+    _row_call_values = None
+
 _logger = logging.getLogger(__name__)
 
 OUTPUT_PREFIX = "torchtrace.output"
@@ -204,10 +209,16 @@ def _every_call_a_table_row(forward: RawForward) -> bool:
 
 def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
     """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row (``_row_call``),
-    made without a dict per call."""
+    made without a dict per call: by the compiled module where it is built (the values in one C loop, the keys
+    once per layout), else call by call."""
     all_stats, module_of = forward.output_stats, forward.module
     table = forward.stat_table
     table_values, width = table.values_list(), table.width
+    if _row_call_values is not None:
+        made = _row_call_values(module_of, all_stats, *_names_of(modules), table_values, width)
+        if made is not None:
+            values, runs = made
+            return (*_row_layout(runs, table), values)
     call_keys = []
     values: list = []
     extend = values.extend
@@ -217,6 +228,42 @@ def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> 
         extend(call_values)
     counts = interned(tuple(map(len, call_keys)))
     return counts, interned(tuple(chain.from_iterable(call_keys))), tuple(values)
+
+
+# id(modules) -> (modules, their paths, their type names): the compiled loop's view of a handle's modules
+_module_names: dict[int, tuple[Sequence[ModuleInfo], list[str], list[str]]] = {}
+# (the stats keys of a forward's calls as (count, keys) runs, the table's columns) -> (counts, keys) of its calls
+_row_layouts: dict[tuple, tuple[tuple, tuple]] = {}
+
+
+def _names_of(modules: Sequence[ModuleInfo]) -> tuple[list[str], list[str]]:
+    cached = _module_names.get(id(modules))
+    if cached is None or cached[0] is not modules:
+        if len(_module_names) >= 64:  # handles come and go: stay bounded
+            _module_names.clear()
+        cached = _module_names[id(modules)] = (
+            modules, [info.path for info in modules], [info.type_name for info in modules]
+        )  # fmt: skip
+    return cached[1], cached[2]
+
+
+def _row_layout(runs: tuple[tuple[int, tuple], ...], table: StatTable) -> tuple[tuple, tuple]:
+    """(each call's number of attributes, all their keys) of a forward of row calls whose stats keys come in
+    ``runs``: what ``_row_call`` gives call by call, made once per layout (interned, as ``flat_attributes``)."""
+    key = (runs, table.columns)
+    layout = _row_layouts.get(key)
+    if layout is None:
+        if len(_row_layouts) > 10_000:  # layouts that never repeat: stay bounded
+            _row_layouts.clear()
+        counts: list[int] = []
+        keys: list[str] = []
+        for count, stat_keys in runs:
+            call_keys = _keys_of(_row_call_keys, stat_keys, OUTPUT_PREFIX, "", dict.fromkeys(stat_keys), table,
+                                 _CALL_KEYS)  # fmt: skip
+            counts += [len(call_keys)] * count
+            keys += call_keys * count
+        layout = _row_layouts[key] = (interned(tuple(counts)), interned(tuple(keys)))
+    return layout
 
 
 def _row_call(info: ModuleInfo, stats: dict, table: StatTable, table_values: list, width: int) -> tuple[tuple, list]:

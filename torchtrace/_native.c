@@ -197,12 +197,232 @@ static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* row_call_values(module_of, output_stats, paths, types, table_values, width): the flat attribute values of a
+   forward whose every call's statistics are a row of its StatTable, in call order: per call its module's path and
+   type, its stats dict's values but the last (shape, dtype, ...), then its row of ``table_values`` in place of the
+   last ("_row": the row's index). Returns (values, runs): ``runs`` the calls' stats keys as (count, keys) for each
+   stretch of consecutive calls whose dicts have the same keys (the same key objects, in the same order), from
+   which the caller makes the attribute keys once per layout. None where a forward does not have that form (a
+   missing stats dict, a row that is not an int index into the table): the caller then takes its Python path. The
+   per-call Python it replaces cost ~1 us a call (2026-11-25). */
+static int same_keys(PyObject *a, PyObject *b) {
+    if (PyDict_GET_SIZE(a) != PyDict_GET_SIZE(b)) return 0;
+    Py_ssize_t i = 0, j = 0;
+    PyObject *key_a, *key_b, *value;
+    while (PyDict_Next(a, &i, &key_a, &value)) {
+        if (!PyDict_Next(b, &j, &key_b, &value) || key_a != key_b) return 0;
+    }
+    return 1;
+}
+
+static int add_run(PyObject *runs, Py_ssize_t count, PyObject *stats) {
+    PyObject *keys = PyDict_Keys(stats);
+    if (keys == NULL) return -1;
+    PyObject *run = Py_BuildValue("(nN)", count, PyList_AsTuple(keys));
+    Py_DECREF(keys);
+    if (run == NULL) return -1;
+    int failed = PyList_Append(runs, run);
+    Py_DECREF(run);
+    return failed;
+}
+
+static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 6, "row_call_values(module_of, output_stats, paths, types, table_values, width)")) return NULL;
+    PyObject *module_of = args[0], *all_stats = args[1], *paths = args[2], *types = args[3], *table = args[4];
+    Py_ssize_t width = PyLong_AsSsize_t(args[5]);
+    if (width == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(module_of) || !PyDict_Check(all_stats) || !PyList_Check(paths) || !PyList_Check(types) ||
+        !PyList_Check(table) || width < 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(module_of), rows_in_table = width ? PyList_GET_SIZE(table) / width : 0;
+    Py_ssize_t n_modules = PyList_GET_SIZE(paths), total = 0;
+    if (PyList_GET_SIZE(types) != n_modules) Py_RETURN_NONE;
+    PyObject **stats_of = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
+    Py_ssize_t *row_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    PyObject *values = NULL, *runs = NULL, *result = NULL;
+    if (stats_of == NULL || row_of == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t position = 0; position < n; position++) { /* the sizes, and the form checked */
+        PyObject *index = PyList_GET_ITEM(module_of, position);
+        Py_ssize_t module_index = PyLong_Check(index) ? PyLong_AsSsize_t(index) : -1;
+        PyObject *key = PyLong_FromSsize_t(position);
+        if (key == NULL) goto done;
+        PyObject *stats = PyDict_GetItemWithError(all_stats, key); /* borrowed */
+        Py_DECREF(key);
+        if (stats == NULL && PyErr_Occurred()) goto done;
+        if (module_index < 0 || module_index >= n_modules || stats == NULL || !PyDict_Check(stats) ||
+            PyDict_GET_SIZE(stats) == 0) {
+            PyErr_Clear();
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        Py_ssize_t i = 0, size = PyDict_GET_SIZE(stats);
+        PyObject *last_key = NULL, *last = NULL;
+        while (PyDict_Next(stats, &i, &last_key, &last)) {
+        }
+        Py_ssize_t row = PyLong_CheckExact(last) ? PyLong_AsSsize_t(last) : -1;
+        if (row < 0 || row >= rows_in_table || !PyUnicode_Check(last_key) ||
+            PyUnicode_CompareWithASCIIString(last_key, "_row") != 0) {
+            PyErr_Clear();
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        stats_of[position] = stats;
+        row_of[position] = row;
+        total += 2 + (size - 1) + width;
+    }
+    values = PyTuple_New(total);
+    runs = PyList_New(0);
+    if (values == NULL || runs == NULL) goto done;
+    Py_ssize_t at = 0, run = 0;
+    for (Py_ssize_t position = 0; position < n; position++) {
+        PyObject *stats = stats_of[position], *key, *value;
+        Py_ssize_t module_index = PyLong_AsSsize_t(PyList_GET_ITEM(module_of, position));
+        PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(paths, module_index)));
+        PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(types, module_index)));
+        Py_ssize_t i = 0, left = PyDict_GET_SIZE(stats) - 1;
+        while (left-- > 0 && PyDict_Next(stats, &i, &key, &value)) PyTuple_SET_ITEM(values, at++, Py_NewRef(value));
+        for (Py_ssize_t j = 0, first = row_of[position] * width; j < width; j++)
+            PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(table, first + j)));
+        if (position && !same_keys(stats_of[position - 1], stats)) {
+            if (add_run(runs, run, stats_of[position - 1]) < 0) goto done;
+            run = 0;
+        }
+        run++;
+    }
+    if (n && add_run(runs, run, stats_of[n - 1]) < 0) goto done;
+    result = Py_BuildValue("(NN)", values, PyList_AsTuple(runs));
+    values = NULL;
+done:
+    Py_XDECREF(values);
+    Py_XDECREF(runs);
+    PyMem_Free(stats_of);
+    PyMem_Free(row_of);
+    return result;
+}
+
+/* put_doubles(buf, base, offsets, values, positions) / put_dims(...): the OTLP encoder's slot writes for a forward
+   encoded as one block. values[positions[k]] goes to buf[base + offsets[k]]: a float as a little-endian double
+   (fixed64), or a shape (a tuple of ints) as one 5-byte varint per dimension at consecutive offsets. Each value's
+   type is checked as it is written: False where one does not fit (a float slot given something else, a
+   dimension out of 0..2**35, a shape that is not a non-empty tuple of ints, more or fewer dimensions than slots);
+   the caller then encodes the batch span by span and drops ``buf``. Replaces, per forward, an itemgetter tuple, a
+   type check over it, numpy's fromiter and a fancy-indexed write (~0.55 us a call, 2026-11-25). */
+static int get_buffers(PyObject *const *args, Py_buffer *buf, Py_buffer *offsets, Py_buffer *positions) {
+    if (PyObject_GetBuffer(args[0], buf, PyBUF_WRITABLE) < 0) return -1;
+    if (PyObject_GetBuffer(args[2], offsets, PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(buf);
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[4], positions, PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(buf);
+        PyBuffer_Release(offsets);
+        return -1;
+    }
+    if (offsets->itemsize != 8 || positions->itemsize != 8 || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "offsets and positions are int64 arrays, values a tuple");
+        PyBuffer_Release(buf);
+        PyBuffer_Release(offsets);
+        PyBuffer_Release(positions);
+        return -1;
+    }
+    return 0;
+}
+
+static void release_buffers(Py_buffer *buf, Py_buffer *offsets, Py_buffer *positions) {
+    PyBuffer_Release(buf);
+    PyBuffer_Release(offsets);
+    PyBuffer_Release(positions);
+}
+
+static PyObject *put_doubles(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 5, "put_doubles(buf, base, offsets, values, positions)")) return NULL;
+    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
+    if (base == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer buf, offsets, positions;
+    if (get_buffers(args, &buf, &offsets, &positions) < 0) return NULL;
+    PyObject *values = args[3], *fits = Py_True;
+    const int64_t *at = offsets.buf, *position = positions.buf;
+    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
+    if (offsets.len / 8 != n) fits = Py_False;
+    for (Py_ssize_t k = 0; k < n && fits == Py_True; k++) {
+        if (position[k] < 0 || position[k] >= n_values || base + at[k] < 0 || base + at[k] + 8 > buf.len) {
+            fits = Py_False;
+            break;
+        }
+        PyObject *value = PyTuple_GET_ITEM(values, position[k]);
+        if (!PyFloat_CheckExact(value)) {
+            fits = Py_False;
+            break;
+        }
+        double d = PyFloat_AS_DOUBLE(value);
+        unsigned char bytes[8];
+        memcpy(bytes, &d, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        for (int b = 0; b < 4; b++) {
+            unsigned char t = bytes[b];
+            bytes[b] = bytes[7 - b];
+            bytes[7 - b] = t;
+        }
+#endif
+        memcpy((char *)buf.buf + base + at[k], bytes, 8);
+    }
+    release_buffers(&buf, &offsets, &positions);
+    return Py_NewRef(fits);
+}
+
+static PyObject *put_dims(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 5, "put_dims(buf, base, offsets, values, positions)")) return NULL;
+    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
+    if (base == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer buf, offsets, positions;
+    if (get_buffers(args, &buf, &offsets, &positions) < 0) return NULL;
+    PyObject *values = args[3], *fits = Py_True;
+    const int64_t *at = offsets.buf, *position = positions.buf;
+    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values), slots = offsets.len / 8, slot = 0;
+    unsigned char *out = buf.buf;
+    for (Py_ssize_t k = 0; k < n && fits == Py_True; k++) {
+        PyObject *shape = position[k] >= 0 && position[k] < n_values ? PyTuple_GET_ITEM(values, position[k]) : NULL;
+        if (shape == NULL || !PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) == 0 ||
+            slot + PyTuple_GET_SIZE(shape) > slots) {
+            fits = Py_False;
+            break;
+        }
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++, slot++) {
+            PyObject *dim = PyTuple_GET_ITEM(shape, d);
+            int overflow = 0;
+            long long v = PyLong_CheckExact(dim) ? PyLong_AsLongLongAndOverflow(dim, &overflow) : -1;
+            if (overflow || v < 0 || v >= (1LL << 35) || base + at[slot] < 0 || base + at[slot] + 5 > buf.len) {
+                fits = Py_False;
+                break;
+            }
+            unsigned char *p = out + base + at[slot];
+            for (int b = 0; b < 4; b++) p[b] = (unsigned char)(((v >> (7 * b)) & 0x7F) | 0x80);
+            p[4] = (unsigned char)((v >> 28) & 0x7F);
+        }
+    }
+    if (slot != slots) fits = Py_False;
+    release_buffers(&buf, &offsets, &positions);
+    return Py_NewRef(fits);
+}
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count)"},
     {"stat_rows", (PyCFunction)(void (*)(void))stat_rows, METH_FASTCALL,
      "stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: each row's statistics as a table"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
+    {"row_call_values", (PyCFunction)(void (*)(void))row_call_values, METH_FASTCALL,
+     "row_call_values(module_of, output_stats, paths, types, table_values, width) -> (values, runs) or None"},
+    {"put_doubles", (PyCFunction)(void (*)(void))put_doubles, METH_FASTCALL,
+     "put_doubles(buf, base, offsets, values, positions) -> bool: floats as little-endian doubles at the offsets"},
+    {"put_dims", (PyCFunction)(void (*)(void))put_dims, METH_FASTCALL,
+     "put_dims(buf, base, offsets, values, positions) -> bool: shapes as 5-byte varints at the offsets"},
     {NULL, NULL, 0, NULL},
 };
 

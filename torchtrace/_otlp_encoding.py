@@ -44,6 +44,12 @@ from opentelemetry.sdk.trace import SpanLimits
 
 from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 
+try:
+    from torchtrace._native import put_dims as _put_dims
+    from torchtrace._native import put_doubles as _put_doubles
+except ImportError:  # not built (no C compiler at install): numpy writes the same bytes (``_write_block_values``)
+    _put_doubles = _put_dims = None
+
 _logger = logging.getLogger(__name__)
 
 __all__ = ["encode_export_request", "clear_template_cache"]
@@ -396,13 +402,15 @@ _get_trace_id = attrgetter("trace_id")
 _get_ids = attrgetter("span_id", "parent_span_id", "start_ns", "end_ns")
 
 
-def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) -> bytes:
+def _encode_spans(calls: Sequence[ModuleCall], limits: _Limits | None = None) -> bytes | bytearray:
     """Concatenated ScopeSpans.spans entries for ``calls``, in order, within ``limits`` (default: from env)."""
     if limits is None:
         limits = _Limits()
     if isinstance(calls, (Calls, CallBatch)):
-        segments = calls.segments if isinstance(calls, Calls) else [calls]
-        return b"".join(_encode_segments(group, limits) for group in _runs(segments))
+        groups = _runs(calls.segments if isinstance(calls, Calls) else [calls])
+        if len(groups) == 1:  # as it is: the request's join is then the encoding's only copy
+            return _encode_segments(groups[0], limits)
+        return b"".join(_encode_segments(group, limits) for group in groups)
     return _encode_call_list(calls, limits)
 
 
@@ -683,7 +691,7 @@ class _StatsBlock:
     span limits)."""
 
     __slots__ = ("keys", "payload", "others", "other_values", "other_types", "floats", "dims", "dims_values",
-                 "ranks", "literal_dims")  # fmt: skip
+                 "ranks", "literal_dims", "float_at", "dims_at")  # fmt: skip
 
     def __init__(
         self, keys: tuple, payload: Any = None, slots: tuple = ((), (), ()), values: tuple = (), literal_dims=False
@@ -692,6 +700,7 @@ class _StatsBlock:
         self.payload = payload
         float_at, dims_at, other_at = slots  # positions in the forward's flat attribute values
         self.floats, self.dims, self.others = _getter(float_at), _getter(dims_at), _getter(other_at)
+        self.float_at, self.dims_at = np.array(float_at, dtype=np.int64), np.array(dims_at, dtype=np.int64)
         self.other_values = self.others(values)
         self.other_types = tuple(map(type, self.other_values))
         self.dims_values = self.dims(values)
@@ -740,15 +749,15 @@ def shared_stats_block(batch: CallBatch, cache: dict, limits: _Limits, make: Any
 
 
 def _stats_block(batch: CallBatch, trace_state: str | None, timing: _TimingTemplates, limits: _Limits):
-    """(block, its floats, its shapes) for a whole forward whose every call has attributes, or None. ``_slots_fit``
-    checks the floats and shapes of every forward that shares a block."""
+    """(the encoded block, its ``_StatsBlock``, the forward's flat values) for a whole forward whose every call has
+    attributes, or None. Its floats and shapes are checked as they are written (``_write_block_values``)."""
     found = shared_stats_block(
         batch, timing.stats_blocks, limits, partial(_make_stats_block, batch, trace_state=trace_state, limits=limits)
     )
     if found is None:
         return None
     block, values = found
-    return block.payload, block.floats(values), block.dims(values)
+    return block.payload, block, values
 
 
 def _make_stats_block(batch: CallBatch, keys: tuple, values: tuple, *, trace_state: str | None, limits: _Limits):
@@ -813,9 +822,11 @@ def _timing_block(batch: CallBatch, root: int, timing: _TimingTemplates, limits:
     return block
 
 
-def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) -> None:
+def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) -> bool:
     """Write the trace ids, span ids, parent ids and times of every block-encoded forward into ``buf``, and the
-    floats and shapes of those with statistics; ``blocks``: (position in rows, block, forward, floats, shapes)."""
+    floats and shapes of those with statistics; ``blocks``: (position in rows, block, forward, its ``_StatsBlock``
+    or None, its flat values). False: a float or shape slot would get a value of another type (``buf`` is then
+    not a valid encoding)."""
     batches = [batch for _, _, batch, _, _ in blocks]
     counts = [len(batch.span_id) for batch in batches]
     total = sum(counts)
@@ -842,12 +853,32 @@ def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) 
     for name, shift in (("start_ns", 0), ("end_ns", 9)):  # Span.start_time_unix_nano, end (fixed64 fields)
         times = column(name, np.uint64).astype("<u8").view(np.uint8).reshape(total, 8)
         buf[(start_off + shift)[:, None] + _AR8] = times
-    doubles = offsets("doubles")
+    with_values = [(base, block, kind, values) for (base, block), (_, _, _, kind, values) in zip(placed, blocks)
+                   if kind is not None]  # fmt: skip
+    return _write_block_values(buf, with_values) if with_values else True
+
+
+def _write_block_values(buf: np.ndarray, blocks: list[tuple]) -> bool:
+    """The floats and shapes of forwards encoded as blocks with statistics, each checked (``_slots_fit``);
+    ``blocks``: (offset in ``buf``, encoded block, ``_StatsBlock``, flat values). The compiled writers check and
+    write a forward's values in one C loop each, straight from its flat values; numpy writes all forwards at once."""
+    if _put_doubles is not None:
+        return all(
+            _put_doubles(buf, base, block.doubles, values, kind.float_at)
+            and _put_dims(buf, base, block.dims, values, kind.dims_at)
+            for base, block, kind, values in blocks
+        )
+    floats = [kind.floats(values) for _, _, kind, values in blocks]
+    dims = [kind.dims(values) for _, _, kind, values in blocks]
+    if not _slots_fit(floats, dims):
+        return False
+    doubles = np.concatenate([base + block.doubles for base, block, _, _ in blocks])
     if len(doubles):
-        _write_doubles(buf, doubles, [floats for _, _, _, floats, _ in blocks])
-    dims = offsets("dims")
-    if len(dims):
-        _write_dims(buf, dims, [shapes for _, _, _, _, shapes in blocks])
+        _write_doubles(buf, doubles, floats)
+    dim_offsets = np.concatenate([base + block.dims for base, block, _, _ in blocks])
+    if len(dim_offsets):
+        _write_dims(buf, dim_offsets, dims)
+    return True
 
 
 def _from_columns(batch: Sequence[ModuleCall]) -> bool:
@@ -900,20 +931,20 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytearray | No
     starts: list[int] = []
     ends: list[int] = []
     trace_ids: list[int] = []
-    blocks: list[tuple] = []  # (position in rows, block, forward, floats, shapes)
+    blocks: list[tuple] = []  # (position in rows, block, forward, its _StatsBlock or None, its flat values)
     for batch in batches:
         trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
         timing = timing_templates_of(batch.modules, trace_state)
         root = root_kind(batch)
         block = _timing_block(batch, root, timing, limits)
         if block is not None:
-            blocks.append((len(rows), block, batch, (), ()))
+            blocks.append((len(rows), block, batch, None, ()))
             rows.append(block.row)
             continue
         stats = _stats_block(batch, trace_state, timing, limits)
         if stats is not None:
-            block, block_floats, block_dims = stats
-            blocks.append((len(rows), block, batch, block_floats, block_dims))
+            block, kind, values = stats
+            blocks.append((len(rows), block, batch, kind, values))
             rows.append(block.row)
             continue
         ids, trace_id, root_parent = batch.span_id, batch.trace_id, batch.root_parent_id
@@ -942,15 +973,15 @@ def _encode_columns(batches: list[CallBatch], limits: _Limits) -> bytearray | No
             starts.append(start)
             ends.append(end)
             trace_ids.append(trace_id)
-    if not _slots_fit([*floats, *(block[3] for block in blocks)], [*dims, *(block[4] for block in blocks)]):
+    if not _slots_fit(floats, dims):
         return None
     out = bytearray().join(rows)  # written in place, returned as it is: the request joins it (no extra copies)
     if not (temps or blocks):
         return out
     offsets = np.zeros(len(rows), dtype=np.intp)
     np.cumsum(np.fromiter(map(len, rows[:-1]), dtype=np.intp, count=len(rows) - 1), out=offsets[1:])
-    if blocks:
-        _fill_blocks(np.frombuffer(out, dtype=np.uint8), offsets, blocks)
+    if blocks and not _fill_blocks(np.frombuffer(out, dtype=np.uint8), offsets, blocks):
+        return None
     if temps:
         n = len(temps)
         nums = np.array([span_ids, parent_ids, starts, ends], dtype=np.uint64).T
