@@ -528,6 +528,23 @@ def test_records_of_forwards_traced_without_statistics_read_back_as_delivered() 
     assert second.span_id == delivered[-11].span_id
 
 
+def test_a_forward_cut_again_and_again_by_max_records_reads_back_as_its_latest_calls() -> None:
+    """A full store drops part of the oldest forward at each batch, then more of what is left of it: what stays
+    reads back as the latest calls delivered, in order."""
+    delivered = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))  # 5 calls a forward
+    with torchtrace.instrument(model, sinks=[delivered.extend], exporter="none", max_records=8) as handle:
+        for call in (model, model, model[0], model[0], model, model[0]):  # 5, 5, then 1 call at a time
+            call(torch.randn(2, 4))
+            handle.flush()  # one batch each: every batch past 8 calls cuts the oldest forward again
+            kept = handle.records
+            assert len(kept) == min(8, len(delivered))
+            for record, original in zip(kept, delivered[-8:], strict=True):
+                assert (record.path, record.span_id, record.attributes) == (
+                    original.path, original.span_id, original.attributes)  # fmt: skip
+    assert handle.dropped_records == len(delivered) - 8 == 10
+
+
 class Emit(nn.Module):
     def __init__(self, value: object) -> None:
         super().__init__()
