@@ -72,8 +72,9 @@ def remote_child() -> ModuleCall:
 
 @pytest.fixture(autouse=True, params=["compiled-writers", "numpy-writers"])
 def block_writers(request, monkeypatch):
-    """Every test runs with a block's floats and shapes written by ``torchtrace._native`` (put_doubles / put_dims)
-    and by numpy (an install without a C compiler): the bytes must not differ."""
+    """Every test runs with a block's ids, times, floats and shapes written by ``torchtrace._native``
+    (put_span_fields, put_doubles, put_dims) and by numpy (an install without a C compiler): the bytes must not
+    differ."""
     from torchtrace import _otlp_encoding
 
     if request.param == "compiled-writers" and _otlp_encoding._put_doubles is None:
@@ -81,6 +82,7 @@ def block_writers(request, monkeypatch):
     if request.param == "numpy-writers":
         monkeypatch.setattr(_otlp_encoding, "_put_doubles", None)
         monkeypatch.setattr(_otlp_encoding, "_put_dims", None)
+        monkeypatch.setattr(_otlp_encoding, "_put_span_fields", None)
     return request.param
 
 
@@ -451,3 +453,36 @@ def test_the_compiled_slot_writers_refuse_what_does_not_fit_and_never_write_outs
     for shape in [(True, 1), (-1, 1), (2**35, 1), (1, 2**70), (), [3, 2], (1,), (1, 2, 3), 5]:
         assert not put_dims(bytearray(10), 0, slots, (shape,), np.array([0], dtype=np.int64)), shape
     assert not put_dims(bytearray(9), 0, slots, ((3, 2),), np.array([0], dtype=np.int64))  # past the buffer
+
+
+def test_the_compiled_span_field_writer_refuses_columns_that_do_not_fit(block_writers):
+    """``put_span_fields`` writes a block-encoded forward's trace id, span and parent ids (big-endian) and times
+    (little-endian), and answers False (numpy then writes them) for columns of the wrong length, an id past 64
+    bits, a parent position outside the forward, or a slot past the buffer."""
+    import numpy as np
+
+    if block_writers == "numpy-writers":
+        pytest.skip("the compiled writer itself")
+    from torchtrace._native import put_span_fields
+
+    def put(buf, **change):  # call 0: the root, no parent slot; call 1: its child, with one
+        columns = {"tid_at": [0, 41], "sid_at": [16, 57], "pid_at": [65], "has_pid": [False, True],
+                   "start_at": [24, 73], "span_ids": [0x0102030405060708, 7], "parents": [-1, 0],
+                   "starts": [5, 6], "ends": [2**64 - 1, 9], **change}  # fmt: skip
+        arrays = {key: np.array(columns[key], dtype=bool if key == "has_pid" else np.int64)
+                  for key in ("tid_at", "sid_at", "pid_at", "has_pid", "start_at")}  # fmt: skip
+        return put_span_fields(buf, 0, bytes(range(16)), *arrays.values(), columns["span_ids"], columns["parents"],
+                               0x99, columns["starts"], columns["ends"])  # fmt: skip
+
+    buf = bytearray(90)
+    assert put(buf)
+    assert buf[0:16] == buf[41:57] == bytes(range(16))
+    assert buf[16:24] == bytes(range(1, 9)) and buf[57:65] == (7).to_bytes(8, "big")
+    assert buf[65:73] == (0x0102030405060708).to_bytes(8, "big")  # the child's parent: the root's span id
+    assert buf[24:32] == (5).to_bytes(8, "little") and buf[33:41] == bytes([0xFF] * 8)
+    assert buf[73:81] == (6).to_bytes(8, "little") and buf[82:90] == (9).to_bytes(8, "little")
+    assert not put(bytearray(90), span_ids=[1, 2**64])  # past 64 bits
+    assert not put(bytearray(90), parents=[-1, 5])  # no such call
+    assert not put(bytearray(90), starts=[5])  # a column of another length
+    assert not put(bytearray(89))  # the last slot past the buffer
+    assert not put(bytearray(90), pid_at=[])  # a parent slot missing

@@ -411,6 +411,79 @@ static PyObject *put_dims(PyObject *module, PyObject *const *args, Py_ssize_t na
     return Py_NewRef(fits);
 }
 
+/* put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, root_parent,
+   starts, ends): a whole forward encoded as one block gets its fixed-width span fields, call by call: the trace id
+   (16 bytes, the same for every call), its span id and its parent's (8 bytes big-endian; the parent's only where
+   the call's template has the field: ``pid_at`` lists those slots in call order, ``has_pid`` says which calls),
+   start and end times (8 bytes little-endian each, the end 9 bytes after the start). ``span_ids``, ``parents``
+   (positions, -1 for the root, whose parent is ``root_parent``), ``starts`` and ``ends`` are the forward's
+   columns (lists of ints). False where a column does not fit (lengths, a value out of range, a slot past the
+   buffer): the caller then writes them with numpy. Replaces ~4 numpy conversions and 5 fancy-indexed writes per
+   batch (~0.18 us a call, 2026-11-25). */
+static int put_u64(unsigned char *out, Py_ssize_t size, Py_ssize_t at, PyObject *value, int big_endian) {
+    if (at < 0 || at + 8 > size || !PyLong_Check(value)) return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    for (int b = 0; b < 8; b++) out[at + (big_endian ? 7 - b : b)] = (unsigned char)(v >> (8 * b));
+    return 1;
+}
+
+static PyObject *put_span_fields(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 13, "put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, "
+                          "span_ids, parents, root_parent, starts, ends)"))
+        return NULL;
+    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
+    if (base == -1 && PyErr_Occurred()) return NULL;
+    PyObject *span_ids = args[8], *parents = args[9], *root_parent = args[10], *starts = args[11], *ends = args[12];
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) != 16 || !PyList_Check(span_ids) ||
+        !PyList_Check(parents) || !PyList_Check(starts) || !PyList_Check(ends)) {
+        PyErr_SetString(PyExc_TypeError, "put_span_fields: a 16-byte trace id and list columns");
+        return NULL;
+    }
+    Py_buffer views[6];
+    int got = 0, flags[6] = {PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT};
+    PyObject *sources[6] = {args[0], args[3], args[4], args[5], args[6], args[7]};
+    for (; got < 6; got++)
+        if (PyObject_GetBuffer(sources[got], &views[got], flags[got]) < 0) break;
+    PyObject *result = NULL;
+    if (got < 6) goto done;
+    const int64_t *tid_at = views[1].buf, *sid_at = views[2].buf, *pid_at = views[3].buf, *start_at = views[5].buf;
+    const unsigned char *has_pid = views[4].buf, *trace_id = (const unsigned char *)PyBytes_AS_STRING(args[2]);
+    unsigned char *out = (unsigned char *)views[0].buf + base;
+    Py_ssize_t size = views[0].len - base, n = PyList_GET_SIZE(span_ids), pids = views[3].len / 8, pid = 0;
+    int fits = views[1].itemsize == 8 && views[2].itemsize == 8 && views[3].itemsize == 8 &&
+               views[4].itemsize == 1 && views[5].itemsize == 8 && base >= 0 && views[1].len / 8 == n &&
+               views[2].len / 8 == n && views[4].len == n && views[5].len / 8 == n &&
+               PyList_GET_SIZE(parents) == n && PyList_GET_SIZE(starts) == n && PyList_GET_SIZE(ends) == n;
+    for (Py_ssize_t i = 0; i < n && fits; i++) {
+        if (tid_at[i] < 0 || tid_at[i] + 16 > size) {
+            fits = 0;
+            break;
+        }
+        memcpy(out + tid_at[i], trace_id, 16);
+        fits = put_u64(out, size, sid_at[i], PyList_GET_ITEM(span_ids, i), 1) &&
+               put_u64(out, size, start_at[i], PyList_GET_ITEM(starts, i), 0) &&
+               put_u64(out, size, start_at[i] + 9, PyList_GET_ITEM(ends, i), 0);
+        if (fits && has_pid[i]) {
+            PyObject *parent = PyList_GET_ITEM(parents, i);
+            Py_ssize_t position = PyLong_Check(parent) ? PyLong_AsSsize_t(parent) : -2;
+            PyObject *parent_id = position >= 0 && position < n ? PyList_GET_ITEM(span_ids, position)
+                                  : position == -1             ? root_parent
+                                                               : NULL;
+            fits = pid < pids && parent_id != NULL && put_u64(out, size, pid_at[pid++], parent_id, 1);
+        }
+    }
+    if (PyErr_Occurred()) PyErr_Clear();
+    result = Py_NewRef(fits && pid == pids ? Py_True : Py_False);
+done:
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count)"},
@@ -423,6 +496,9 @@ static PyMethodDef methods[] = {
      "put_doubles(buf, base, offsets, values, positions) -> bool: floats as little-endian doubles at the offsets"},
     {"put_dims", (PyCFunction)(void (*)(void))put_dims, METH_FASTCALL,
      "put_dims(buf, base, offsets, values, positions) -> bool: shapes as 5-byte varints at the offsets"},
+    {"put_span_fields", (PyCFunction)(void (*)(void))put_span_fields, METH_FASTCALL,
+     "put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, "
+     "root_parent, starts, ends) -> bool: a block-encoded forward's ids and times"},
     {NULL, NULL, 0, NULL},
 };
 

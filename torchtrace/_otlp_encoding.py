@@ -47,8 +47,9 @@ from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exceptio
 try:
     from torchtrace._native import put_dims as _put_dims
     from torchtrace._native import put_doubles as _put_doubles
-except ImportError:  # not built (no C compiler at install): numpy writes the same bytes (``_write_block_values``)
-    _put_doubles = _put_dims = None
+    from torchtrace._native import put_span_fields as _put_span_fields
+except ImportError:  # not built (no C compiler at install): numpy writes the same bytes
+    _put_doubles = _put_dims = _put_span_fields = None
 
 _logger = logging.getLogger(__name__)
 
@@ -828,9 +829,24 @@ def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) 
     or None, its flat values). False: a float or shape slot would get a value of another type (``buf`` is then
     not a valid encoding)."""
     batches = [batch for _, _, batch, _, _ in blocks]
+    placed = [(int(row_offsets[row]), block) for row, block, _, _, _ in blocks]
+    if not (_put_span_fields is not None and all(
+        _put_span_fields(buf, base, batch.trace_id.to_bytes(16, "big"), block.tid, block.sid, block.pid,
+                         block.has_pid, block.start, batch.span_id, batch.parent, batch.root_parent_id,
+                         batch.start_ns, batch.end_ns)
+        for (base, block), batch in zip(placed, batches)
+    )):  # fmt: skip
+        _write_span_fields(buf, placed, batches)
+    with_values = [(base, block, kind, values) for (base, block), (_, _, _, kind, values) in zip(placed, blocks)
+                   if kind is not None]  # fmt: skip
+    return _write_block_values(buf, with_values) if with_values else True
+
+
+def _write_span_fields(buf: np.ndarray, placed: list[tuple[int, _Block]], batches: list[CallBatch]) -> None:
+    """The trace ids, span ids, parent ids and times of block-encoded forwards, all at once with numpy (without the
+    compiled module, or where its writer refused a forward's columns); ``placed``: (offset in ``buf``, block)."""
     counts = [len(batch.span_id) for batch in batches]
     total = sum(counts)
-    placed = [(int(row_offsets[row]), block) for row, block, _, _, _ in blocks]
 
     def offsets(slot: str) -> np.ndarray:
         return np.concatenate([base + getattr(block, slot) for base, block in placed])
@@ -853,9 +869,6 @@ def _fill_blocks(buf: np.ndarray, row_offsets: np.ndarray, blocks: list[tuple]) 
     for name, shift in (("start_ns", 0), ("end_ns", 9)):  # Span.start_time_unix_nano, end (fixed64 fields)
         times = column(name, np.uint64).astype("<u8").view(np.uint8).reshape(total, 8)
         buf[(start_off + shift)[:, None] + _AR8] = times
-    with_values = [(base, block, kind, values) for (base, block), (_, _, _, kind, values) in zip(placed, blocks)
-                   if kind is not None]  # fmt: skip
-    return _write_block_values(buf, with_values) if with_values else True
 
 
 def _write_block_values(buf: np.ndarray, blocks: list[tuple]) -> bool:
