@@ -116,6 +116,38 @@ def test_grpc_export_to_a_real_receiver(monkeypatch, otlp_grpc_receiver, compres
     assert (scope.name, scope.version) == ("torchtrace", "0.1")
 
 
+def test_requests_are_cut_between_forwards_where_a_whole_forward_fits(monkeypatch, otlp_grpc_receiver):
+    """A batch of forwards goes out in requests of at most max_spans_per_request spans, each holding whole forwards
+    (encoded as blocks; a forward cut in two would be encoded span by span); a forward larger than a request is
+    cut. Every span arrives once, in order."""
+    import torch
+    from torch import nn
+
+    import torchtrace
+    from torchtrace._calls import Calls
+
+    configure(monkeypatch, "grpc", "none")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
+    batches = []
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))  # 5 calls a forward
+    with torchtrace.instrument(model, exporter="none", sinks=[batches.append]) as handle:
+        for _ in range(5):
+            model(torch.randn(2, 4))
+        handle.flush()
+    forwards = Calls([segment for batch in batches for segment in batch.segments])
+    sent_ids = [span_id for segment in forwards.segments for span_id in segment.span_id]
+    for step, sizes in ((12, [10, 10, 5]), (3, [3, 2] * 5)):
+        otlp_grpc_receiver.clear()
+        sink = OtlpSink(create_otlp_sender(), default_resource(), "torchtrace", "0.1", max_spans_per_request=step)
+        sink(forwards)
+        sink.shutdown()
+        assert (sink.exported, sink.failed) == (25, 0)
+        spans = otlp_grpc_receiver.wait_for_spans(25, timeout=5)
+        assert [sum(len(ss.spans) for rs in r.resource_spans for ss in rs.scope_spans)
+                for r in otlp_grpc_receiver.requests] == sizes  # fmt: skip
+        assert [int.from_bytes(span.span_id, "big") for span in spans] == sent_ids
+
+
 class CountingRelay:
     """A TCP relay in front of a receiver that counts the bytes the client sends: what went over the wire."""
 

@@ -72,9 +72,9 @@ def remote_child() -> ModuleCall:
 
 @pytest.fixture(autouse=True, params=["compiled-writers", "numpy-writers"])
 def block_writers(request, monkeypatch):
-    """Every test runs with a block's ids, times, floats and shapes written by ``torchtrace._native``
-    (put_span_fields, put_doubles, put_dims) and by numpy (an install without a C compiler): the bytes must not
-    differ."""
+    """Every test runs with a forward matched to its block and the block's ids, times, floats and shapes written by
+    ``torchtrace._native`` (same_values, same_ranks, put_span_fields, put_doubles, put_dims), and by Python and
+    numpy (an install without a C compiler): the bytes must not differ."""
     from torchtrace import _otlp_encoding
 
     if request.param == "compiled-writers" and _otlp_encoding._put_doubles is None:
@@ -83,6 +83,8 @@ def block_writers(request, monkeypatch):
         monkeypatch.setattr(_otlp_encoding, "_put_doubles", None)
         monkeypatch.setattr(_otlp_encoding, "_put_dims", None)
         monkeypatch.setattr(_otlp_encoding, "_put_span_fields", None)
+        monkeypatch.setattr(_otlp_encoding, "_same_values", None)
+        monkeypatch.setattr(_otlp_encoding, "_same_ranks", None)
     return request.param
 
 
@@ -486,3 +488,24 @@ def test_the_compiled_span_field_writer_refuses_columns_that_do_not_fit(block_wr
     assert not put(bytearray(90), starts=[5])  # a column of another length
     assert not put(bytearray(89))  # the last slot past the buffer
     assert not put(bytearray(90), pid_at=[])  # a parent slot missing
+
+
+def test_the_compiled_block_match_compares_values_with_their_types_and_shapes_by_rank(block_writers):
+    """``same_values`` is True only where every value at the positions equals the block's and has its type (True,
+    1 and 1.0 are equal in Python but not on the wire); ``same_ranks`` where each is a tuple or list of the
+    block's length."""
+    import numpy as np
+
+    if block_writers == "numpy-writers":
+        pytest.skip("the compiled comparisons themselves")
+    from torchtrace._native import same_ranks, same_values
+
+    at = np.array([0, 2], dtype=np.int64)
+    assert same_values(("a", 0.5, 1), at, ("a", 1))
+    assert not same_values(("a", 0.5, True), at, ("a", 1))  # equal, another type
+    assert not same_values(("a", 0.5, 1.0), at, ("a", 1))
+    assert not same_values(("b", 0.5, 1), at, ("a", 1))
+    assert not same_values(("a",), at, ("a", 1))  # no value at position 2
+    assert same_ranks(((8, 4), 0.5, [1, 2, 3]), at, (2, 3))
+    assert not same_ranks(((8, 4), 0.5, (1, 2)), at, (2, 3))
+    assert not same_ranks(((8, 4), 0.5, 7), at, (2, 1))  # no length

@@ -44,7 +44,7 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from torchtrace._calls import ModuleCall, error_text
+from torchtrace._calls import Calls, ModuleCall, error_text
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json
 from torchtrace._trace_file import TraceFile
@@ -521,6 +521,28 @@ class SdkJsonFileExporter(SpanExporter):
 MAX_REQUEST_BYTES = 3_500_000
 
 
+def _requests_of(calls: Sequence[ModuleCall], step: int) -> list[Sequence[ModuleCall]]:
+    """``calls`` in requests of at most ``step`` spans, cut between forwards wherever a whole forward fits: a
+    forward cut in two is encoded span by span (several times the cost of a whole one, encoded as a block)."""
+    if not isinstance(calls, Calls):
+        return [calls[i : i + step] for i in range(0, len(calls), step)]
+    requests: list[Sequence[ModuleCall]] = []
+    whole: list[Sequence[ModuleCall]] = []
+    size = 0
+    for segment in calls.segments:
+        if size + len(segment) > step and whole:
+            requests.append(Calls(whole))
+            whole, size = [], 0
+        if len(segment) > step:  # a forward larger than a request: cut
+            requests += (Calls([segment[i : i + step]]) for i in range(0, len(segment), step))
+        else:
+            whole.append(segment)
+            size += len(segment)
+    if whole:
+        requests.append(Calls(whole))
+    return requests
+
+
 class OtlpSink:
     """A ``Sink``: encodes each batch of ModuleCalls (at most ``max_spans_per_request`` spans per request) and
     hands the bytes to ``sender``. Never raises; ``exported`` and ``failed`` count spans.
@@ -562,8 +584,7 @@ class OtlpSink:
         self._lock = threading.Lock()
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
-        step = self.max_spans_per_request
-        chunks = [calls[i : i + step] for i in range(0, len(calls), step)]
+        chunks = _requests_of(calls, self.max_spans_per_request)
         while chunks:
             chunk = chunks.pop(0)
             if self._shut_down or (self._failing and time.monotonic() < self._retry_at):

@@ -484,6 +484,62 @@ done:
     return result;
 }
 
+/* same_values(values, positions, expected) / same_ranks(values, positions, ranks): whether a forward's flat
+   attribute values match an encoded block's (``_StatsBlock.match``): values[positions[k]] equal to expected[k]
+   and of the same type (True, 1 and 1.0 are equal in Python, not on the wire), or a sequence of length ranks[k].
+   The same object passes at once: forward after forward a model's paths, dtypes and shapes are the same objects.
+   Replaces an itemgetter tuple, a type tuple and two comparisons per forward (~0.15 us a call, 2026-11-25). */
+static PyObject *same_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 3, "same_values(values, positions, expected)")) return NULL;
+    PyObject *values = args[0], *expected = args[2];
+    Py_buffer positions;
+    if (!PyTuple_Check(values) || !PyTuple_Check(expected)) {
+        PyErr_SetString(PyExc_TypeError, "same_values: values and expected are tuples");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &positions, PyBUF_FORMAT) < 0) return NULL;
+    const int64_t *at = positions.buf;
+    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
+    int same = positions.itemsize == 8 && n == PyTuple_GET_SIZE(expected);
+    for (Py_ssize_t k = 0; k < n && same; k++) {
+        if (at[k] < 0 || at[k] >= n_values) {
+            same = 0;
+            break;
+        }
+        PyObject *value = PyTuple_GET_ITEM(values, at[k]), *wanted = PyTuple_GET_ITEM(expected, k);
+        if (value == wanted) continue;
+        same = Py_TYPE(value) == Py_TYPE(wanted) ? PyObject_RichCompareBool(value, wanted, Py_EQ) : 0;
+    }
+    PyBuffer_Release(&positions);
+    if (same < 0) return NULL;
+    return Py_NewRef(same ? Py_True : Py_False);
+}
+
+static PyObject *same_ranks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 3, "same_ranks(values, positions, ranks)")) return NULL;
+    PyObject *values = args[0], *ranks = args[2];
+    Py_buffer positions;
+    if (!PyTuple_Check(values) || !PyTuple_Check(ranks)) {
+        PyErr_SetString(PyExc_TypeError, "same_ranks: values and ranks are tuples");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &positions, PyBUF_FORMAT) < 0) return NULL;
+    const int64_t *at = positions.buf;
+    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
+    int same = positions.itemsize == 8 && n == PyTuple_GET_SIZE(ranks);
+    for (Py_ssize_t k = 0; k < n && same; k++) {
+        PyObject *value = at[k] >= 0 && at[k] < n_values ? PyTuple_GET_ITEM(values, at[k]) : NULL;
+        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(ranks, k));
+        Py_ssize_t length = value != NULL && (PyTuple_Check(value) || PyList_Check(value)) ? Py_SIZE(value) : -1;
+        same = length >= 0 && length == rank;
+    }
+    PyBuffer_Release(&positions);
+    if (PyErr_Occurred()) return NULL;
+    return Py_NewRef(same ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count)"},
@@ -499,6 +555,10 @@ static PyMethodDef methods[] = {
     {"put_span_fields", (PyCFunction)(void (*)(void))put_span_fields, METH_FASTCALL,
      "put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, "
      "root_parent, starts, ends) -> bool: a block-encoded forward's ids and times"},
+    {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,
+     "same_values(values, positions, expected) -> bool: values at the positions equal and of the same types"},
+    {"same_ranks", (PyCFunction)(void (*)(void))same_ranks, METH_FASTCALL,
+     "same_ranks(values, positions, ranks) -> bool: tuples or lists of those lengths at the positions"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,8 +48,10 @@ try:
     from torchtrace._native import put_dims as _put_dims
     from torchtrace._native import put_doubles as _put_doubles
     from torchtrace._native import put_span_fields as _put_span_fields
-except ImportError:  # not built (no C compiler at install): numpy writes the same bytes
-    _put_doubles = _put_dims = _put_span_fields = None
+    from torchtrace._native import same_ranks as _same_ranks
+    from torchtrace._native import same_values as _same_values
+except ImportError:  # not built (no C compiler at install): numpy writes the same bytes, Python compares
+    _put_doubles = _put_dims = _put_span_fields = _same_values = _same_ranks = None
 
 _logger = logging.getLogger(__name__)
 
@@ -692,7 +694,7 @@ class _StatsBlock:
     span limits)."""
 
     __slots__ = ("keys", "payload", "others", "other_values", "other_types", "floats", "dims", "dims_values",
-                 "ranks", "literal_dims", "float_at", "dims_at")  # fmt: skip
+                 "ranks", "literal_dims", "float_at", "dims_at", "other_at")  # fmt: skip
 
     def __init__(
         self, keys: tuple, payload: Any = None, slots: tuple = ((), (), ()), values: tuple = (), literal_dims=False
@@ -701,7 +703,7 @@ class _StatsBlock:
         self.payload = payload
         float_at, dims_at, other_at = slots  # positions in the forward's flat attribute values
         self.floats, self.dims, self.others = _getter(float_at), _getter(dims_at), _getter(other_at)
-        self.float_at, self.dims_at = np.array(float_at, dtype=np.int64), np.array(dims_at, dtype=np.int64)
+        self.float_at, self.dims_at, self.other_at = (np.array(at, dtype=np.int64) for at in slots)
         self.other_values = self.others(values)
         self.other_types = tuple(map(type, self.other_values))
         self.dims_values = self.dims(values)
@@ -713,9 +715,15 @@ class _StatsBlock:
             return False
         if self.payload is None:
             return True
-        others = self.others(values)
-        if others != self.other_values or tuple(map(type, others)) != self.other_types:
-            return False
+        if _same_values is not None and type(values) is tuple:  # the same comparisons, in one C loop each
+            if not _same_values(values, self.other_at, self.other_values):
+                return False
+            if not self.literal_dims:
+                return _same_ranks(values, self.dims_at, self.ranks)
+        else:
+            others = self.others(values)
+            if others != self.other_values or tuple(map(type, others)) != self.other_types:
+                return False
         dims = self.dims(values)
         if self.literal_dims:  # equal, and plain ints (1.0 == 1, and True == 1, would be written otherwise)
             return dims == self.dims_values and _INT_TYPES.issuperset(map(type, chain.from_iterable(dims)))
