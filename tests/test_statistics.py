@@ -768,7 +768,11 @@ def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_pyt
     assert type(compiled[2][first - 1]) is int  # a count column
 
 
-@pytest.mark.parametrize("odd", ["row-out-of-range", "row-not-int", "row-not-last", "no-stats", "module-out-of-range"])
+@pytest.mark.parametrize(
+    "odd",
+    ["row-out-of-range", "row-not-int", "row-not-last", "no-stats", "module-out-of-range", "float32-table",
+     "strided-table"],
+)  # fmt: skip
 def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     """The compiled loop answers None (the caller's Python path then resolves the forward) for anything but the
     form it is made for, never a wrong value or a crash."""
@@ -784,11 +788,15 @@ def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
         stats[1] = {"_row": 1, "shape": (1,)}
     elif odd == "no-stats":
         del stats[2]
+    elif odd == "float32-table":
+        forward.stat_table.values = forward.stat_table.values.astype(np.float32)
+    elif odd == "strided-table":
+        forward.stat_table.values = np.asfortranarray(forward.stat_table.values)
     else:
         forward.module[1] = 7
     table = forward.stat_table
     made = _dispatch._row_call_values(
-        forward.module, stats, *_dispatch._names_of(modules), table.values_list(), table.width
+        forward.module, stats, *_dispatch._names_of(modules), table.values, table.count_mask()
     )
     assert made is None
 

@@ -213,12 +213,12 @@ def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> 
     once per layout), else call by call."""
     all_stats, module_of = forward.output_stats, forward.module
     table = forward.stat_table
-    table_values, width = table.values_list(), table.width
     if _row_call_values is not None:
-        made = _row_call_values(module_of, all_stats, *_names_of(modules), table_values, width)
+        made = _row_call_values(module_of, all_stats, *_names_of(modules), table.values, table.count_mask())
         if made is not None:
             values, runs = made
             return (*_row_layout(runs, table), values)
+    table_values, width = table.values_list(), table.width
     call_keys = []
     values: list = []
     extend = values.extend

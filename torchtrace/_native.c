@@ -197,10 +197,11 @@ static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-/* row_call_values(module_of, output_stats, paths, types, table_values, width): the flat attribute values of a
-   forward whose every call's statistics are a row of its StatTable, in call order: per call its module's path and
-   type, its stats dict's values but the last (shape, dtype, ...), then its row of ``table_values`` in place of the
-   last ("_row": the row's index). Returns (values, runs): ``runs`` the calls' stats keys as (count, keys) for each
+/* row_call_values(module_of, output_stats, paths, types, table, counts): the flat attribute values of a forward
+   whose every call's statistics are a row of its StatTable, in call order: per call its module's path and type,
+   its stats dict's values but the last (shape, dtype, ...), then its row of ``table`` (the table's float64 values,
+   rows x columns) in place of the last ("_row": the row's index), as floats, or as ints in the columns that
+   ``counts`` (a byte per column) marks. Returns (values, runs): ``runs`` the calls' stats keys as (count, keys) for each
    stretch of consecutive calls whose dicts have the same keys (the same key objects, in the same order), from
    which the caller makes the attribute keys once per layout. None where a forward does not have that form (a
    missing stats dict, a row that is not an int index into the table): the caller then takes its Python path. The
@@ -228,19 +229,32 @@ static int add_run(PyObject *runs, Py_ssize_t count, PyObject *stats) {
 
 static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 6, "row_call_values(module_of, output_stats, paths, types, table_values, width)")) return NULL;
-    PyObject *module_of = args[0], *all_stats = args[1], *paths = args[2], *types = args[3], *table = args[4];
-    Py_ssize_t width = PyLong_AsSsize_t(args[5]);
-    if (width == -1 && PyErr_Occurred()) return NULL;
+    if (!takes(nargs, 6, "row_call_values(module_of, output_stats, paths, types, table, counts)")) return NULL;
+    PyObject *module_of = args[0], *all_stats = args[1], *paths = args[2], *types = args[3];
     if (!PyList_Check(module_of) || !PyDict_Check(all_stats) || !PyList_Check(paths) || !PyList_Check(types) ||
-        !PyList_Check(table) || width < 0)
+        !PyBytes_Check(args[5]))
         Py_RETURN_NONE;
-    Py_ssize_t n = PyList_GET_SIZE(module_of), rows_in_table = width ? PyList_GET_SIZE(table) / width : 0;
-    Py_ssize_t n_modules = PyList_GET_SIZE(paths), total = 0;
-    if (PyList_GET_SIZE(types) != n_modules) Py_RETURN_NONE;
+    Py_buffer table;
+    if (PyObject_GetBuffer(args[4], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) { /* not a plain array */
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (table.ndim != 2 || table.itemsize != 8 || table.format == NULL || strcmp(table.format, "d") != 0 ||
+        PyBytes_GET_SIZE(args[5]) != table.shape[1]) {
+        PyBuffer_Release(&table);
+        Py_RETURN_NONE;
+    }
+    const double *cells = table.buf;
+    const char *counts = PyBytes_AS_STRING(args[5]);
+    Py_ssize_t width = table.shape[1], rows_in_table = table.shape[0];
+    Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0;
     PyObject **stats_of = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
     Py_ssize_t *row_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
     PyObject *values = NULL, *runs = NULL, *result = NULL;
+    if (PyList_GET_SIZE(types) != n_modules) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
     if (stats_of == NULL || row_of == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -285,8 +299,11 @@ static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssi
         PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(types, module_index)));
         Py_ssize_t i = 0, left = PyDict_GET_SIZE(stats) - 1;
         while (left-- > 0 && PyDict_Next(stats, &i, &key, &value)) PyTuple_SET_ITEM(values, at++, Py_NewRef(value));
-        for (Py_ssize_t j = 0, first = row_of[position] * width; j < width; j++)
-            PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(table, first + j)));
+        for (Py_ssize_t j = 0, first = row_of[position] * width; j < width; j++) {
+            PyObject *cell = counts[j] ? PyLong_FromDouble(cells[first + j]) : PyFloat_FromDouble(cells[first + j]);
+            if (cell == NULL) goto done;
+            PyTuple_SET_ITEM(values, at++, cell);
+        }
         if (position && !same_keys(stats_of[position - 1], stats)) {
             if (add_run(runs, run, stats_of[position - 1]) < 0) goto done;
             run = 0;
@@ -301,6 +318,7 @@ done:
     Py_XDECREF(runs);
     PyMem_Free(stats_of);
     PyMem_Free(row_of);
+    PyBuffer_Release(&table);
     return result;
 }
 
@@ -547,7 +565,7 @@ static PyMethodDef methods[] = {
      "stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: each row's statistics as a table"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
     {"row_call_values", (PyCFunction)(void (*)(void))row_call_values, METH_FASTCALL,
-     "row_call_values(module_of, output_stats, paths, types, table_values, width) -> (values, runs) or None"},
+     "row_call_values(module_of, output_stats, paths, types, table, counts) -> (values, runs) or None"},
     {"put_doubles", (PyCFunction)(void (*)(void))put_doubles, METH_FASTCALL,
      "put_doubles(buf, base, offsets, values, positions) -> bool: floats as little-endian doubles at the offsets"},
     {"put_dims", (PyCFunction)(void (*)(void))put_dims, METH_FASTCALL,

@@ -401,6 +401,14 @@ class StatTable:
             self._list = typed.ravel().tolist()
         return self._list
 
+    def count_mask(self) -> bytes:
+        """A byte per column, 1 for a count (NaN / Inf: ints in the attributes), what ``_native.row_call_values``
+        reads the table's floats with."""
+        mask = _COUNT_MASKS.get(self.columns)
+        if mask is None:
+            mask = _COUNT_MASKS[self.columns] = bytes(name in _COUNTS for name in self.columns)
+        return mask
+
     def row(self, index: int) -> list:
         start = index * self.width
         return self.values_list()[start : start + self.width]
@@ -414,6 +422,7 @@ class StatTable:
 
 
 _COUNTS = frozenset(("nan_count", "inf_count"))
+_COUNT_MASKS: dict[tuple[str, ...], bytes] = {}  # a StatTable's columns -> its count_mask() (few: one per stats=)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _MAX_STAGING_BYTES = 16 << 20  # rows kept between forwards at most per dtype and size
 _MAX_STAGED_KINDS = 1024  # (dtype, shape) kinds remembered (a new sequence length per request: no more past this)
