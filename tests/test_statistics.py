@@ -801,6 +801,32 @@ def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     assert made is None
 
 
+def test_a_forwards_times_and_depths_are_the_same_compiled_and_in_python(monkeypatch):
+    """``resolve_forward``'s epoch times (an open call ends at its start) and depths come from one C loop
+    (``_native.call_columns``) or from Python: the same lists; columns that do not have the forward's form (a
+    parent after its child, a time that is not an int) make the C loop step aside."""
+    if _dispatch._call_columns is None:
+        pytest.skip("torchtrace._native is not built here")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity())), nn.Linear(4, 4))
+    with torchtrace.instrument(model, exporter="none", stats=False) as handle:
+        dispatcher = handle._dispatcher
+        with WORKER._condition:
+            model(torch.randn(2, 4))
+            (forward,) = dispatcher.buffer.take_all()
+    forward.end[3] = None  # a call still open
+    compiled = resolve_forward(forward, dispatcher.modules, release=False)
+    monkeypatch.setattr(_dispatch, "_call_columns", None)
+    python = resolve_forward(forward, dispatcher.modules, release=False)
+    assert (compiled.start_ns, compiled.end_ns, compiled.depth) == (python.start_ns, python.end_ns, python.depth)
+    assert compiled.depth == [0, 1, 1, 2, 2, 3, 1] and compiled.end_ns[3] == compiled.start_ns[3]
+    from torchtrace._native import call_columns
+
+    assert call_columns([1, 2], [3, 4], [-1, 1], 0) is None  # a call its own parent
+    assert call_columns([1, 2.0], [3, 4], [-1, 0], 0) is None
+    assert call_columns([1, 2], [3, 2**63], [-1, 0], 0) is None
+    assert call_columns([1, 2], [3, 4], [-1, 0], 2**62) == ([2**62 + 1, 2**62 + 2], [2**62 + 3, 2**62 + 4], [0, 1])
+
+
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
     nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged)
     assert output_attributes(nested, stats=("shape",)) == {"shape": (2, -1, 3)}

@@ -38,9 +38,10 @@ from torchtrace._steps import BACKWARD_START, StepRecord
 from torchtrace._worker import WORKER
 
 try:
+    from torchtrace._native import call_columns as _call_columns
     from torchtrace._native import row_call_values as _row_call_values
-except ImportError:  # not built (no C compiler at install): the Python loop makes the same values
-    _row_call_values = None
+except ImportError:  # not built (no C compiler at install): the Python loops make the same values
+    _row_call_values = _call_columns = None
 
 _logger = logging.getLogger(__name__)
 
@@ -139,13 +140,17 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     starts, ends = _times(forward)
     batch.module = forward.module  # the hot path is done with its columns: shared, not copied
     batch.parent = parents = forward.parent
-    batch.start_ns = [start + offset for start in starts]
-    batch.end_ns = [(start if end is None else end) + offset for start, end in zip(starts, ends)]
-    depth = batch.depth = [0] * n
-    for position in range(1, n):
-        parent_position = parents[position]
-        if parent_position >= 0:
-            depth[position] = depth[parent_position] + 1
+    columns = _call_columns(starts, ends, parents, offset) if _call_columns is not None else None
+    if columns is not None:
+        batch.start_ns, batch.end_ns, batch.depth = columns
+    else:
+        batch.start_ns = [start + offset for start in starts]
+        batch.end_ns = [(start if end is None else end) + offset for start, end in zip(starts, ends)]
+        depth = batch.depth = [0] * n
+        for position in range(1, n):
+            parent_position = parents[position]
+            if parent_position >= 0:
+                depth[position] = depth[parent_position] + 1
     if _every_call_a_table_row(forward):
         batch.set_flat_attributes(*_flat_row_attributes(forward, modules))
     else:

@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <float.h>
+#include <limits.h>
 #include <math.h>
 #include <string.h>
 
@@ -558,6 +559,58 @@ static PyObject *same_ranks(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_NewRef(same ? Py_True : Py_False);
 }
 
+/* call_columns(starts, ends, parents, offset): a forward's epoch start and end times (perf_counter ns + offset; a
+   call still open ends at its start) and each call's depth (its parent's + 1), as three lists: three Python loops of
+   ``resolve_forward`` (~10 us a forward of 129 calls, 2026-11-25). None where a column is not a list of ints of the
+   forward's length, or a parent does not come before its child: the caller's Python then makes them. */
+static PyObject *call_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 4, "call_columns(starts, ends, parents, offset)")) return NULL;
+    PyObject *starts = args[0], *ends = args[1], *parents = args[2];
+    long long offset = PyLong_AsLongLong(args[3]);
+    if (offset == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(starts) || !PyList_Check(ends) || !PyList_Check(parents)) Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(starts);
+    if (PyList_GET_SIZE(ends) != n || PyList_GET_SIZE(parents) != n) Py_RETURN_NONE;
+    PyObject *start_ns = PyList_New(n), *end_ns = PyList_New(n), *depth = PyList_New(n), *result = NULL;
+    long *depths = PyMem_Malloc(sizeof(long) * (size_t)(n ? n : 1));
+    if (start_ns == NULL || end_ns == NULL || depth == NULL || depths == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *start = PyList_GET_ITEM(starts, i), *end = PyList_GET_ITEM(ends, i);
+        PyObject *parent = PyList_GET_ITEM(parents, i);
+        int overflow = 0;
+        long long s = PyLong_Check(start) ? PyLong_AsLongLongAndOverflow(start, &overflow) : 0;
+        long long e = end == Py_None ? s : PyLong_Check(end) ? PyLong_AsLongLongAndOverflow(end, &overflow) : 0;
+        long p = PyLong_Check(parent) ? PyLong_AsLong(parent) : -2;
+        long long low = s < e ? s : e, high = s < e ? e : s;
+        if (!PyLong_Check(start) || (end != Py_None && !PyLong_Check(end)) || overflow || p < -1 || p >= i ||
+            PyErr_Occurred() || (offset > 0 && high > LLONG_MAX - offset) || (offset < 0 && low < LLONG_MIN - offset)) {
+            PyErr_Clear();
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        depths[i] = p < 0 ? 0 : depths[p] + 1;
+        PyObject *a = PyLong_FromLongLong(s + offset), *b = PyLong_FromLongLong(e + offset);
+        PyObject *d = PyLong_FromLong(depths[i]);
+        if (a == NULL || b == NULL || d == NULL) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_XDECREF(d);
+            goto done;
+        }
+        PyList_SET_ITEM(start_ns, i, a);
+        PyList_SET_ITEM(end_ns, i, b);
+        PyList_SET_ITEM(depth, i, d);
+    }
+    result = PyTuple_Pack(3, start_ns, end_ns, depth);
+done:
+    Py_XDECREF(start_ns);
+    Py_XDECREF(end_ns);
+    Py_XDECREF(depth);
+    PyMem_Free(depths);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"reduce", (PyCFunction)(void (*)(void))reduce, METH_FASTCALL,
      "reduce(address, n, is_float64) -> (sum, sum of squares, min, max, non-zero count)"},
@@ -573,6 +626,8 @@ static PyMethodDef methods[] = {
     {"put_span_fields", (PyCFunction)(void (*)(void))put_span_fields, METH_FASTCALL,
      "put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, "
      "root_parent, starts, ends) -> bool: a block-encoded forward's ids and times"},
+    {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
+     "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,
      "same_values(values, positions, expected) -> bool: values at the positions equal and of the same types"},
     {"same_ranks", (PyCFunction)(void (*)(void))same_ranks, METH_FASTCALL,
