@@ -73,18 +73,16 @@ def remote_child() -> ModuleCall:
 @pytest.fixture(autouse=True, params=["compiled-writers", "numpy-writers"])
 def block_writers(request, monkeypatch):
     """Every test runs with a forward matched to its block and the block's ids, times, floats and shapes written by
-    ``torchtrace._native`` (same_values, same_ranks, put_span_fields, put_doubles, put_dims), and by Python and
+    ``torchtrace._native`` (same_values, put_span_fields, put_values), and by Python and
     numpy (an install without a C compiler): the bytes must not differ."""
     from torchtrace import _otlp_encoding
 
-    if request.param == "compiled-writers" and _otlp_encoding._put_doubles is None:
+    if request.param == "compiled-writers" and _otlp_encoding._put_values is None:
         pytest.skip("torchtrace._native is not built here")
     if request.param == "numpy-writers":
-        monkeypatch.setattr(_otlp_encoding, "_put_doubles", None)
-        monkeypatch.setattr(_otlp_encoding, "_put_dims", None)
+        monkeypatch.setattr(_otlp_encoding, "_put_values", None)
         monkeypatch.setattr(_otlp_encoding, "_put_span_fields", None)
         monkeypatch.setattr(_otlp_encoding, "_same_values", None)
-        monkeypatch.setattr(_otlp_encoding, "_same_ranks", None)
     return request.param
 
 
@@ -432,14 +430,20 @@ def test_forwards_with_statistics_share_a_block_and_keep_their_own_values(odd) -
 
 
 def test_the_compiled_slot_writers_refuse_what_does_not_fit_and_never_write_outside_the_buffer(block_writers):
-    """``put_doubles`` / ``put_dims`` write a block's floats and shapes where the encoder's offsets say, and answer
+    """``put_values`` writes a block's floats (or shapes) where the encoder's offsets say, and answer
     False (the batch then takes the general path) for a value of another type, a dimension no slot holds, more or
     fewer dimensions than slots, or an offset past the buffer."""
     import numpy as np
 
     if block_writers == "numpy-writers":
         pytest.skip("the compiled writers themselves")
-    from torchtrace._native import put_dims, put_doubles
+    from torchtrace._native import put_values
+
+    def put_doubles(*args):
+        return put_values(*args, False)
+
+    def put_dims(*args):
+        return put_values(*args, True)
 
     two = np.array([0, 8], dtype=np.int64)
     first_two = np.array([0, 1], dtype=np.int64)
@@ -492,20 +496,20 @@ def test_the_compiled_span_field_writer_refuses_columns_that_do_not_fit(block_wr
 
 def test_the_compiled_block_match_compares_values_with_their_types_and_shapes_by_rank(block_writers):
     """``same_values`` is True only where every value at the positions equals the block's and has its type (True,
-    1 and 1.0 are equal in Python but not on the wire); ``same_ranks`` where each is a tuple or list of the
+    1 and 1.0 are equal in Python but not on the wire); with ``lengths``, where each is a tuple or list of the
     block's length."""
     import numpy as np
 
     if block_writers == "numpy-writers":
         pytest.skip("the compiled comparisons themselves")
-    from torchtrace._native import same_ranks, same_values
+    from torchtrace._native import same_values
 
     at = np.array([0, 2], dtype=np.int64)
-    assert same_values(("a", 0.5, 1), at, ("a", 1))
-    assert not same_values(("a", 0.5, True), at, ("a", 1))  # equal, another type
-    assert not same_values(("a", 0.5, 1.0), at, ("a", 1))
-    assert not same_values(("b", 0.5, 1), at, ("a", 1))
-    assert not same_values(("a",), at, ("a", 1))  # no value at position 2
-    assert same_ranks(((8, 4), 0.5, [1, 2, 3]), at, (2, 3))
-    assert not same_ranks(((8, 4), 0.5, (1, 2)), at, (2, 3))
-    assert not same_ranks(((8, 4), 0.5, 7), at, (2, 1))  # no length
+    assert same_values(("a", 0.5, 1), at, ("a", 1), False)
+    assert not same_values(("a", 0.5, True), at, ("a", 1), False)  # equal, another type
+    assert not same_values(("a", 0.5, 1.0), at, ("a", 1), False)
+    assert not same_values(("b", 0.5, 1), at, ("a", 1), False)
+    assert not same_values(("a",), at, ("a", 1), False)  # no value at position 2
+    assert same_values(((8, 4), 0.5, [1, 2, 3]), at, (2, 3), True)
+    assert not same_values(((8, 4), 0.5, (1, 2)), at, (2, 3), True)
+    assert not same_values(((8, 4), 0.5, 7), at, (2, 1), True)  # no length

@@ -323,61 +323,21 @@ done:
     return result;
 }
 
-/* put_doubles(buf, base, offsets, values, positions) / put_dims(...): the OTLP encoder's slot writes for a forward
-   encoded as one block. values[positions[k]] goes to buf[base + offsets[k]]: a float as a little-endian double
-   (fixed64), or a shape (a tuple of ints) as one 5-byte varint per dimension at consecutive offsets. Each value's
-   type is checked as it is written: False where one does not fit (a float slot given something else, a
-   dimension out of 0..2**35, a shape that is not a non-empty tuple of ints, more or fewer dimensions than slots);
-   the caller then encodes the batch span by span and drops ``buf``. Replaces, per forward, an itemgetter tuple, a
-   type check over it, numpy's fromiter and a fancy-indexed write (~0.55 us a call, 2026-11-25). */
-static int get_buffers(PyObject *const *args, Py_buffer *buf, Py_buffer *offsets, Py_buffer *positions) {
-    if (PyObject_GetBuffer(args[0], buf, PyBUF_WRITABLE) < 0) return -1;
-    if (PyObject_GetBuffer(args[2], offsets, PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(buf);
-        return -1;
-    }
-    if (PyObject_GetBuffer(args[4], positions, PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(buf);
-        PyBuffer_Release(offsets);
-        return -1;
-    }
-    if (offsets->itemsize != 8 || positions->itemsize != 8 || !PyTuple_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "offsets and positions are int64 arrays, values a tuple");
-        PyBuffer_Release(buf);
-        PyBuffer_Release(offsets);
-        PyBuffer_Release(positions);
-        return -1;
-    }
-    return 0;
-}
-
-static void release_buffers(Py_buffer *buf, Py_buffer *offsets, Py_buffer *positions) {
-    PyBuffer_Release(buf);
-    PyBuffer_Release(offsets);
-    PyBuffer_Release(positions);
-}
-
-static PyObject *put_doubles(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (!takes(nargs, 5, "put_doubles(buf, base, offsets, values, positions)")) return NULL;
-    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
-    if (base == -1 && PyErr_Occurred()) return NULL;
-    Py_buffer buf, offsets, positions;
-    if (get_buffers(args, &buf, &offsets, &positions) < 0) return NULL;
-    PyObject *values = args[3], *fits = Py_True;
-    const int64_t *at = offsets.buf, *position = positions.buf;
-    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
-    if (offsets.len / 8 != n) fits = Py_False;
-    for (Py_ssize_t k = 0; k < n && fits == Py_True; k++) {
-        if (position[k] < 0 || position[k] >= n_values || base + at[k] < 0 || base + at[k] + 8 > buf.len) {
-            fits = Py_False;
-            break;
-        }
+/* put_values(buf, base, offsets, values, positions, shapes): the OTLP encoder's slot writes for a forward encoded
+   as one block. values[positions[k]] goes to buf[base + offsets[k]]: a float as a little-endian double (fixed64),
+   or, with ``shapes``, a shape (a tuple of ints) as one 5-byte varint per dimension at consecutive offsets. Each
+   value's type is checked as it is written: False where one does not fit (a float slot given something else, a
+   dimension out of 0..2**35, a shape that is not a non-empty tuple of ints, more or fewer dimensions than slots,
+   a slot past the buffer); the caller then encodes the batch span by span and drops ``buf``. Replaces, per
+   forward, an itemgetter tuple, a type check over it, numpy's fromiter and a fancy-indexed write (~0.55 us a
+   call, 2026-11-25). */
+static int put_doubles(unsigned char *out, Py_ssize_t size, const int64_t *at, Py_ssize_t slots, PyObject *values,
+                       const int64_t *position, Py_ssize_t n) {
+    if (slots != n) return 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (position[k] < 0 || position[k] >= PyTuple_GET_SIZE(values) || at[k] < 0 || at[k] + 8 > size) return 0;
         PyObject *value = PyTuple_GET_ITEM(values, position[k]);
-        if (!PyFloat_CheckExact(value)) {
-            fits = Py_False;
-            break;
-        }
+        if (!PyFloat_CheckExact(value)) return 0;
         double d = PyFloat_AS_DOUBLE(value);
         unsigned char bytes[8];
         memcpy(bytes, &d, 8);
@@ -388,46 +348,61 @@ static PyObject *put_doubles(PyObject *module, PyObject *const *args, Py_ssize_t
             bytes[7 - b] = t;
         }
 #endif
-        memcpy((char *)buf.buf + base + at[k], bytes, 8);
+        memcpy(out + at[k], bytes, 8);
     }
-    release_buffers(&buf, &offsets, &positions);
-    return Py_NewRef(fits);
+    return 1;
 }
 
-static PyObject *put_dims(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (!takes(nargs, 5, "put_dims(buf, base, offsets, values, positions)")) return NULL;
-    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
-    if (base == -1 && PyErr_Occurred()) return NULL;
-    Py_buffer buf, offsets, positions;
-    if (get_buffers(args, &buf, &offsets, &positions) < 0) return NULL;
-    PyObject *values = args[3], *fits = Py_True;
-    const int64_t *at = offsets.buf, *position = positions.buf;
-    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values), slots = offsets.len / 8, slot = 0;
-    unsigned char *out = buf.buf;
-    for (Py_ssize_t k = 0; k < n && fits == Py_True; k++) {
-        PyObject *shape = position[k] >= 0 && position[k] < n_values ? PyTuple_GET_ITEM(values, position[k]) : NULL;
+static int put_dims(unsigned char *out, Py_ssize_t size, const int64_t *at, Py_ssize_t slots, PyObject *values,
+                    const int64_t *position, Py_ssize_t n) {
+    Py_ssize_t slot = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *shape = position[k] >= 0 && position[k] < PyTuple_GET_SIZE(values)
+                              ? PyTuple_GET_ITEM(values, position[k])
+                              : NULL;
         if (shape == NULL || !PyTuple_CheckExact(shape) || PyTuple_GET_SIZE(shape) == 0 ||
-            slot + PyTuple_GET_SIZE(shape) > slots) {
-            fits = Py_False;
-            break;
-        }
+            slot + PyTuple_GET_SIZE(shape) > slots)
+            return 0;
         for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++, slot++) {
             PyObject *dim = PyTuple_GET_ITEM(shape, d);
             int overflow = 0;
             long long v = PyLong_CheckExact(dim) ? PyLong_AsLongLongAndOverflow(dim, &overflow) : -1;
-            if (overflow || v < 0 || v >= (1LL << 35) || base + at[slot] < 0 || base + at[slot] + 5 > buf.len) {
-                fits = Py_False;
-                break;
-            }
-            unsigned char *p = out + base + at[slot];
+            if (overflow || v < 0 || v >= (1LL << 35) || at[slot] < 0 || at[slot] + 5 > size) return 0;
+            unsigned char *p = out + at[slot];
             for (int b = 0; b < 4; b++) p[b] = (unsigned char)(((v >> (7 * b)) & 0x7F) | 0x80);
             p[4] = (unsigned char)((v >> 28) & 0x7F);
         }
     }
-    if (slot != slots) fits = Py_False;
-    release_buffers(&buf, &offsets, &positions);
-    return Py_NewRef(fits);
+    return slot == slots;
+}
+
+static PyObject *put_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 6, "put_values(buf, base, offsets, values, positions, shapes)")) return NULL;
+    Py_ssize_t base = PyLong_AsSsize_t(args[1]);
+    int shapes = PyObject_IsTrue(args[5]);
+    if ((base == -1 && PyErr_Occurred()) || shapes < 0) return NULL;
+    if (!PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "put_values: values is a tuple");
+        return NULL;
+    }
+    Py_buffer views[3];
+    int got = 0, flags[3] = {PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_FORMAT};
+    PyObject *sources[3] = {args[0], args[2], args[4]};
+    for (; got < 3; got++)
+        if (PyObject_GetBuffer(sources[got], &views[got], flags[got]) < 0) break;
+    PyObject *result = NULL;
+    if (got == 3 && (views[1].itemsize != 8 || views[2].itemsize != 8))
+        PyErr_SetString(PyExc_TypeError, "put_values: offsets and positions are int64 arrays");
+    else if (got == 3) {
+        unsigned char *out = (unsigned char *)views[0].buf + (base > 0 ? base : 0);
+        Py_ssize_t size = base >= 0 ? views[0].len - base : -1;
+        int fits = size >= 0 && (shapes ? put_dims : put_doubles)(out, size, views[1].buf, views[1].len / 8, args[3],
+                                                                   views[2].buf, views[2].len / 8);
+        result = Py_NewRef(fits ? Py_True : Py_False);
+    }
+    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    return result;
 }
 
 /* put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, root_parent,
@@ -503,15 +478,18 @@ done:
     return result;
 }
 
-/* same_values(values, positions, expected) / same_ranks(values, positions, ranks): whether a forward's flat
-   attribute values match an encoded block's (``_StatsBlock.match``): values[positions[k]] equal to expected[k]
-   and of the same type (True, 1 and 1.0 are equal in Python, not on the wire), or a sequence of length ranks[k].
-   The same object passes at once: forward after forward a model's paths, dtypes and shapes are the same objects.
-   Replaces an itemgetter tuple, a type tuple and two comparisons per forward (~0.15 us a call, 2026-11-25). */
+/* same_values(values, positions, expected, lengths): whether a forward's flat attribute values match an encoded
+   block's (``_StatsBlock.match``): values[positions[k]] equal to expected[k] and of the same type (True, 1 and 1.0
+   are equal in Python, not on the wire), or, with ``lengths``, a tuple or list of length expected[k] (a shape of the
+   block's rank). The same object passes at once: forward after forward a model's paths, dtypes and shapes are the
+   same objects. Replaces an itemgetter tuple, a type tuple and two comparisons per forward (~0.15 us a call,
+   2026-11-25). */
 static PyObject *same_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 3, "same_values(values, positions, expected)")) return NULL;
+    if (!takes(nargs, 4, "same_values(values, positions, expected, lengths)")) return NULL;
     PyObject *values = args[0], *expected = args[2];
+    int lengths = PyObject_IsTrue(args[3]);
+    if (lengths < 0) return NULL;
     Py_buffer positions;
     if (!PyTuple_Check(values) || !PyTuple_Check(expected)) {
         PyErr_SetString(PyExc_TypeError, "same_values: values and expected are tuples");
@@ -521,41 +499,20 @@ static PyObject *same_values(PyObject *module, PyObject *const *args, Py_ssize_t
     const int64_t *at = positions.buf;
     Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
     int same = positions.itemsize == 8 && n == PyTuple_GET_SIZE(expected);
-    for (Py_ssize_t k = 0; k < n && same; k++) {
-        if (at[k] < 0 || at[k] >= n_values) {
-            same = 0;
-            break;
-        }
-        PyObject *value = PyTuple_GET_ITEM(values, at[k]), *wanted = PyTuple_GET_ITEM(expected, k);
-        if (value == wanted) continue;
-        same = Py_TYPE(value) == Py_TYPE(wanted) ? PyObject_RichCompareBool(value, wanted, Py_EQ) : 0;
-    }
-    PyBuffer_Release(&positions);
-    if (same < 0) return NULL;
-    return Py_NewRef(same ? Py_True : Py_False);
-}
-
-static PyObject *same_ranks(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (!takes(nargs, 3, "same_ranks(values, positions, ranks)")) return NULL;
-    PyObject *values = args[0], *ranks = args[2];
-    Py_buffer positions;
-    if (!PyTuple_Check(values) || !PyTuple_Check(ranks)) {
-        PyErr_SetString(PyExc_TypeError, "same_ranks: values and ranks are tuples");
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[1], &positions, PyBUF_FORMAT) < 0) return NULL;
-    const int64_t *at = positions.buf;
-    Py_ssize_t n = positions.len / 8, n_values = PyTuple_GET_SIZE(values);
-    int same = positions.itemsize == 8 && n == PyTuple_GET_SIZE(ranks);
-    for (Py_ssize_t k = 0; k < n && same; k++) {
+    for (Py_ssize_t k = 0; k < n && same > 0; k++) {
         PyObject *value = at[k] >= 0 && at[k] < n_values ? PyTuple_GET_ITEM(values, at[k]) : NULL;
-        Py_ssize_t rank = PyLong_AsSsize_t(PyTuple_GET_ITEM(ranks, k));
-        Py_ssize_t length = value != NULL && (PyTuple_Check(value) || PyList_Check(value)) ? Py_SIZE(value) : -1;
-        same = length >= 0 && length == rank;
+        PyObject *wanted = PyTuple_GET_ITEM(expected, k);
+        if (value == NULL) {
+            same = 0;
+        } else if (lengths) {
+            Py_ssize_t length = PyTuple_Check(value) || PyList_Check(value) ? Py_SIZE(value) : -1;
+            same = length >= 0 && length == PyLong_AsSsize_t(wanted);
+        } else if (value != wanted) {
+            same = Py_TYPE(value) == Py_TYPE(wanted) ? PyObject_RichCompareBool(value, wanted, Py_EQ) : 0;
+        }
     }
     PyBuffer_Release(&positions);
-    if (PyErr_Occurred()) return NULL;
+    if (same < 0 || PyErr_Occurred()) return NULL;
     return Py_NewRef(same ? Py_True : Py_False);
 }
 
@@ -619,19 +576,17 @@ static PyMethodDef methods[] = {
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
     {"row_call_values", (PyCFunction)(void (*)(void))row_call_values, METH_FASTCALL,
      "row_call_values(module_of, output_stats, paths, types, table, counts) -> (values, runs) or None"},
-    {"put_doubles", (PyCFunction)(void (*)(void))put_doubles, METH_FASTCALL,
-     "put_doubles(buf, base, offsets, values, positions) -> bool: floats as little-endian doubles at the offsets"},
-    {"put_dims", (PyCFunction)(void (*)(void))put_dims, METH_FASTCALL,
-     "put_dims(buf, base, offsets, values, positions) -> bool: shapes as 5-byte varints at the offsets"},
+    {"put_values", (PyCFunction)(void (*)(void))put_values, METH_FASTCALL,
+     "put_values(buf, base, offsets, values, positions, shapes) -> bool: floats as little-endian doubles (shapes: "
+     "5-byte varints) at the offsets"},
     {"put_span_fields", (PyCFunction)(void (*)(void))put_span_fields, METH_FASTCALL,
      "put_span_fields(buf, base, trace_id, tid_at, sid_at, pid_at, has_pid, start_at, span_ids, parents, "
      "root_parent, starts, ends) -> bool: a block-encoded forward's ids and times"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,
-     "same_values(values, positions, expected) -> bool: values at the positions equal and of the same types"},
-    {"same_ranks", (PyCFunction)(void (*)(void))same_ranks, METH_FASTCALL,
-     "same_ranks(values, positions, ranks) -> bool: tuples or lists of those lengths at the positions"},
+     "same_values(values, positions, expected, lengths) -> bool: the values at the positions equal and of the "
+     "same types (lengths: tuples or lists of those lengths)"},
     {NULL, NULL, 0, NULL},
 };
 

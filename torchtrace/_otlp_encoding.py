@@ -45,13 +45,11 @@ from opentelemetry.sdk.trace import SpanLimits
 from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 
 try:
-    from torchtrace._native import put_dims as _put_dims
-    from torchtrace._native import put_doubles as _put_doubles
     from torchtrace._native import put_span_fields as _put_span_fields
-    from torchtrace._native import same_ranks as _same_ranks
+    from torchtrace._native import put_values as _put_values
     from torchtrace._native import same_values as _same_values
 except ImportError:  # not built (no C compiler at install): numpy writes the same bytes, Python compares
-    _put_doubles = _put_dims = _put_span_fields = _same_values = _same_ranks = None
+    _put_values = _put_span_fields = _same_values = None
 
 _logger = logging.getLogger(__name__)
 
@@ -716,10 +714,10 @@ class _StatsBlock:
         if self.payload is None:
             return True
         if _same_values is not None and type(values) is tuple:  # the same comparisons, in one C loop each
-            if not _same_values(values, self.other_at, self.other_values):
+            if not _same_values(values, self.other_at, self.other_values, False):
                 return False
             if not self.literal_dims:
-                return _same_ranks(values, self.dims_at, self.ranks)
+                return _same_values(values, self.dims_at, self.ranks, True)
         else:
             others = self.others(values)
             if others != self.other_values or tuple(map(type, others)) != self.other_types:
@@ -883,10 +881,10 @@ def _write_block_values(buf: np.ndarray, blocks: list[tuple]) -> bool:
     """The floats and shapes of forwards encoded as blocks with statistics, each checked (``_slots_fit``);
     ``blocks``: (offset in ``buf``, encoded block, ``_StatsBlock``, flat values). The compiled writers check and
     write a forward's values in one C loop each, straight from its flat values; numpy writes all forwards at once."""
-    if _put_doubles is not None:
+    if _put_values is not None:
         return all(
-            _put_doubles(buf, base, block.doubles, values, kind.float_at)
-            and _put_dims(buf, base, block.dims, values, kind.dims_at)
+            _put_values(buf, base, block.doubles, values, kind.float_at, False)
+            and _put_values(buf, base, block.dims, values, kind.dims_at, True)
             for base, block, kind, values in blocks
         )
     floats = [kind.floats(values) for _, _, kind, values in blocks]
