@@ -248,7 +248,7 @@ static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssi
     const double *cells = table.buf;
     const char *counts = PyBytes_AS_STRING(args[5]);
     Py_ssize_t width = table.shape[1], rows_in_table = table.shape[0];
-    Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0;
+    Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0, held = 0;
     PyObject **stats_of = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
     Py_ssize_t *row_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
     PyObject *values = NULL, *runs = NULL, *result = NULL;
@@ -285,7 +285,7 @@ static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssi
             result = Py_NewRef(Py_None);
             goto done;
         }
-        stats_of[position] = stats;
+        stats_of[held++] = Py_NewRef(stats); /* held: a collection while the values are made may run finalizers */
         row_of[position] = row;
         total += 2 + (size - 1) + width;
     }
@@ -317,6 +317,7 @@ static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssi
 done:
     Py_XDECREF(values);
     Py_XDECREF(runs);
+    for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(stats_of[i]);
     PyMem_Free(stats_of);
     PyMem_Free(row_of);
     PyBuffer_Release(&table);
