@@ -7,6 +7,7 @@ events of a simulated device clock; tests/test_cuda.py repeats the essentials on
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import math
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 import test_training
@@ -728,3 +730,37 @@ def test_a_forwards_device_is_its_models_first_parameter_else_buffer_as_torch_or
     assert _device_of(cases[1], (x,)) == torch.device("cpu")
     assert _device_of(cases[2], (torch.ones(2),)) == torch.device("meta")
     assert _device_of(nn.ReLU(), (torch.ones(2),)) == torch.device("cpu")
+
+
+def test_driver_entry_points_are_called_by_the_compiled_module_with_the_gil_held():
+    """Timing events are recorded and read through the driver's entry points by address (``_native.driver_call``,
+    ``_native.elapsed_ms``), not ctypes' per-call conversion: the arguments arrive as given, the result code comes
+    back, and a failing read raises with it. Checked here with C callbacks standing in for the driver."""
+    if _cuda_driver._driver_call is None:
+        pytest.skip("torchtrace._native is not built here")
+    calls = []
+    record = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(
+        lambda event, stream: calls.append((event, stream)) or 0
+    )
+    refused = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda event, stream: 600)
+
+    def read(out, start, end):
+        calls.append((start, end))
+        out[0] = 2.5 if start != end else 0.0
+        return 0 if start != 0x30 else 400  # CUDA_ERROR_INVALID_HANDLE
+
+    elapsed = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)(read)
+
+    def address(function):
+        return ctypes.cast(function, ctypes.c_void_p).value
+
+    assert _cuda_driver._driver_call(address(record), 0x1000, 0x20) == 0 and calls == [(0x1000, 0x20)]
+    assert _cuda_driver._driver_call(address(refused), 0x1000, 0x20) == 600
+    assert _cuda_driver._elapsed_ms(address(elapsed), 0x10, 0x20) == (0, 2.5)
+    driver = types.SimpleNamespace(elapsed_address=address(elapsed))
+    start, end, broken = (object.__new__(_cuda_driver.DriverEvent) for _ in range(3))
+    for event, handle in ((start, 0x10), (end, 0x20), (broken, 0x30)):
+        event.handle, event._driver = handle, driver
+    assert start.elapsed_time(end) == 2.5
+    with pytest.raises(RuntimeError, match="cuEventElapsedTime failed with CUDA error 400"):
+        broken.elapsed_time(end)

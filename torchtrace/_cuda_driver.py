@@ -17,6 +17,12 @@ from typing import Any
 
 import torch
 
+try:
+    from torchtrace._native import driver_call as _driver_call
+    from torchtrace._native import elapsed_ms as _elapsed_ms
+except ImportError:  # not built (no C compiler at install): ctypes makes the same calls, slower
+    _driver_call = _elapsed_ms = None
+
 _logger = logging.getLogger(__name__)
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
@@ -48,6 +54,9 @@ class _Driver:
             function.argtypes = [ctypes.c_void_p]
         self.create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self.elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        # the entry points' addresses, for the compiled module's calls (no ctypes conversion per call)
+        self.record_address = ctypes.cast(self.record, ctypes.c_void_p).value
+        self.elapsed_address = ctypes.cast(self.elapsed, ctypes.c_void_p).value
 
 
 _driver: _Driver | None | bool = None  # False: no driver library here
@@ -89,10 +98,15 @@ class DriverEvent:
 
     def record(self, stream: int) -> None:
         if torch._C._cuda_getDevice() == self._index:
-            _check(self._driver.record(self.handle, stream), "cuEventRecord")
+            _check(self._record(stream), "cuEventRecord")
             return
         with torch.cuda.device(self._index):  # stream 0 is the legacy default stream of the current context
-            _check(self._driver.record(self.handle, stream), "cuEventRecord")
+            _check(self._record(stream), "cuEventRecord")
+
+    def _record(self, stream: int) -> int:
+        if _driver_call is not None:
+            return _driver_call(self._driver.record_address, self.handle, stream)
+        return self._driver.record(self.handle, stream)
 
     def query(self) -> bool:
         result = self._driver.query(self.handle)
@@ -106,6 +120,10 @@ class DriverEvent:
 
     def elapsed_time(self, end: DriverEvent) -> float:
         """Milliseconds from this event to ``end``, both complete."""
+        if _elapsed_ms is not None:
+            result, elapsed = _elapsed_ms(self._driver.elapsed_address, self.handle, end.handle)
+            _check(result, "cuEventElapsedTime")
+            return elapsed
         milliseconds = ctypes.c_float()
         _check(self._driver.elapsed(ctypes.byref(milliseconds), self.handle, end.handle), "cuEventElapsedTime")
         return milliseconds.value
