@@ -148,6 +148,48 @@ def test_requests_are_cut_between_forwards_where_a_whole_forward_fits(monkeypatc
         assert [int.from_bytes(span.span_id, "big") for span in spans] == sent_ids
 
 
+@pytest.mark.parametrize(
+    "setting, through",
+    [({}, "urllib3"), ({"HTTP_PROXY": "http://proxy.invalid:3128"}, "requests"),
+     ({"HTTP_PROXY": "http://proxy.invalid:3128", "NO_PROXY": "127.0.0.1"}, "urllib3"),
+     ({"netrc": True}, "requests"), ({"https": True}, "requests")],
+    ids=["plain-http", "proxy", "proxy-bypassed", "netrc-entry", "https"],
+)  # fmt: skip
+def test_a_plain_http_endpoint_with_no_proxy_is_sent_to_through_urllib3(
+    monkeypatch, tmp_path, otlp_http_receiver, setting, through
+):
+    """To a plain http:// endpoint that no proxy variable or .netrc entry applies to, requests go through the SDK's
+    urllib3 transport (half requests' Python per request); anything requests would treat differently (a proxy, a
+    .netrc login, TLS with its CA bundle) keeps requests. Either way inside the total deadline."""
+    from opentelemetry.exporter.http.transport._requests import RequestsHTTPTransport
+    from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
+
+    configure(monkeypatch, "http/protobuf", "none")
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy",
+                 "no_proxy"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine 127.0.0.1 login someone password secret\n" if setting.get("netrc") else "")
+    monkeypatch.setenv("NETRC", str(netrc))
+    for name, value in setting.items():
+        if name.isupper():
+            monkeypatch.setenv(name, value)
+    endpoint = otlp_http_receiver.endpoint.replace("http://", "https://") if setting.get("https") else None
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint or otlp_http_receiver.endpoint)
+    sender = create_otlp_sender()
+    inner = sender._client._transport._inner
+    assert type(inner) is {"urllib3": Urllib3HTTPTransport, "requests": RequestsHTTPTransport}[through]
+    if through == "urllib3":
+        sink = OtlpSink(sender, default_resource())
+        sink(forward_calls())
+        sink.shutdown()
+        assert (sink.exported, sink.failed) == (3, 0)
+        check_received(otlp_http_receiver.wait_for_spans(3, timeout=5), otlp_http_receiver.resource_attributes())
+        assert otlp_http_receiver.headers[0]["x-api-key"] == "secret"
+    else:
+        sender.shutdown()
+
+
 class CountingRelay:
     """A TCP relay in front of a receiver that counts the bytes the client sends: what went over the wire."""
 

@@ -390,13 +390,35 @@ class _DeadlineTransport(BaseHTTPTransport):
         self._inner.close()
 
 
+def _plain_http_transport(endpoint: str) -> BaseHTTPTransport | None:
+    """The SDK's urllib3 transport for a plain ``http://`` endpoint that no proxy setting and no .netrc entry
+    applies to (an in-cluster collector, usually): what requests would send there, for half its Python per request
+    (~450 -> ~215 us to a local receiver, 2026-11-25). None elsewhere: requests (the SDK's default) keeps honouring
+    proxies, .netrc, its CA bundle and REQUESTS_CA_BUNDLE."""
+    try:
+        import requests.utils
+        from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
+    except ImportError:
+        return None
+    if urlparse(endpoint).scheme != "http":
+        return None
+    try:
+        if requests.utils.get_environ_proxies(endpoint) or requests.utils.get_netrc_auth(endpoint):
+            return None
+        return Urllib3HTTPTransport()
+    except Exception:  # an unreadable .netrc, a proxy setting requests cannot parse: requests decides
+        return None
+
+
 class HttpSender(_HttpSpanExporter):
     """OTLP/HTTP protobuf: the SDK's HTTP span exporter and its client (retries, headers, compression, TLS), each
-    request bounded by the timeout in total (``_DeadlineTransport``)."""
+    request bounded by the timeout in total (``_DeadlineTransport``); to a plain ``http://`` endpoint with no proxy,
+    through urllib3 (``_plain_http_transport``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._client._transport = _DeadlineTransport(self._client._transport)
+        inner = _plain_http_transport(self._endpoint) or self._client._transport
+        self._client._transport = _DeadlineTransport(inner)
 
     def send(self, spans: EncodedSpans) -> bool:
         if self._shutdown:
