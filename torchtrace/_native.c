@@ -377,6 +377,22 @@ static int put_dims(unsigned char *out, Py_ssize_t size, const int64_t *at, Py_s
     return slot == slots;
 }
 
+/* The buffers of a slot writer: sources[0] (the encoded bytes) writable, the others read as typed arrays. -1 (an
+   exception set, none held) where one is not a buffer. */
+static int get_views(PyObject *const *sources, int count, Py_buffer *views) {
+    for (int i = 0; i < count; i++) {
+        if (PyObject_GetBuffer(sources[i], &views[i], i ? PyBUF_FORMAT : PyBUF_WRITABLE) < 0) {
+            while (i--) PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_views(Py_buffer *views, int count) {
+    for (int i = 0; i < count; i++) PyBuffer_Release(&views[i]);
+}
+
 static PyObject *put_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 6, "put_values(buf, base, offsets, values, positions, shapes)")) return NULL;
@@ -388,21 +404,18 @@ static PyObject *put_values(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer views[3];
-    int got = 0, flags[3] = {PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_FORMAT};
-    PyObject *sources[3] = {args[0], args[2], args[4]};
-    for (; got < 3; got++)
-        if (PyObject_GetBuffer(sources[got], &views[got], flags[got]) < 0) break;
-    PyObject *result = NULL;
-    if (got == 3 && (views[1].itemsize != 8 || views[2].itemsize != 8))
+    PyObject *sources[3] = {args[0], args[2], args[4]}, *result = NULL;
+    if (get_views(sources, 3, views) < 0) return NULL;
+    if (views[1].itemsize != 8 || views[2].itemsize != 8)
         PyErr_SetString(PyExc_TypeError, "put_values: offsets and positions are int64 arrays");
-    else if (got == 3) {
+    else {
         unsigned char *out = (unsigned char *)views[0].buf + (base > 0 ? base : 0);
         Py_ssize_t size = base >= 0 ? views[0].len - base : -1;
         int fits = size >= 0 && (shapes ? put_dims : put_doubles)(out, size, views[1].buf, views[1].len / 8, args[3],
                                                                    views[2].buf, views[2].len / 8);
         result = Py_NewRef(fits ? Py_True : Py_False);
     }
-    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    release_views(views, 3);
     return result;
 }
 
@@ -440,12 +453,8 @@ static PyObject *put_span_fields(PyObject *module, PyObject *const *args, Py_ssi
         return NULL;
     }
     Py_buffer views[6];
-    int got = 0, flags[6] = {PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT, PyBUF_FORMAT};
     PyObject *sources[6] = {args[0], args[3], args[4], args[5], args[6], args[7]};
-    for (; got < 6; got++)
-        if (PyObject_GetBuffer(sources[got], &views[got], flags[got]) < 0) break;
-    PyObject *result = NULL;
-    if (got < 6) goto done;
+    if (get_views(sources, 6, views) < 0) return NULL;
     const int64_t *tid_at = views[1].buf, *sid_at = views[2].buf, *pid_at = views[3].buf, *start_at = views[5].buf;
     const unsigned char *has_pid = views[4].buf, *trace_id = (const unsigned char *)PyBytes_AS_STRING(args[2]);
     unsigned char *out = (unsigned char *)views[0].buf + base;
@@ -473,10 +482,8 @@ static PyObject *put_span_fields(PyObject *module, PyObject *const *args, Py_ssi
         }
     }
     if (PyErr_Occurred()) PyErr_Clear();
-    result = Py_NewRef(fits && pid == pids ? Py_True : Py_False);
-done:
-    for (int i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    return result;
+    release_views(views, 6);
+    return Py_NewRef(fits && pid == pids ? Py_True : Py_False);
 }
 
 /* same_values(values, positions, expected, lengths): whether a forward's flat attribute values match an encoded
@@ -576,36 +583,31 @@ done:
 typedef int (*two_pointers)(void *, void *);
 typedef int (*elapsed_function)(float *, void *, void *);
 
-static void *address_of(PyObject *value) {
-    void *address = value == Py_None ? NULL : PyLong_AsVoidPtr(value);
-    return address;
+/* (function, pointer, pointer) as addresses (None: NULL); -1 (an exception set) for a bad argument or no function */
+static int entry_point_arguments(PyObject *const *args, Py_ssize_t nargs, const char *signature, void *out[3]) {
+    if (!takes(nargs, 3, signature)) return -1;
+    for (int i = 0; i < 3; i++) out[i] = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);
+    if (PyErr_Occurred()) return -1;
+    if (out[0] == NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: no function", signature);
+        return -1;
+    }
+    return 0;
 }
 
 static PyObject *driver_call(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 3, "driver_call(function, a, b)")) return NULL;
-    two_pointers function = (two_pointers)address_of(args[0]);
-    void *a = address_of(args[1]), *b = address_of(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (function == NULL) {
-        PyErr_SetString(PyExc_ValueError, "driver_call: no function");
-        return NULL;
-    }
-    return PyLong_FromLong(function(a, b));
+    void *at[3];
+    if (entry_point_arguments(args, nargs, "driver_call(function, a, b)", at) < 0) return NULL;
+    return PyLong_FromLong(((two_pointers)at[0])(at[1], at[2]));
 }
 
 static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 3, "elapsed_ms(function, start, end)")) return NULL;
-    elapsed_function function = (elapsed_function)address_of(args[0]);
-    void *start = address_of(args[1]), *end = address_of(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (function == NULL) {
-        PyErr_SetString(PyExc_ValueError, "elapsed_ms: no function");
-        return NULL;
-    }
+    void *at[3];
+    if (entry_point_arguments(args, nargs, "elapsed_ms(function, start, end)", at) < 0) return NULL;
     float milliseconds = 0.0f;
-    int result = function(&milliseconds, start, end);
+    int result = ((elapsed_function)at[0])(&milliseconds, at[1], at[2]);
     return Py_BuildValue("(id)", result, (double)milliseconds);
 }
 
