@@ -13,9 +13,11 @@ import logging
 import math
 import socket
 import threading
+import time
 
 import otlp_receiver
 import pytest
+from fault_receivers import DrippingHttpServer
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
@@ -188,6 +190,49 @@ def test_a_plain_http_endpoint_with_no_proxy_is_sent_to_through_urllib3(
         assert otlp_http_receiver.headers[0]["x-api-key"] == "secret"
     else:
         sender.shutdown()
+
+
+def test_requests_run_on_one_kept_thread_and_a_stalled_one_keeps_its_own(monkeypatch, otlp_http_receiver):
+    """An OTLP/HTTP request runs off the caller's thread (so that the caller can stop waiting at the deadline), on a
+    thread kept for the next request rather than one started per request (100-300 us each). A request that outlives
+    its deadline keeps its thread; a request to a working endpoint meanwhile gets another thread, at once."""
+    configure(monkeypatch, "http/protobuf", "none")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    threads: dict[str, list[threading.Thread]] = {"working": [], "dripping": []}
+
+    def sender_to(endpoint: str, name: str) -> OtlpSink:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        sender = create_otlp_sender()
+        inner = sender._client._transport._inner
+        request = inner.request
+
+        def noting_the_thread(*args, **kwargs):
+            threads[name].append(threading.current_thread())  # not its ident: a new thread may reuse an old one's
+            return request(*args, **kwargs)
+
+        monkeypatch.setattr(inner, "request", noting_the_thread)
+        return OtlpSink(sender, default_resource())
+
+    working = sender_to(otlp_http_receiver.endpoint, "working")
+    for _ in range(5):
+        working(forward_calls())
+    assert (working.exported, working.failed) == (15, 0)
+    assert len(set(threads["working"])) == 1 and threads["working"][0] is not threading.current_thread()
+
+    dripping_server = DrippingHttpServer(drip_s=0.2)
+    try:
+        dripping = sender_to(dripping_server.endpoint, "dripping")
+        dripping(forward_calls())  # cut at its 1 s deadline; its thread still reads the drip
+        assert (dripping.exported, dripping.failed) == (0, 3)
+        started = time.monotonic()
+        working(forward_calls())
+        assert time.monotonic() - started < 0.9  # not queued behind the dripping request
+        assert (working.exported, working.failed) == (18, 0)
+        assert threads["working"][-1] is not threads["dripping"][0]
+    finally:
+        dripping_server.stop()
+    working.shutdown()
+    dripping.shutdown()
 
 
 class CountingRelay:

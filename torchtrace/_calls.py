@@ -13,6 +13,14 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+try:
+    from torchtrace._native import untracked
+except ImportError:  # not built: CPython untracks such a tuple itself, at the first young collection it survives
+
+    def untracked(t: Any) -> Any:
+        return t
+
+
 AttributeValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
 
 
@@ -154,7 +162,7 @@ class CallBatch(Sequence[ModuleCall]):
     def set_flat_attributes(self, counts: tuple, keys: tuple, values: tuple) -> None:
         """Every call's attributes as ``flat_attributes()`` gives them (each call has some): the dicts are made
         only if ``attributes`` is read."""
-        self._flat[0] = (counts, keys, values)
+        self._flat[0] = (counts, keys, untracked(values))
         self._attributes[0] = None
 
     def every_call_attributed(self) -> bool:
@@ -241,7 +249,7 @@ class CallBatch(Sequence[ModuleCall]):
             flat = self._flat[0] = (
                 interned(tuple(map(len, attributes))),
                 interned(tuple(chain.from_iterable(attributes))),
-                tuple(chain.from_iterable(map(dict.values, attributes))),
+                untracked(tuple(chain.from_iterable(map(dict.values, attributes)))),
             )
         return flat
 
@@ -288,7 +296,7 @@ def interned(values: tuple) -> tuple:
     if kept is None:
         if len(_interned_tuples) >= _MAX_INTERNED:
             _interned_tuples.clear()
-        kept = _interned_tuples[values] = values
+        kept = _interned_tuples[values] = untracked(values)
     return kept
 
 

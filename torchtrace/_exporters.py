@@ -47,6 +47,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from torchtrace._calls import Calls, ModuleCall, error_text
 from torchtrace._otlp_encoding import encode_export_request
 from torchtrace._otlp_json import encode_otlp_json
+from torchtrace._request_threads import REQUEST_THREADS
 from torchtrace._trace_file import TraceFile
 
 __all__ = [
@@ -345,16 +346,16 @@ class _DeadlineTransport(BaseHTTPTransport):
 
     Its ``timeout`` bounds each socket read, not the request: a peer that sends headers and then one byte every
     half second holds a request (and ``remove()``, and exit) for as long as it likes. Here each request runs on a
-    daemon thread that the caller waits for at most ``timeout`` seconds; one that is still running then is
-    abandoned (it ends when the peer gives up, and never holds exit). At most ``MAX_ABANDONED`` may be running at
-    once; past that, requests fail at once until one ends.
+    kept daemon thread (``_request_threads``) that the caller waits for at most ``timeout`` seconds; a request still
+    running then is abandoned (it ends when the peer gives up, and never holds exit). At most ``MAX_ABANDONED`` of
+    a transport's may be running at once; past that, its requests fail at once until one ends.
     """
 
     MAX_ABANDONED = 4
 
     def __init__(self, inner: BaseHTTPTransport) -> None:
         self._inner = inner
-        self._abandoned: list[threading.Thread] = []
+        self._abandoned: list[threading.Lock] = []  # each held while its request runs
 
     def request(
         self,
@@ -365,22 +366,27 @@ class _DeadlineTransport(BaseHTTPTransport):
         timeout: float | None = None,
         data: bytes | None = None,
     ) -> BaseHTTPResult:
-        self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+        self._abandoned = [running for running in self._abandoned if running.locked()]
         if timeout is not None and timeout <= 0:
             return _NoResponse(error=TimeoutError("no time left before the export deadline"))
         if len(self._abandoned) >= self.MAX_ABANDONED:
             return _NoResponse(error=TimeoutError(f"{len(self._abandoned)} earlier requests still have no response"))
         outcome: list[BaseHTTPResult] = []
+        running = threading.Lock()  # held while the request runs
+        running.acquire()
 
         def send() -> None:
-            outcome.append(self._inner.request(method, url, headers=headers, timeout=timeout, data=data))
+            try:
+                outcome.append(self._inner.request(method, url, headers=headers, timeout=timeout, data=data))
+            except Exception as error:  # the SDK's transports return their errors; anything else is one too
+                outcome.append(_NoResponse(error=error))
+            finally:
+                running.release()
 
-        thread = threading.Thread(target=send, name="torchtrace-otlp-http", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if outcome:
+        REQUEST_THREADS.run(send)
+        if running.acquire(timeout=-1 if timeout is None else timeout):
             return outcome[0]
-        self._abandoned.append(thread)
+        self._abandoned.append(running)
         return _NoResponse(error=TimeoutError(f"no complete response within {timeout:.3g}s"))
 
     def is_connection_error(self, exception: Exception | None) -> bool:

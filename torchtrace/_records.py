@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
-from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned
+from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned, untracked
 
 _logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def pack(call: ModuleCall) -> tuple:
     """``call`` as one tuple: GC-untracked once it survives a collection, when all its values are atomic."""
     attributes = call.attributes
     # flat: a tuple inside a tuple is untracked one collection later than it (the inner one is visited last)
-    return (*_HEAD(call), *_TAIL(call), interned(tuple(attributes)), *attributes.values())
+    return untracked((*_HEAD(call), *_TAIL(call), interned(tuple(attributes)), *attributes.values()))
 
 
 _TIMING_KEYS = ("torchtrace.module.path", "torchtrace.module.type")
@@ -62,9 +62,9 @@ def pack_columns(batch: CallBatch) -> Iterator[tuple]:
                 start, end, error, thread_id, parent < 0 and remote, flags, trace_state, output_value, input_value,
                 tensors, module_attributes, "forward")  # fmt: skip
         if attributes is None:
-            yield (*head, _TIMING_KEYS, info.path, info.type_name)
+            yield untracked((*head, _TIMING_KEYS, info.path, info.type_name))
         else:
-            yield (*head, interned(tuple(attributes)), *attributes.values())
+            yield untracked((*head, interned(tuple(attributes)), *attributes.values()))
 
 
 def unpack(packed: tuple) -> ModuleCall:
@@ -111,9 +111,9 @@ class RecordStore:
                    *batch.module[:hi], *batch.depth[:hi], *batch.parent[:hi], *batch.start_ns[:hi],
                    *batch.end_ns[:hi], *batch.span_id[:hi])  # fmt: skip
         if not batch.any_call_attributed(hi):
-            return (_FORWARD, hi, id(batch.modules), *columns)
+            return untracked((_FORWARD, hi, id(batch.modules), *columns))
         counts, keys, values = batch.flat_attributes()
-        return (_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *columns, counts, keys, *values)
+        return untracked((_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *columns, counts, keys, *values))
 
     def _calls_of(self, packed: tuple) -> list[tuple]:
         """A packed forward as packed calls (a packed call as itself)."""
