@@ -18,6 +18,7 @@ from seed_models import TestForHook
 from torch import nn
 
 import torchtrace
+from torchtrace._calls import Calls
 from torchtrace.testing import capture_spans
 
 HOOK_TREE = {"TestForHook": {"linear_1": {}, "linear_2": {}, "relu": {}, "relu6": {}}}
@@ -505,11 +506,39 @@ def test_the_summary_p95_is_the_nearest_rank_percentile():
     assert row.mean_ms == pytest.approx(np.mean(durations_ms))
 
 
-def test_the_summary_from_columns_equals_the_summary_of_the_records():
-    """The summary groups each drain's calls per module in numpy; the records' ModuleCalls take the per-call path.
-    1,100 forwards wrap the 1,024-duration ring of every layer; the shared ReLU (two calls a forward) takes the
-    per-call path of a forward that calls a module twice."""
+def test_the_summary_of_part_of_a_forward_equals_the_summary_of_its_calls():
+    """A forward cut in two (a view of its columns, as a request's worth of calls is) is summarised as its calls
+    are: the durations of the calls in the view only, and no outermost call in the second part."""
     from torchtrace._summary import SummarySink
+
+    delivered = []
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    with torchtrace.instrument(model, exporter="none", sinks=[delivered.append]):
+        for _ in range(3):
+            model(torch.randn(1, 4))
+    forwards = [segment for calls in delivered for segment in calls.segments]
+    for part in (slice(0, 3), slice(3, 7)):
+        from_columns, from_calls = SummarySink(), SummarySink()
+        for forward in forwards:
+            from_columns(Calls([forward[part]]))
+            from_calls([*forward[part]])
+        assert from_columns.rows() == from_calls.rows()
+        assert [row.calls for row in from_columns.rows()] == [3] * (part.stop - part.start)
+
+
+@pytest.mark.parametrize("columns", ["compiled", "python"])
+def test_the_summary_from_columns_equals_the_summary_of_the_records(columns, monkeypatch):
+    """The summary adds up forwards' durations per module in numpy (made as int64 bytes by the compiled module, or
+    in Python without it); the records' ModuleCalls take the per-call path. 1,100 forwards wrap the 1,024-duration
+    ring of every layer; the shared ReLU (two calls a forward) takes the per-call path of a forward that calls a
+    module twice."""
+    from torchtrace import _dispatch
+    from torchtrace._summary import SummarySink
+
+    if columns == "compiled" and _dispatch._call_columns is None:
+        pytest.skip("torchtrace._native is not built here")
+    if columns == "python":
+        monkeypatch.setattr(_dispatch, "_call_columns", None)
 
     torch.manual_seed(0)
     relu = nn.ReLU()

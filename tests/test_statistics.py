@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import importlib.metadata
 import warnings
+from array import array
 from itertools import chain
 from typing import Any, NamedTuple
 from unittest import mock
@@ -819,12 +820,16 @@ def test_a_forwards_times_and_depths_are_the_same_compiled_and_in_python(monkeyp
     python = resolve_forward(forward, dispatcher.modules, release=False)
     assert (compiled.start_ns, compiled.end_ns, compiled.depth) == (python.start_ns, python.end_ns, python.depth)
     assert compiled.depth == [0, 1, 1, 2, 2, 3, 1] and compiled.end_ns[3] == compiled.start_ns[3]
+    durations = [end - start for start, end in zip(python.start_ns, python.end_ns)]  # what the summary adds up
+    assert array("q", compiled.durations).tolist() == durations and python.durations is None
     from torchtrace._native import call_columns
 
     assert call_columns([1, 2], [3, 4], [-1, 1], 0) is None  # a call its own parent
     assert call_columns([1, 2.0], [3, 4], [-1, 0], 0) is None
     assert call_columns([1, 2], [3, 2**63], [-1, 0], 0) is None
-    assert call_columns([1, 2], [3, 4], [-1, 0], 2**62) == ([2**62 + 1, 2**62 + 2], [2**62 + 3, 2**62 + 4], [0, 1])
+    start_ns, end_ns, depth, durations = call_columns([1, 2], [3, 4], [-1, 0], 2**62)
+    assert (start_ns, end_ns, depth) == ([2**62 + 1, 2**62 + 2], [2**62 + 3, 2**62 + 4], [0, 1])
+    assert array("q", durations).tolist() == [2, 2]
 
 
 def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():

@@ -116,7 +116,8 @@ class CallBatch(Sequence[ModuleCall]):
 
     __slots__ = (
         "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "sparse", "trace_id", "root_parent_id",
-        "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "_attributes", "_made", "_flat",
+        "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "durations", "_attributes", "_made",
+        "_flat",
     )  # fmt: skip
 
     def __init__(self, modules: Sequence[Any], trace_id: int, root_parent_id: int, parent_is_remote: bool,
@@ -136,6 +137,7 @@ class CallBatch(Sequence[ModuleCall]):
         self.trace_state = trace_state
         self.thread_id = thread_id
         self.lo, self.hi = 0, 0
+        self.durations: bytes | None = None  # each call's end_ns - start_ns, native int64s (when resolution made them)
         self._attributes: list = [[]]  # the attributes column (None: to be made from _flat), shared likewise
         self._made: list = [None]  # the ModuleCall objects once made, shared by every view of these columns
         self._flat: list = [None]  # flat_attributes() once made, shared likewise

@@ -142,7 +142,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     batch.parent = parents = forward.parent
     columns = _call_columns(starts, ends, parents, offset) if _call_columns is not None else None
     if columns is not None:
-        batch.start_ns, batch.end_ns, batch.depth = columns
+        batch.start_ns, batch.end_ns, batch.depth, batch.durations = columns
     else:
         batch.start_ns = [start + offset for start in starts]
         batch.end_ns = [(start if end is None else end) + offset for start, end in zip(starts, ends)]

@@ -9,10 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import sub
 
+import numpy as np
+
 from torchtrace._calls import CallBatch, Calls, ModuleCall
 
 _RESERVOIR = 1024  # durations kept per layer for the p95: the latest ones, 8 bytes each (a 129-layer model: 1 MiB)
 _FOLD_AT = 64  # forwards whose durations wait, as rows, before they are added to their layers (or until read)
+_FIRST = (0,)
+_INT64 = 8  # bytes
 
 
 @dataclass(frozen=True)
@@ -45,18 +49,18 @@ class _Layer:
             recent[self._next] = duration
             self._next = (self._next + 1) % _RESERVOIR
 
-    def keep_all(self, durations: Sequence[int]) -> None:
-        """``keep`` of each, in order, as slice writes (a forward gives each layer a run of durations at once)."""
+    def keep_all(self, durations: np.ndarray) -> None:
+        """``keep`` of each (int64), in order, as slice writes (forwards give each layer a run of durations at once)."""
         durations = durations[-_RESERVOIR:]
         recent = self.recent
         room = _RESERVOIR - len(recent)
         if room > 0:
-            recent.extend(durations[:room])
+            recent.frombytes(durations[:room].tobytes())
             durations = durations[room:]
-        while durations:
+        while len(durations):
             at = self._next
             run = durations[: _RESERVOIR - at]
-            recent[at : at + len(run)] = array("q", run)
+            recent[at : at + len(run)] = array("q", run.tobytes())
             self._next = (at + len(run)) % _RESERVOIR
             durations = durations[len(run) :]
 
@@ -64,14 +68,16 @@ class _Layer:
 class SummarySink:
     """Aggregates durations per module path; ``rows()`` and ``table()`` read them.
 
-    Forwards that call each module once wait as rows of durations (per module sequence) and are added to their
-    layers ``_FOLD_AT`` forwards at a time, or when the summary is read: a module at a time, as slices, where a
-    forward at a time cost ~0.5 us a call (the worker often resolves one forward at a time)."""
+    Forwards that call each module once wait as rows of durations (per module sequence and root positions; the
+    int64 bytes that resolution made, not a Python int per call) and are added to their layers ``_FOLD_AT`` forwards
+    at a time, or when the summary is read: a module at a time, as slices, where a forward at a time cost ~0.5 us a
+    call (the worker often resolves one forward at a time)."""
 
     def __init__(self) -> None:
         self._layers: dict[str, _Layer] = {}
         self._root_ns = 0  # time in outermost forward calls: the denominator of "share"
-        self._waiting: dict[tuple, tuple[Sequence, list[list[int]]]] = {}  # sequence -> (modules, durations rows)
+        # (module sequence, root positions) -> (modules, rows of durations as int64 bytes)
+        self._waiting: dict[tuple, tuple[Sequence, list[bytes]]] = {}
         self._waiting_rows = 0
         self._lock = threading.Lock()  # the worker adds, the user's thread reads (and folds what waits)
 
@@ -111,32 +117,44 @@ class SummarySink:
         per call cost 0.36 us). A forward that calls a module twice (shared or recursive) takes the per-call loop,
         which counts only the calls not nested in a call of the same module toward its total."""
         lo, hi = batch.lo, batch.hi
-        sequence = tuple(batch.module[lo:hi])
-        waiting = self._waiting.get(sequence)
+        if lo == hi:
+            return
+        whole = lo == 0 and hi == len(batch.module)
+        sequence = tuple(batch.module) if whole else tuple(batch.module[lo:hi])
+        parents = batch.parent if whole else batch.parent[lo:hi]
+        if parents[0] == -1 and parents.count(-1) == 1:
+            roots: tuple[int, ...] = _FIRST  # a whole forward: its outermost call
+        else:
+            roots = tuple(position for position, parent in enumerate(parents) if parent < 0)
+        waiting = self._waiting.get((sequence, roots))
         if waiting is None:
             if len(set(sequence)) < len(sequence):
                 self._fold()
                 self._add_repeated(batch)
                 return
-            waiting = self._waiting[sequence] = (batch.modules, [])
-        durations = list(map(sub, batch.end_ns[lo:hi], batch.start_ns[lo:hi]))
+            waiting = self._waiting[sequence, roots] = (batch.modules, [])
+        durations = batch.durations
+        if durations is None:  # columns resolved without the compiled module
+            durations = array("q", map(sub, batch.end_ns[lo:hi], batch.start_ns[lo:hi])).tobytes()
+        elif not whole:
+            durations = durations[lo * _INT64 : hi * _INT64]
         waiting[1].append(durations)
         self._waiting_rows += 1
-        self._root_ns += sum(d for d, parent in zip(durations, batch.parent[lo:hi]) if parent < 0)
 
     def _fold(self) -> None:
         """Adds the durations that wait to their layers: per module sequence, its rows transposed."""
         layers = self._layers
-        for sequence, (info_of, rows) in self._waiting.items():
-            for module, durations in zip(sequence, zip(*rows)):
+        for (sequence, roots), (info_of, rows) in self._waiting.items():
+            durations = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(len(rows), len(sequence))
+            self._root_ns += int(durations[:, list(roots)].sum())
+            for module, total, column in zip(sequence, durations.sum(axis=0).tolist(), durations.T.copy()):
                 info = info_of[module]
                 name = info.path or info.type_name
                 layer = layers.get(name) or self._layer(name, info.type_name)
-                total = sum(durations)
-                layer.calls += len(durations)
+                layer.calls += len(rows)
                 layer.sum_ns += total
                 layer.total_ns += total  # no call nested in one of the same module: each counts
-                layer.keep_all(durations)
+                layer.keep_all(column)
         self._waiting.clear()
         self._waiting_rows = 0
 
