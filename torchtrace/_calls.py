@@ -164,7 +164,7 @@ class CallBatch(Sequence[ModuleCall]):
     def set_flat_attributes(self, counts: tuple, keys: tuple, values: tuple) -> None:
         """Every call's attributes as ``flat_attributes()`` gives them (each call has some): the dicts are made
         only if ``attributes`` is read."""
-        self._flat[0] = (counts, keys, untracked(values))
+        self._flat[0] = (counts, keys, values)
         self._attributes[0] = None
 
     def every_call_attributed(self) -> bool:
@@ -251,7 +251,7 @@ class CallBatch(Sequence[ModuleCall]):
             flat = self._flat[0] = (
                 interned(tuple(map(len, attributes))),
                 interned(tuple(chain.from_iterable(attributes))),
-                untracked(tuple(chain.from_iterable(map(dict.values, attributes)))),
+                tuple(chain.from_iterable(map(dict.values, attributes))),
             )
         return flat
 

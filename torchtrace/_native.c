@@ -212,7 +212,8 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
         Py_ssize_t n = PyTuple_GET_SIZE(t), i;
         for (i = 0; i < n; i++) {
             PyObject *item = PyTuple_GET_ITEM(t, i);
-            if (PyObject_IS_GC(item) && (!PyTuple_CheckExact(item) || PyObject_GC_IsTracked(item))) break;
+            /* the type's flag, not PyObject_IS_GC: a call per item, and a type object counts as one that could be */
+            if (PyType_IS_GC(Py_TYPE(item)) && (!PyTuple_CheckExact(item) || PyObject_GC_IsTracked(item))) break;
         }
         if (i == n) PyObject_GC_UnTrack(t);
     }
