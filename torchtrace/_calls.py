@@ -175,7 +175,9 @@ class CallBatch(Sequence[ModuleCall]):
     def any_call_attributed(self, hi: int) -> bool:
         """Whether any of the first ``hi`` calls has attributes of its own, without making them."""
         column = self._attributes[0]
-        return hi > 0 if column is None else any(column[:hi])
+        if column is None:
+            return hi > 0
+        return column.count(None) < hi if hi == len(column) else any(column[:hi])
 
     @property
     def made(self) -> bool:

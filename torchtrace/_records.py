@@ -1,11 +1,12 @@
 """Sink: the in-memory records API (spikingjelly monitor style), bounded: it keeps statistics, not tensors.
 
 Records live long (the latest ``max_records`` calls), so they are kept in a form Python's garbage collector stops
-tracking: one flat tuple of atomic values (the fields, the interned attribute keys, the attribute values) is
-untracked by the first young collections it survives, where a ``ModuleCall`` and its attribute dict stay tracked
-(a tuple holding a tuple, such as a shape, goes one collection after it: hence flat). Tracked records would be
-promoted to the oldest generation by the thousand per second and trigger a full collection of the whole heap every
-second or two (hundreds of milliseconds each in a torch process). ``ModuleCall`` objects are rebuilt on reading.
+tracking: tuples of atomic values (the fields, the interned attribute keys, the attribute values), untracked as they
+are made where the compiled module is built (``untracked``), else by the first young collections they survive (a
+tuple holding a tuple goes one collection after it), where a ``ModuleCall`` and its attribute dict stay tracked.
+Tracked records would be promoted to the oldest generation by the thousand per second and trigger a full collection
+of the whole heap every second or two (hundreds of milliseconds each in a torch process). ``ModuleCall`` objects are
+rebuilt on reading.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ def unpack(packed: tuple) -> ModuleCall:
 class RecordStore:
     """The latest ``max_records`` calls, in call order (oldest dropped first).
 
-    A whole forward with no error, user value or capture is kept as one flat tuple of its columns and its calls'
-    attribute keys and values (packed in C); any other call as its own packed tuple. Both are untracked by the
-    garbage collector; ``ModuleCall`` objects are made when the records are read.
+    A whole forward with no error, user value or capture is kept as one tuple of its columns and its calls'
+    attribute keys and values (tuples themselves: the values the worker made, shared); any other call as its own
+    packed tuple. Both are untracked by the garbage collector; ``ModuleCall`` objects are made when the records are
+    read.
     """
 
     def __init__(self, max_records: int, on_drop: Callable[[ModuleCall], None] | None = None) -> None:
@@ -103,17 +105,20 @@ class RecordStore:
             self._drop_oldest(self._count - self.max_records)
 
     def _pack_forward(self, batch: CallBatch) -> tuple:
-        """A forward's calls as one flat tuple: its columns, then (when a call has attributes) the number of
-        attributes of each call, all their keys (interned: forwards of one model repeat them) and all their values."""
+        """A forward's calls as one tuple: its fields, its columns (a tuple each), then (when a call has attributes)
+        the number of attributes of each call, all their keys (interned: forwards of one model repeat them) and all
+        their values (the tuple the worker made: a flat copy of it cost ~10 us a forward of 129 calls)."""
         self._modules.setdefault(id(batch.modules), batch.modules)
         hi = batch.hi
-        columns = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id,
-                   *batch.module[:hi], *batch.depth[:hi], *batch.parent[:hi], *batch.start_ns[:hi],
-                   *batch.end_ns[:hi], *batch.span_id[:hi])  # fmt: skip
+        whole = hi == len(batch.module)
+        head = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id)
+        columns = [untracked(tuple(column if whole else column[:hi])) for column in
+                   (batch.module, batch.depth, batch.parent, batch.start_ns, batch.end_ns, batch.span_id)]  # fmt: skip
         if not batch.any_call_attributed(hi):
-            return untracked((_FORWARD, hi, id(batch.modules), *columns))
+            return untracked((_FORWARD, hi, id(batch.modules), *head, *columns))
         counts, keys, values = batch.flat_attributes()
-        return untracked((_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *columns, counts, keys, *values))
+        return untracked((_FORWARD_WITH_ATTRIBUTES, hi, id(batch.modules), *head, *columns, counts, keys,
+                          untracked(values)))  # fmt: skip
 
     def _calls_of(self, packed: tuple) -> list[tuple]:
         """A packed forward as packed calls (a packed call as itself)."""
@@ -123,10 +128,9 @@ class RecordStore:
             return self._calls_of(packed[3])[packed[2] :]
         _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
         modules = self._modules[modules_id]
-        columns = [packed[_FORWARD_HEAD + i * n : _FORWARD_HEAD + (i + 1) * n] for i in range(6)]
+        columns = packed[_FORWARD_HEAD : _FORWARD_HEAD + 6]
         # a forward without attributes ends with its columns: no call has any
-        counts, keys = packed[_FORWARD_HEAD + 6 * n : _FORWARD_HEAD + 6 * n + 2] or ((0,) * n, ())
-        values = packed[_FORWARD_HEAD + 6 * n + 2 :]
+        counts, keys, values = packed[_FORWARD_HEAD + 6 :] or ((0,) * n, (), ())
         calls = []
         span_ids = columns[5]
         at = 0
@@ -194,7 +198,7 @@ class RecordStore:
 
 _FORWARD = 0  # first value of a packed forward (an int: a packed call starts with its path, a str)
 _FORWARD_WITH_ATTRIBUTES = 1  # the same, followed by its calls' attributes
-_FORWARD_HEAD = 8  # (kind, calls, id(modules), trace id, root parent id, remote, flags, thread id), columns
+_FORWARD_HEAD = 8  # (kind, calls, id(modules), trace id, root parent id, remote, flags, thread id), six columns
 _PARTIAL = 2  # (_PARTIAL, calls left, calls skipped, a packed forward): the rest of a forward whose first calls left
 
 
