@@ -1,10 +1,12 @@
 """Overhead of tracing a DDP training step: two identical DDP models in one torchrun job, stepped alternately.
 
-    python benchmarks/ddp.py [--ranks 2] [--steps 40]        # launches torchrun itself (gloo on CPU)
+    python benchmarks/ddp.py [--ranks 2] [--steps 40] [--exporter otlp|none]   # launches torchrun (gloo on CPU)
 
-Model A is plain DDP; model B is the same under torchtrace.instrument(backward=True, optimizer=..., stats on).
-Steps alternate A, B, A, B so machine noise hits both alike; medians per model. Rank 0 prints a table and, last,
-one JSON line: {"ddp": {"world_size", "steps", "plain_ms", "traced_ms", "x_plain", "spans_per_step"}}.
+Model A is plain DDP; model B is the same under torchtrace.instrument(backward=True, optimizer=..., stats on),
+exporting OTLP/HTTP to a local discard receiver in another process (--exporter none: records only). Each traced
+step ends with handle.flush(), so its export is inside the timed window. Steps alternate A, B, A, B so machine noise
+hits both alike; medians per model. Rank 0 prints a table and, last, one JSON line: {"ddp": {"world_size", "steps",
+"exporter", "plain_ms", "traced_ms", "x_plain", "spans_per_step", "failed_spans"}} (failed_spans: rank 0's).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def worker(steps: int) -> None:
+def worker(steps: int, exporter: str) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -40,7 +42,7 @@ def worker(steps: int) -> None:
 
     plain, plain_opt = make()
     traced, traced_opt = make()
-    handle = torchtrace.instrument(traced, exporter="none", backward=True, optimizer=traced_opt, print_summary=False)
+    handle = torchtrace.instrument(traced, exporter=exporter, backward=True, optimizer=traced_opt, print_summary=False)
     x = torch.randn(64, 256)
     times: dict[str, list[float]] = {"plain": [], "traced": []}
     for step in range(steps + 5):
@@ -56,14 +58,17 @@ def worker(steps: int) -> None:
         if step == 4:  # counted over the warm-up: the records keep only the last max_records calls
             spans = len(handle.records) / 5
     handle.remove()
+    failed = handle.failed_spans  # a failing export is cheap: its numbers would mean nothing
     if rank == 0:
         plain_ms, traced_ms = statistics.median(times["plain"]), statistics.median(times["traced"])
         print(f"DDP step, {dist.get_world_size()} ranks (gloo, CPU), {steps} steps each, interleaved")
         print(f"  plain   {plain_ms:8.3f} ms/step")
-        print(f"  traced  {traced_ms:8.3f} ms/step  ({traced_ms / plain_ms:.3f}x, ~{spans:.0f} spans per step)")
-        result = {"world_size": dist.get_world_size(), "steps": steps, "plain_ms": round(plain_ms, 3),
-                  "traced_ms": round(traced_ms, 3), "x_plain": round(traced_ms / plain_ms, 3),
-                  "spans_per_step": round(spans, 1)}  # fmt: skip
+        print(f"  traced  {traced_ms:8.3f} ms/step  ({traced_ms / plain_ms:.3f}x, ~{spans:.0f} spans per step,"
+              f" exporter {exporter}, {failed} spans failed to export)")  # fmt: skip
+        result = {"world_size": dist.get_world_size(), "steps": steps, "exporter": exporter,
+                  "plain_ms": round(plain_ms, 3), "traced_ms": round(traced_ms, 3),
+                  "x_plain": round(traced_ms / plain_ms, 3), "spans_per_step": round(spans, 1),
+                  "failed_spans": failed}  # fmt: skip
         print(json.dumps({"ddp": result}), flush=True)
     dist.destroy_process_group()
 
@@ -72,19 +77,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--exporter", choices=("otlp", "none"), default="otlp")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.steps)
+        worker(args.steps, args.exporter)
         return 0
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     )
+    if args.exporter == "none":
+        return launch(args, env)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from overhead import discard_receiver  # a receiver in its own process: it must not take the ranks' GIL
+
+    with discard_receiver("http/protobuf") as endpoint:
+        env.update(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf")
+        return launch(args, env)
+
+
+def launch(args: argparse.Namespace, env: dict[str, str]) -> int:
     with socket.socket() as probe:  # torchrun's static rendezvous needs a concrete port
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", f"--master-port={port}",
-               os.path.abspath(__file__), "--worker", f"--steps={args.steps}"]  # fmt: skip
+               os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
+               f"--exporter={args.exporter}"]  # fmt: skip
     return subprocess.call(command, env=env)
 
 

@@ -120,3 +120,12 @@ def test_serving_quick_reports_rates_and_memory() -> None:
     assert memory["rss_at_end_mib"] > 0
     assert len(memory["readings_mib"]) == 11 and memory["readings_mib"][-1] == memory["rss_at_end_mib"]
     assert isinstance(memory["trend_mib_per_million_calls"], float)
+
+
+def test_ddp_exports_every_rank_to_a_receiver_and_reports_json_last() -> None:
+    """Two gloo ranks under torchrun, the traced model exporting OTLP to the benchmark's discard receiver (the
+    issue's condition): nothing failed to export, spans were counted, both models timed."""
+    report, stdout = run_benchmark("ddp.py", "--steps", "3", timeout=300)
+    ddp = report["ddp"]
+    assert (ddp["world_size"], ddp["steps"], ddp["exporter"], ddp["failed_spans"]) == (2, 3, "otlp", 0), stdout
+    assert ddp["spans_per_step"] > 16 and ddp["plain_ms"] > 0 and ddp["traced_ms"] > 0
