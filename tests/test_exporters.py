@@ -195,7 +195,8 @@ def test_a_plain_http_endpoint_with_no_proxy_is_sent_to_through_urllib3(
 def test_requests_run_on_one_kept_thread_and_a_stalled_one_keeps_its_own(monkeypatch, otlp_http_receiver):
     """An OTLP/HTTP request runs off the caller's thread (so that the caller can stop waiting at the deadline), on a
     thread kept for the next request rather than one started per request (100-300 us each). A request that outlives
-    its deadline keeps its thread; a request to a working endpoint meanwhile gets another thread, at once."""
+    its deadline keeps its thread; a request to a working endpoint meanwhile gets another thread, at once. Once the
+    exporters are shut down, their threads end (the stalled one when its request does)."""
     configure(monkeypatch, "http/protobuf", "none")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
     threads: dict[str, list[threading.Thread]] = {"working": [], "dripping": []}
@@ -233,6 +234,11 @@ def test_requests_run_on_one_kept_thread_and_a_stalled_one_keeps_its_own(monkeyp
         dripping_server.stop()
     working.shutdown()
     dripping.shutdown()
+    served = [*threads["working"], *threads["dripping"]]
+    deadline = time.monotonic() + 5  # the dripping request ends once its peer has stopped
+    while any(thread.is_alive() for thread in served) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(thread.is_alive() for thread in served)  # closed exporters leave no thread of theirs behind
 
 
 class CountingRelay:

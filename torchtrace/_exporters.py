@@ -394,6 +394,7 @@ class _DeadlineTransport(BaseHTTPTransport):
 
     def close(self) -> None:
         self._inner.close()
+        REQUEST_THREADS.end_idle()
 
 
 def _plain_http_transport(endpoint: str) -> BaseHTTPTransport | None:

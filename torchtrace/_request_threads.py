@@ -6,7 +6,8 @@ peer does (a socket timeout bounds each read, not the request). Starting a threa
 a request waits ``IDLE_S`` for the next one instead. A thread serves one request at a time; one whose request
 outlived its caller's deadline stays with it until the peer gives up (the next request gets another thread), then
 waits for work like the others. Shared by every transport of the process; daemons, so none holds the interpreter's
-exit; at most ``MAX_IDLE`` wait at once.
+exit; at most ``MAX_IDLE`` wait at once, and none once a transport closes (the last handle removed leaves no thread
+of torchtrace's behind; a transport still open starts one at its next request).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ MAX_IDLE = 2
 class _RequestThread:
     """One kept thread and the queue of its next request (one at a time)."""
 
-    __slots__ = ("_pool", "jobs", "thread")
+    __slots__ = ("_pool", "jobs", "thread", "generation")
 
     def __init__(self, pool: RequestThreads) -> None:
         self._pool = pool
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.generation = pool.generation  # a thread of an older one (busy at end_idle) ends after its request
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None: end
         self.thread = threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True)
 
     def _serve(self) -> None:
@@ -39,6 +41,8 @@ class _RequestThread:
                 if self._pool.retire(self):
                     return
                 continue  # handed a request as it timed out: it is in the queue
+            if job is None:
+                return
             job()
             if not self._pool.release(self):
                 return
@@ -55,6 +59,7 @@ class RequestThreads:
         """A fresh, empty state: a forked child has none of its parent's threads (and may inherit the lock held)."""
         self._lock = threading.Lock()
         self._idle: list[_RequestThread] = []
+        self.generation = 0
 
     def run(self, job: Callable[[], None]) -> None:
         with self._lock:
@@ -67,7 +72,7 @@ class RequestThreads:
     def release(self, worker: _RequestThread) -> bool:
         """``worker`` finished its request: whether it is kept (False: enough wait already, it ends)."""
         with self._lock:
-            if len(self._idle) >= MAX_IDLE:
+            if len(self._idle) >= MAX_IDLE or worker.generation != self.generation:
                 return False
             self._idle.append(worker)
             return True
@@ -79,6 +84,14 @@ class RequestThreads:
                 self._idle.remove(worker)
                 return True
             return False
+
+    def end_idle(self) -> None:
+        """Ends every thread that waits for a request; one running a request ends after it."""
+        with self._lock:
+            self.generation += 1
+            idle, self._idle = self._idle, []
+        for worker in idle:
+            worker.jobs.put(None)
 
     def idle(self) -> int:
         """How many threads wait for a request."""
