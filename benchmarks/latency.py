@@ -4,7 +4,11 @@ Inference as a server runs it: one forward after another on one thread, each tim
 process (the garbage collector's state is per process: one variant's objects must not trigger another's
 collections), and the processes take turns in slices of --slice seconds (the starting variant rotates every
 round), so machine noise hits all variants alike. Before the first timed slice each process warms up for
---warmup seconds: the records fill up to max_records, the collector reaches its steady state.
+--warmup seconds (the records fill up to max_records) and then runs one full collection, as a long-running server
+has long since had: the objects made at start-up (instrument() imports torch._dynamo: ~128k) count as new to the
+collector, so the process's next full collection (100-150 ms) comes as soon as its young generations have been
+collected ten more times, whatever the process keeps afterwards, and would otherwise land in the timed slices of
+whichever variant collects most often.
 
 Variants:
   untraced          the model alone (torchtrace imported, nothing instrumented)
@@ -120,6 +124,7 @@ def child(model_name: str, variant: str, warmup_s: float) -> None:
                     return
 
     run(warmup_s, keep=False)
+    gc.collect()  # the start-up's full collection (see the docstring), for every variant
     if variant == "traced_gc_freeze":
         gc.freeze()
     print("ready", flush=True)
