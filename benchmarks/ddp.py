@@ -3,10 +3,12 @@
     python benchmarks/ddp.py [--ranks 2] [--steps 40] [--exporter otlp|none]   # launches torchrun (gloo on CPU)
 
 Model A is plain DDP; model B is the same under torchtrace.instrument(backward=True, optimizer=..., stats on),
-exporting OTLP/HTTP to a local discard receiver in another process (--exporter none: records only). Each traced
-step ends with handle.flush(), so its export is inside the timed window. Steps alternate A, B, A, B so machine noise
-hits both alike; medians per model. Rank 0 prints a table and, last, one JSON line: {"ddp": {"world_size", "steps",
-"exporter", "plain_ms", "traced_ms", "x_plain", "spans_per_step", "failed_spans"}} (failed_spans: rank 0's).
+exporting OTLP/HTTP to a local discard receiver in another process (--exporter none: records only). Steps are
+timed in blocks of 20 (fewer if --steps is smaller), the traced model's block ending with handle.flush(), so its
+export is inside the timed window (as overhead.py's 20 forwards and a flush). Blocks alternate A, B, A, B so machine
+noise hits both alike; the first block of each is warm-up; medians of the blocks' time per step. Rank 0 prints a
+table and, last, one JSON line: {"ddp": {"world_size", "steps", "exporter", "plain_ms", "traced_ms", "x_plain",
+"spans_per_step", "failed_spans"}} (failed_spans: rank 0's).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 20  # steps timed together, the traced model's flush at the end of them
 
 
 def worker(steps: int, exporter: str) -> None:
@@ -45,18 +48,21 @@ def worker(steps: int, exporter: str) -> None:
     handle = torchtrace.instrument(traced, exporter=exporter, backward=True, optimizer=traced_opt, print_summary=False)
     x = torch.randn(64, 256)
     times: dict[str, list[float]] = {"plain": [], "traced": []}
-    for step in range(steps + 5):
+    block = min(steps, BLOCK)
+    for round_index in range(1 + steps // block):  # the first block of each model: warm-up, not timed
         for name, model, optimizer in (("plain", plain, plain_opt), ("traced", traced, traced_opt)):
             dist.barrier()
             start = time.perf_counter()
-            model(x).pow(2).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            handle.flush() if name == "traced" else None  # export work inside the timed window
-            if step >= 5:  # warm-up excluded
-                times[name].append((time.perf_counter() - start) * 1e3)
-        if step == 4:  # counted over the warm-up: the records keep only the last max_records calls
-            spans = len(handle.records) / 5
+            for _ in range(block):
+                model(x).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if name == "traced":
+                handle.flush()  # export work inside the timed window, once a block (overhead.py: 20 forwards)
+            if round_index:
+                times[name].append((time.perf_counter() - start) * 1e3 / block)
+        if not round_index:  # counted over the warm-up: the records keep only the last max_records calls
+            spans = len(handle.records) / block
     handle.remove()
     failed = handle.failed_spans  # a failing export is cheap: its numbers would mean nothing
     if rank == 0:
