@@ -151,8 +151,9 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             parent_position = parents[position]
             if parent_position >= 0:
                 depth[position] = depth[parent_position] + 1
-    if _every_call_a_table_row(forward):
-        batch.set_flat_attributes(*_flat_row_attributes(forward, modules))
+    flat = _flat_row_attributes(forward, modules) if _may_be_row_calls(forward) else None
+    if flat is not None:
+        batch.set_flat_attributes(*flat)
     else:
         batch.attributes = _attributes(forward, modules)
     sparse = batch.sparse
@@ -200,22 +201,17 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     return starts, ends
 
 
-def _every_call_a_table_row(forward: RawForward) -> bool:
-    """The usual forward with statistics: every call returned one tensor whose statistics are a row of the
-    forward's table, and has nothing else (no extras)."""
-    all_stats = forward.output_stats
-    return (
-        forward.stat_table is not None
-        and not forward.extras
-        and len(all_stats) == len(forward.module)
-        and all("_row" in stats for stats in all_stats.values())
-    )
+def _may_be_row_calls(forward: RawForward) -> bool:
+    """Whether the forward may be the usual one with statistics: every call returned one tensor, and has nothing
+    else (no extras); whether each tensor's statistics are a row of the forward's table, ``_flat_row_attributes``
+    finds out."""
+    return forward.stat_table is not None and not forward.extras and len(forward.output_stats) == len(forward.module)
 
 
-def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
+def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple] | None:
     """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row (``_row_call``),
     made without a dict per call: by the compiled module where it is built (the values in one C loop, the keys
-    once per layout), else call by call."""
+    once per layout; it checks the rows itself), else call by call. None: a call's statistics are not a row."""
     all_stats, module_of = forward.output_stats, forward.module
     table = forward.stat_table
     if _row_call_values is not None:
@@ -223,6 +219,8 @@ def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> 
         if made is not None:
             values, runs = made
             return (*_row_layout(runs, table), values)
+    if not all("_row" in stats for stats in all_stats.values()):
+        return None
     table_values, width = table.values_list(), table.width
     call_keys = []
     values: list = []
