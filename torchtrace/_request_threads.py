@@ -93,11 +93,6 @@ class RequestThreads:
         for worker in idle:
             worker.jobs.put(None)
 
-    def idle(self) -> int:
-        """How many threads wait for a request."""
-        with self._lock:
-            return len(self._idle)
-
 
 REQUEST_THREADS = RequestThreads()
 if hasattr(os, "register_at_fork"):
