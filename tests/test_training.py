@@ -539,3 +539,54 @@ def test_two_models_trained_in_one_job_get_their_own_step_traces(monkeypatch):
     (g_root, g_rank), (d_root, d_rank) = steps  # rank 0 sends the root and its rank span
     assert g_root.trace_id != d_root.trace_id
     assert len({g_root.span_id, g_rank.span_id, d_root.span_id, d_rank.span_id}) == 4
+
+
+def test_a_tensor_between_two_layers_gets_one_gradient_hook_and_one_summary_for_both_spans():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    between = {}
+
+    def keep_output(module, args, output):  # registered after torchtrace's: runs once its hooks are in place
+        between["tanh"] = output
+
+    with capture_spans(model, backward=True) as captured:
+        model[1].register_forward_hook(keep_output)
+        loss = model(torch.randn(3, 4)).pow(2).sum()
+        tanh_output = between["tanh"]
+        # the Tanh made it (its backward starts there), the last Linear took it in (its backward ends there)
+        assert len(tanh_output._backward_hooks) == 1
+        tanh_output.retain_grad()
+        loss.backward()
+        captured.handle.step()
+        grad = tanh_output.grad
+        made, received = captured.span("2 backward").attributes, captured.span("1 backward").attributes
+        for statistic, expected in (
+            ("norm", float(torch.linalg.vector_norm(grad))),
+            ("mean", float(grad.mean())),
+            ("abs_max", float(grad.abs().max())),
+        ):
+            assert made[f"torchtrace.grad_input.0.{statistic}"] == pytest.approx(expected)
+            assert received[f"torchtrace.grad_output.0.{statistic}"] == made[f"torchtrace.grad_input.0.{statistic}"]
+        # one moment: the gradient's arrival ends one span and starts the other
+        assert captured.span("2 backward").end_time == captured.span("1 backward").start_time
+
+
+def test_a_tensor_taken_in_by_two_layers_ends_both_backward_spans():
+    class Fork(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.left, self.right = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.stem(x)
+            return self.left(hidden) + self.right(hidden)
+
+    torch.manual_seed(0)
+    model = Fork()
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(3, 4)).sum().backward()
+        captured.handle.step()
+        stem, left, right = (captured.span(f"{name} backward") for name in ("stem", "left", "right"))
+        # the stem's output gradient is the sum of both branches' input gradients: it arrives after both ended
+        assert left.end_time <= stem.start_time and right.end_time <= stem.start_time
+        assert "torchtrace.grad_input.0.norm" in left.attributes and "torchtrace.grad_input.0.norm" in right.attributes

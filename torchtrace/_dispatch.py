@@ -423,9 +423,10 @@ def _step_call(name: str, trace_id: int, span_id: int, parent_id: int, record: S
     )
 
 
-def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[ModuleCall]:
-    """A traced training step: its root span, its forwards, a backward span holding one span per module
-    backward (nested like the forward calls), and the optimizer step."""
+def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequence[ModuleCall]]:
+    """A traced training step as segments, in order: its root span (and its all-reduce buckets), each forward's
+    calls as columns (``resolve_forward``, no ModuleCall made), then the optimizer step and a backward span holding
+    one span per module backward (nested like the forward calls)."""
     offset = record.clock_offset_ns
     getrandbits = random.getrandbits
 
@@ -451,19 +452,20 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
     attributes = {"torchtrace.step": record.number}
     rank = record.rank
     if rank is None:
-        calls = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
+        head = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
     else:  # one root for all ranks (rank 0 sends it), each rank's step under it: Jaeger shows them side by side
         attributes["torchtrace.rank"] = rank.rank
         if comm:
             attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in comm) / 1e9
         root = record.root_span_id
-        calls = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
-        calls[0].parent_is_remote = rank.rank != 0  # the root is rank 0's span: another process, another clock
+        head = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
+        head[0].parent_is_remote = rank.rank != 0  # the root is rank 0's span: another process, another clock
         if rank.rank == 0:
             root_attributes = {"torchtrace.step": record.number, "torchtrace.world_size": rank.world_size}
-            calls.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
+            head.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
+    steps = list(head)
     for bucket, size, start, end, is_last in comm:
-        calls.append(
+        head.append(
             phase(
                 f"allreduce bucket {bucket}",
                 start + offset,
@@ -471,27 +473,22 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Modu
                 {"torchtrace.comm.bucket": bucket, "torchtrace.comm.bytes": size, "torchtrace.comm.last": is_last},
             )
         )
-    forward_of: dict[tuple[RawForward, int], ModuleCall] = {}  # (forward, position) -> its call
-    for forward in record.forwards:
-        resolved = resolve_forward(forward, modules, release=False)
-        calls.extend(resolved)
-        for position, call in enumerate(resolved):
-            forward_of[forward, position] = call
+    batches = {forward: resolve_forward(forward, modules, release=False) for forward in record.forwards}
+    tail: list[ModuleCall] = []
     if record.optimizer_ns:
         start, end = record.optimizer_ns
-        calls.append(phase("optimizer.step", start + offset, end + offset))
-    calls.extend(_backward_calls(record, forward_of, phase, on_step_clock))
-    steps = [call for call in calls if call.kind == "step"]
-    start = min(call.start_ns for call in calls)
-    end = max(call.end_ns for call in calls)
+        tail.append(phase("optimizer.step", start + offset, end + offset))
+    tail.extend(_backward_calls(record, batches, phase, on_step_clock))
+    starts = [call.start_ns for call in (*head, *tail)] + [min(batch.start_ns) for batch in batches.values() if batch]
+    ends = [call.end_ns for call in (*head, *tail)] + [max(batch.end_ns) for batch in batches.values() if batch]
     for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
-        step.start_ns, step.end_ns = min(step.start_ns, start), max(step.end_ns, end)
+        step.start_ns, step.end_ns = min(step.start_ns, *starts), max(step.end_ns, *ends)
     for forward in record.forwards:
         _release(forward)
     if record.device is not None:
         marks = [event[4] for event in record.backward_events]
         record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
-    return calls
+    return [head, *batches.values(), tail]
 
 
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
@@ -512,13 +509,13 @@ def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
 
 
 def _backward_calls(
-    record: StepRecord, forward_of: dict, phase: Any, on_step_clock: Callable[[Any, int], int]
+    record: StepRecord, batches: dict[RawForward, CallBatch], phase: Any, on_step_clock: Callable[[Any, int], int]
 ) -> list[ModuleCall]:
     offset = record.clock_offset_ns
     starts: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_output stats, user's value)
     ends: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_input stats, user's value)
     for key, event, time_ns, grads, mark, value in record.backward_events:
-        if key not in forward_of:
+        if key[0] not in batches:
             continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
         time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
         if event == BACKWARD_START:
@@ -533,29 +530,29 @@ def _backward_calls(
     backward = phase("backward", first, last)
     spans: dict[tuple, ModuleCall] = {}
     grads_of: dict[tuple, tuple[dict | None, dict | None]] = {}  # (grad_inputs made, grad_outputs received)
+    param_stats = record.param_stats
     for key in keys:
-        forward_call = forward_of[key]
+        forward, position = key
+        batch = batches[forward]
+        info = batch.modules[batch.module[position]]
         start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
         end, grad_inputs, input_value = ends.get(key) or (start, None, None)
-        attributes: dict[str, Any] = {
-            "torchtrace.module.path": forward_call.path,
-            "torchtrace.module.type": forward_call.type_name,
-        }
+        attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
         _stat_attributes(attributes, GRAD_OUTPUT_PREFIX, grad_outputs)
         _stat_attributes(attributes, GRAD_INPUT_PREFIX, grad_inputs)
-        for name, value in record.param_stats.get(key, {}).items():
+        for name, value in param_stats.get(key, {}).items():
             attributes[name] = resolve(value)["norm"] if isinstance(value, dict) else value  # dict: on a device
         spans[key] = ModuleCall(
-            forward_call.path,
-            forward_call.type_name,
-            forward_call.depth,
+            info.path,
+            info.type_name,
+            batch.depth[position],
             record.trace_id,
             random.getrandbits(64) or 1,
             backward.span_id,
             start,
             end,
             attributes,
-            thread_id=forward_call.thread_id,
+            thread_id=batch.thread_id,
             output_value=output_value,  # function_on_grad_output(grad_output)
             input_value=input_value,  # function_on_grad_input(grad_input)
             kind="backward",
@@ -704,7 +701,7 @@ class Dispatcher:
         for item in forwards:
             try:
                 if isinstance(item, StepRecord):
-                    segments.append(resolve_step(item, self.modules))
+                    segments.extend(resolve_step(item, self.modules))
                 else:
                     segments.append(resolve_forward(item, self.modules))
             except Exception:  # one unreadable forward must not take the batch (or the worker) with it

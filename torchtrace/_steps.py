@@ -8,13 +8,13 @@ these hooks on its own threads: they only append to the step's event list, never
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import random
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +123,11 @@ class StepTracker:
         self._param_stats: dict[tuple, dict[str, Any]] = {}  # float, or statistics pending on a device
         self._rows: dict[torch.device, StatRows] = {}  # the step's statistics reduced on devices
         self.timer: EventTimer | None = None  # the CUDA timer of the step's forwards, if any
+        # id(tensor) -> (weak reference to it, its _GradientHook): a tensor watched by two calls gets one hook
+        self._tensor_hooks: dict[int, tuple[weakref.ref, _GradientHook]] = {}
+        # (weak reference to the gradient, its version, its statistics): the last gradient summarised, which the
+        # next hook on the same tensor (the consumer's, after the producer's) is given again
+        self._last_gradient: tuple = (_dead_reference, 0, None)
 
     # -- called from the forward hooks (only while this step is traced and backward tracing is on) ------------
 
@@ -144,17 +149,14 @@ class StepTracker:
             self.timer = timer
         events = self.events
 
-        # One hook per output, each firing once: a leaf (a parameter, a leaf input) outlives this graph, and its
+        # One hook per tensor, each firing once: a leaf (a parameter, a leaf input) outlives this graph, and its
         # hook would fire again in a later backward (gradient accumulation, a second loss) and stretch this span.
         # The first gradient to arrive starts the span; each output's gradient is summarised under its forward
         # name, and an output that got none is called with None (or not at all) and left out.
         grad_outputs: dict[str, dict] = {}
         started: list = []  # non-empty once a gradient arrived (the span started)
-        end_handle: list = []
 
-        def received(name: str, handles: list, grad: torch.Tensor | None) -> None:
-            now = time.perf_counter_ns()
-            _remove_once(handles)
+        def received(name: str, now: int, grad: torch.Tensor | None) -> None:
             if grad is None:
                 return
             # the statistics' kernels run before the mark: they are not the module's backward
@@ -170,9 +172,7 @@ class StepTracker:
             mark = timer.mark() if timer is not None else None
             events.append((call, BACKWARD_START, now, grad_outputs, mark, value))
 
-        def finished(grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
-            now = time.perf_counter_ns()
-            _remove_once(end_handle)
+        def finished(now: int, grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
             if not started:  # its outputs got no gradient: not this module's backward, but a shared input's
                 return
             mark = timer.mark() if timer is not None else None  # before the statistics' kernels
@@ -182,26 +182,40 @@ class StepTracker:
             events.append((call, BACKWARD_END, now, stats, mark, value))
 
         for name, tensor in outputs:
-            handles: list = []
-            handles.append(tensor.register_hook(functools.partial(received, name, handles)))
-            self.hook_handles.append(handles[0])
+            self._gradient_hook(tensor).callbacks.append(functools.partial(received, name))
         sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
         # mode="all" waits for every source but refuses leaves under torch.autograd.grad: then the first leaf's
         # gradient ends the span (a layer's parameter gradients come from one node, at once)
         non_leaves = [t for t in sources if t.grad_fn is not None]
-        if sources:
-            if len(non_leaves) == 1:  # the usual layer: its input's own hook fires at the same moment, cheaper
-                handle = non_leaves[0].register_hook(finished)
-            elif non_leaves:
-                handle = register_multi_grad_hook(non_leaves, finished)
+        if len(non_leaves) == 1:
+            # the usual layer: its input is the output of the call before, whose hook fires at that same moment
+            # and is shared (one hook, one summary of the gradient)
+            self._gradient_hook(non_leaves[0]).callbacks.append(finished)
+        elif sources:
+            end = _GradientHook()
+            end.callbacks.append(finished)
+            if non_leaves:
+                handle = register_multi_grad_hook(non_leaves, end)
             else:
-                handle = register_multi_grad_hook(sources, finished, mode="any")
-            end_handle.append(handle)
+                handle = register_multi_grad_hook(sources, end, mode="any")
+            end.handles.append(handle)
             self.hook_handles.append(handle)
         if self.param_stats:
             self.parameter_owners.append((call, module))
+
+    def _gradient_hook(self, tensor: torch.Tensor) -> _GradientHook:
+        """The hook of ``tensor``'s gradient, registered at its first watcher (made once per tensor a step)."""
+        kept = self._tensor_hooks.get(id(tensor))
+        if kept is not None and kept[0]() is tensor and kept[1].handles:  # not fired yet (a later backward's)
+            return kept[1]
+        hook = _GradientHook()
+        handle = tensor.register_hook(hook)
+        hook.handles.append(handle)
+        self.hook_handles.append(handle)
+        self._tensor_hooks[id(tensor)] = (weakref.ref(tensor), hook)
+        return hook
 
     def record_comm(
         self, bucket: int, size: int, start: int, end: int, is_last: bool, marks: tuple = (None, None)
@@ -255,14 +269,22 @@ class StepTracker:
         for index, grad in enumerate(grads):
             if grad is None or not grad.numel():  # an expert that got no tokens: nothing to summarise
                 continue
-            stats: dict[str, Any] = {}
-            try:
-                stride = sampling_stride(grad.numel(), self.stats_sample, stats)
-                reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
-            except Exception as error:  # a statistic must never break the user's backward
-                stats = {"stats_error": error_text(error)}
-            summaries[names[index] if names else str(index)] = stats
+            summaries[names[index] if names else str(index)] = self._gradient_stats(grad)
         return summaries
+
+    def _gradient_stats(self, grad: torch.Tensor) -> dict[str, Any]:
+        last_reference, last_version, last_stats = self._last_gradient
+        version = grad._version
+        if last_reference() is grad and last_version == version:
+            return last_stats  # the consumer's input gradient, just summarised as its producer's output gradient
+        stats: dict[str, Any] = {}
+        try:
+            stride = sampling_stride(grad.numel(), self.stats_sample, stats)
+            reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
+        except Exception as error:  # a statistic must never break the user's backward
+            stats = {"stats_error": error_text(error)}
+        self._last_gradient = (weakref.ref(grad), version, stats)
+        return stats
 
     # -- step boundary ------------------------------------------------------------------------------------------
 
@@ -326,17 +348,40 @@ def _user_value(function: Callable[[Any], Any] | None, grads: Any, summaries: di
         return None
 
 
-def _remove_once(handles: list) -> None:
-    """Removes the hook whose handle is in ``handles``, if no other thread did already (never raises in a hook)."""
-    with contextlib.suppress(IndexError):
-        handles.pop().remove()
+class _GradientHook:
+    """A gradient hook that fires once and calls each watcher with the moment the gradient arrived: shared by the
+    calls that watch one tensor (in a chain of layers, the one that made it, whose backward starts there, and the
+    one that took it in, whose backward ends there), so a tensor costs one hook and one summary of its gradient."""
+
+    __slots__ = ("callbacks", "handles")
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[int, Any], None]] = []
+        self.handles: list = []  # its RemovableHandle, until it fires
+
+    def __call__(self, grad: Any) -> None:
+        now = time.perf_counter_ns()
+        try:
+            self.handles.pop().remove()
+        except IndexError:  # fired already (another autograd thread, or a later backward before the removal)
+            return
+        for callback in self.callbacks:
+            callback(now, grad)
+
+
+def _dead_reference() -> None:
+    return None
 
 
 def _named_outputs(output: Any) -> list[tuple[str, torch.Tensor]]:
     """The output tensors that take a gradient, by their forward names (a bare tensor is output "0")."""
+    if isinstance(output, torch.Tensor):
+        return [("0", output)] if output.requires_grad else []
     return [(name or "0", t) for name, t in find_tensors(output, limit=sys.maxsize)[0] if t.requires_grad]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor in a module's inputs or outputs, nested containers included (as the statistics see them)."""
+    if type(value) is tuple and all(isinstance(item, torch.Tensor) for item in value):  # the usual positional args
+        return list(value)
     return [tensor for _, tensor in find_tensors(value, limit=sys.maxsize)[0]]
