@@ -106,6 +106,10 @@ def test_perfetto_slices_nest_as_the_spans_do_with_the_spans_durations(traced, t
     assert len(threads) == 12  # forwards nest properly: one thread each
 
 
+def _ns(microseconds: float) -> int:
+    return round(microseconds * 1000)
+
+
 def _assert_slices_nest_as_spans(path, tmp_path, forwards: int, spans_per_forward: int) -> dict:
     spans = {span.span_id: span for span in TraceReader([path], progress=False)}
     events = _perfetto(tmp_path, path)["traceEvents"]
@@ -121,10 +125,11 @@ def _assert_slices_nest_as_spans(path, tmp_path, forwards: int, spans_per_forwar
     assert len({event["args"]["trace_id"] for event in slices}) == forwards
     for thread in threads.values():
         assert len({event["args"]["trace_id"] for event in thread}) == 1  # a trace's threads are its own
-        # the viewer's nesting: each slice's parent is the innermost earlier slice that encloses it
+        # the viewer's nesting: each slice's parent is the innermost earlier slice that encloses it; times read back
+        # as the viewer does, in whole nanoseconds (a backward span can end at the very nanosecond the next starts)
         open_slices: list[dict] = []
         for event in sorted(thread, key=lambda event: (event["ts"], -event["dur"])):
-            while open_slices and event["ts"] >= open_slices[-1]["ts"] + open_slices[-1]["dur"]:
+            while open_slices and _ns(event["ts"]) >= _ns(open_slices[-1]["ts"]) + _ns(open_slices[-1]["dur"]):
                 open_slices.pop()
             parent = spans[event["args"]["span_id"]].parent_span_id
             if open_slices:

@@ -424,9 +424,9 @@ def _step_call(name: str, trace_id: int, span_id: int, parent_id: int, record: S
 
 
 def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequence[ModuleCall]]:
-    """A traced training step as segments, in order: its root span (and its all-reduce buckets), each forward's
-    calls as columns (``resolve_forward``, no ModuleCall made), then the optimizer step and a backward span holding
-    one span per module backward (nested like the forward calls)."""
+    """A traced training step as segments: a list of its root span, its all-reduce buckets, the optimizer step and a
+    backward span holding one span per module backward (nested like the forward calls), then each forward's calls
+    as columns (``resolve_forward``, no ModuleCall made)."""
     offset = record.clock_offset_ns
     getrandbits = random.getrandbits
 
@@ -488,7 +488,8 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     if record.device is not None:
         marks = [event[4] for event in record.backward_events]
         record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
-    return [head, *batches.values(), tail]
+    # the step's own spans in one list (one encoding run), then the forwards' columns
+    return [head + tail, *batches.values()]
 
 
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:

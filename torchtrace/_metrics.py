@@ -283,7 +283,7 @@ class MetricsSink(Collector):
         """State of a path seen for the first time: its own label while under the limit, else the overflow's."""
         if self._named_modules < self.max_module_labels:
             self._named_modules += 1
-            label = call.name  # the model itself is labelled with its class name, as its span is
+            label = call.path or call.type_name  # the model itself: its class name, as its forward span's
         else:
             self._overflowed_paths += 1
             label = OVERFLOW_MODULE

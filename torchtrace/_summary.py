@@ -87,7 +87,8 @@ class SummarySink:
                 if isinstance(segment, CallBatch) and not segment.made:
                     self._add_columns(segment)
                 else:
-                    self._fold()  # the latest durations stay the latest
+                    if any(call.kind == "forward" for call in segment):
+                        self._fold()  # the latest durations stay the latest (a step's own spans: other layers)
                     self._add_calls(segment)
             if self._waiting_rows >= _FOLD_AT:
                 self._fold()
