@@ -668,6 +668,7 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(50)])
     with torchtrace.instrument(model, exporter="none") as handle:
         dispatcher = handle._dispatcher
+        handle._recorder._resolve = None  # the forwards wait unresolved, for this test to resolve
         with WORKER._condition:  # the worker holds still: the forwards wait in the buffer
             for _ in range(2):
                 model(torch.randn(1, 8))
@@ -704,6 +705,7 @@ def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per
     x = torch.randn(3, 8)
     with torchtrace.instrument(model, exporter="none") as handle:
         dispatcher = handle._dispatcher
+        handle._recorder._resolve = None  # the forward waits unresolved, for this test to resolve
         with WORKER._condition:
             model(x)
             (forward,) = dispatcher.buffer.take_all()
@@ -811,6 +813,7 @@ def test_a_forwards_times_and_depths_are_the_same_compiled_and_in_python(monkeyp
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity())), nn.Linear(4, 4))
     with torchtrace.instrument(model, exporter="none", stats=False) as handle:
         dispatcher = handle._dispatcher
+        handle._recorder._resolve = None  # the forward waits unresolved, for this test to resolve
         with WORKER._condition:
             model(torch.randn(2, 4))
             (forward,) = dispatcher.buffer.take_all()

@@ -274,3 +274,34 @@ def test_a_forked_child_does_not_export_what_the_parent_resolved(tmp_path) -> No
         for span in scope["spans"]
     ]
     assert len(span_ids) == len(set(span_ids)) == 6  # the parent's forward once, the child's once
+
+
+def test_a_cpu_forward_is_resolved_at_its_end_and_one_that_fails_there_is_left_to_the_worker():
+    from torchtrace._calls import CallBatch
+    from torchtrace._hooks import RawForward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    expected = model(x)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with _worker.WORKER._condition:  # the worker holds still: what the hooks buffered stays there
+            model(x)
+            (resolved,) = handle.buffer.take_all()
+            handle.buffer.put(resolved, len(resolved))
+        assert isinstance(resolved, CallBatch) and [call.name for call in resolved] == ["Sequential", "0", "1"]
+
+        def failing(forward, modules):
+            raise RuntimeError("cannot resolve")
+
+        handle._recorder._resolve = failing
+        with _worker.WORKER._condition:
+            assert torch.equal(model(x), expected)  # the user's forward never sees the failure
+            waiting = handle.buffer.take_all()
+            assert [type(item) for item in waiting] == [CallBatch, RawForward]
+            for item in waiting:
+                handle.buffer.put(item, len(item))
+        handle.flush()
+        assert [call.name for call in handle.records] == ["Sequential", "0", "1"] * 2
+        assert handle.records[-1].attributes["torchtrace.output.shape"] == (2, 4)
+        assert handle.sink_errors == 0

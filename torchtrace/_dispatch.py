@@ -580,7 +580,9 @@ def _backward_calls(
     return [backward, *backward_spans]
 
 
-def _device_works(item: RawForward | StepRecord) -> list:
+def _device_works(item: RawForward | StepRecord | CallBatch) -> list:
+    if isinstance(item, CallBatch):  # resolved by the hooks: nothing on a device
+        return []
     forwards = item.forwards if isinstance(item, StepRecord) else [item]
     works = [forward.device for forward in forwards if forward.device is not None]
     if isinstance(item, StepRecord) and item.device is not None:
@@ -588,11 +590,11 @@ def _device_works(item: RawForward | StepRecord) -> list:
     return works
 
 
-def _device_done(item: RawForward | StepRecord) -> bool:
+def _device_done(item: RawForward | StepRecord | CallBatch) -> bool:
     return all(work.ready() for work in _device_works(item))
 
 
-def _wait_for_device(item: RawForward | StepRecord) -> None:
+def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
     for work in _device_works(item):
         work.wait()
 
@@ -701,7 +703,9 @@ class Dispatcher:
         segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
             try:
-                if isinstance(item, StepRecord):
+                if isinstance(item, CallBatch):  # resolved by the hooks at the forward's end
+                    segments.append(item)
+                elif isinstance(item, StepRecord):
                     segments.extend(resolve_step(item, self.modules))
                 else:
                     segments.append(resolve_forward(item, self.modules))

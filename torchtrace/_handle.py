@@ -20,7 +20,7 @@ from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
 from torchtrace._config import ENV_METRICS, Options, StatFunction, _env, resolve_options
-from torchtrace._dispatch import Dispatcher, first_nonfinite
+from torchtrace._dispatch import Dispatcher, first_nonfinite, resolve_forward
 from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
@@ -50,7 +50,7 @@ class TraceHandle:
         modules = [info for _, info in selected]
         self.buffer = RecordBuffer(options.max_pending_calls)
         self._steps = _step_tracker(options, model)
-        self._recorder = HookRecorder(modules, options, self.buffer, self._steps)
+        self._recorder = HookRecorder(modules, options, self.buffer, self._steps, resolve_forward)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
