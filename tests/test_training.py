@@ -590,3 +590,25 @@ def test_a_tensor_taken_in_by_two_layers_ends_both_backward_spans():
         # the stem's output gradient is the sum of both branches' input gradients: it arrives after both ended
         assert left.end_time <= stem.start_time and right.end_time <= stem.start_time
         assert "torchtrace.grad_input.0.norm" in left.attributes and "torchtrace.grad_input.0.norm" in right.attributes
+
+
+def test_a_layers_output_is_freed_after_backward_while_its_step_is_still_open():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    kept = []
+
+    def keep_reference(module, args, output):
+        kept.append(weakref.ref(output))
+
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        model[1].register_forward_hook(keep_reference)
+        for _ in range(3):  # micro-batches accumulating into one step
+            model(torch.randn(3, 4)).sum().backward()
+        gc.collect()
+        # the step keeps its spans' hooks until it closes, not the tensors they watched
+        assert [reference() for reference in kept] == [None, None, None]
+        handle.step()
+        assert len([call for call in handle.records if call.name == "1 backward"]) == 3

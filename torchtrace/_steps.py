@@ -155,14 +155,17 @@ class StepTracker:
         # name, and an output that got none is called with None (or not at all) and left out.
         grad_outputs: dict[str, dict] = {}
         started: list = []  # non-empty once a gradient arrived (the span started)
+        # the names only: the step keeps its hooks until it closes, and a tensor held by its own hook's callbacks
+        # would outlive the backward that frees it (every micro-batch's outputs, under gradient accumulation)
+        names = [name for name, _ in outputs]
 
         def received(name: str, now: int, grad: torch.Tensor | None) -> None:
             if grad is None:
                 return
             # the statistics' kernels run before the mark: they are not the module's backward
             grad_outputs.update(self._grad_stats([grad], [name]))
-            if len(outputs) > 1:  # in the forward's order, whatever order the gradients arrived in
-                for other, _ in outputs:
+            if len(names) > 1:  # in the forward's order, whatever order the gradients arrived in
+                for other in names:
                     if other in grad_outputs:
                         grad_outputs[other] = grad_outputs.pop(other)
             if started:
