@@ -479,8 +479,9 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         start, end = record.optimizer_ns
         tail.append(phase("optimizer.step", start + offset, end + offset))
     tail.extend(_backward_calls(record, batches, phase, on_step_clock))
-    starts = [call.start_ns for call in (*head, *tail)] + [min(batch.start_ns) for batch in batches.values() if batch]
-    ends = [call.end_ns for call in (*head, *tail)] + [max(batch.end_ns) for batch in batches.values() if batch]
+    own = head + tail  # the step's own spans in one list (one encoding run), then the forwards' columns
+    starts = [call.start_ns for call in own] + [min(batch.start_ns) for batch in batches.values() if batch]
+    ends = [call.end_ns for call in own] + [max(batch.end_ns) for batch in batches.values() if batch]
     for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
         step.start_ns, step.end_ns = min(step.start_ns, *starts), max(step.end_ns, *ends)
     for forward in record.forwards:
@@ -488,8 +489,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     if record.device is not None:
         marks = [event[4] for event in record.backward_events]
         record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
-    # the step's own spans in one list (one encoding run), then the forwards' columns
-    return [head + tail, *batches.values()]
+    return [own, *batches.values()]
 
 
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
