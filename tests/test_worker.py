@@ -285,6 +285,7 @@ def test_a_cpu_forward_is_resolved_at_its_end_and_one_that_fails_there_is_left_t
     x = torch.randn(2, 4)
     expected = model(x)
     with torchtrace.instrument(model, exporter="none") as handle:
+        handle._recorder.deliver = None  # buffered for the worker, not delivered at the forward's end
         with _worker.WORKER._condition:  # the worker holds still: what the hooks buffered stays there
             model(x)
             (resolved,) = handle.buffer.take_all()
@@ -305,3 +306,80 @@ def test_a_cpu_forward_is_resolved_at_its_end_and_one_that_fails_there_is_left_t
         assert [call.name for call in handle.records] == ["Sequential", "0", "1"] * 2
         assert handle.records[-1].attributes["torchtrace.output.shape"] == (2, 4)
         assert handle.sink_errors == 0
+
+
+def test_a_cpu_forward_reaches_the_records_and_summary_at_its_end_and_the_file_at_the_next_flush(tmp_path) -> None:
+    # Records and summary are the only in-process sinks: the model's thread hands them each forward as it ends,
+    # with the worker held still; the exporter gets the forward at the next drain.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    trace_file = tmp_path / "t.jsonl"
+    with torchtrace.instrument(
+        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000
+    ) as handle:
+        with _worker.WORKER._condition:
+            model(torch.randn(2, 4))
+            model(torch.randn(2, 4))
+            assert len(handle.buffer) == 0  # nothing left for the worker
+            kept = handle._records.all()
+            assert [call.name for call in kept] == ["Sequential", "0", "1"] * 2
+            assert {row.path: row.calls for row in handle._summary.rows()} == {"Sequential": 2, "0": 2, "1": 2}
+            assert not trace_file.exists()
+        assert handle.flush() and handle.exported_spans == 6
+        spans = [span for line in trace_file.read_text().splitlines() for span in otlp_json_spans(line)]
+        assert sorted(int(span["spanId"], 16) for span in spans) == sorted(call.span_id for call in kept)
+
+
+def test_a_sink_of_your_own_keeps_every_forward_on_the_worker() -> None:
+    model, sink = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Batches()
+    with torchtrace.instrument(model, exporter="none", export_interval_ms=600_000, sinks=[sink]) as handle:
+        with _worker.WORKER._condition:  # your sink is never called on the model's thread
+            model(torch.randn(2, 4))
+            assert len(handle.buffer) == 1 and sink.calls == 0 and handle._records.all() == []
+        assert wait_until(lambda: sink.calls == 3, timeout=10)
+        assert [call.name for call in handle.records] == ["Sequential", "0", "1"]
+
+
+def test_forwards_the_exporter_cannot_take_yet_are_dropped_counted_and_still_recorded(tmp_path) -> None:
+    # The exporter's backlog is bounded by max_pending_calls like the buffer: past it a forward is dropped whole for
+    # export (counted, warned), while the records and the summary still get it.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # 3 calls a forward
+    trace_file = tmp_path / "t.jsonl"
+    options = {"max_pending_calls": 10, "export_interval_ms": 600_000, "trace_file": str(trace_file)}
+    with torchtrace.instrument(model, exporter="file", **options) as handle:
+        with _worker.WORKER._condition:
+            for _ in range(5):
+                model(torch.randn(2, 4))
+        assert handle.dropped_calls == 6  # forwards 4 and 5: 9 calls wait, 12 would not fit
+        handle.flush()
+        assert handle.exported_spans == 9 and len(handle.records) == 15
+        assert {row.path: row.calls for row in handle.summary_rows()}["Sequential"] == 5
+    assert sum(len(otlp_json_spans(line)) for line in trace_file.read_text().splitlines()) == 9
+
+
+def test_forwards_ending_on_many_threads_at_once_are_each_recorded_once() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    threads, forwards = 4, 50
+    with torchtrace.instrument(model, exporter="none", max_records=10_000) as handle:
+
+        def serve() -> None:
+            with torch.inference_mode():
+                for _ in range(forwards):
+                    model(torch.randn(2, 4))
+
+        workers = [threading.Thread(target=serve) for _ in range(threads)]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        records = handle.records
+        assert len(records) == 3 * threads * forwards
+        assert len({call.span_id for call in records}) == len(records)
+        assert {row.path: row.calls for row in handle.summary_rows()} == dict.fromkeys(
+            ["Sequential", "0", "1"], threads * forwards
+        )
+        assert handle.dropped_calls == 0 and handle.sink_errors == 0
+
+
+def otlp_json_spans(line: str) -> list[dict]:
+    return [span for resource in json.loads(line)["resourceSpans"] for scope in resource["scopeSpans"]
+            for span in scope["spans"]]  # fmt: skip

@@ -11,6 +11,7 @@ from typing import Any
 
 _logger = logging.getLogger(__name__)
 _DROP_LOG_INTERVAL_S = 20.0
+FULL = "record buffer full: export is slower than the model (raise max_pending_calls or sample)"
 
 
 class RecordBuffer:
@@ -52,9 +53,7 @@ class RecordBuffer:
                 ):
                     signal = self._signalled = True
         if not queued:
-            self.drop(
-                call_count, "record buffer full: export is slower than the model (raise max_pending_calls or sample)"
-            )
+            self.drop(call_count, FULL)
             return False
         on_backlog = self.on_backlog
         if signal and on_backlog is not None:

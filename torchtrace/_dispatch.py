@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
-from torchtrace._buffer import RecordBuffer
+from torchtrace._buffer import FULL, RecordBuffer
 from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
 from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
@@ -580,8 +580,8 @@ def _backward_calls(
     return [backward, *backward_spans]
 
 
-def _device_works(item: RawForward | StepRecord | CallBatch) -> list:
-    if isinstance(item, CallBatch):  # resolved by the hooks: nothing on a device
+def _device_works(item: RawForward | StepRecord | CallBatch | list) -> list:
+    if isinstance(item, (CallBatch, list)):  # resolved on the model's thread: nothing on a device
         return []
     forwards = item.forwards if isinstance(item, StepRecord) else [item]
     works = [forward.device for forward in forwards if forward.device is not None]
@@ -590,11 +590,11 @@ def _device_works(item: RawForward | StepRecord | CallBatch) -> list:
     return works
 
 
-def _device_done(item: RawForward | StepRecord | CallBatch) -> bool:
+def _device_done(item: RawForward | StepRecord | CallBatch | list) -> bool:
     return all(work.ready() for work in _device_works(item))
 
 
-def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
+def _wait_for_device(item: RawForward | StepRecord | CallBatch | list) -> None:
     for work in _device_works(item):
         work.wait()
 
@@ -615,6 +615,12 @@ class Dispatcher:
     ``RESOLVE_INTERVAL_S`` the worker resolves what the hooks left and hands it to the in-process ``sinks``
     (records, summary, metrics, the user's); ``exporters`` (OTLP, file, SDK spans) get the calls in batches every
     ``interval_s``, or at once on ``drain()``.
+
+    When every in-process sink is one of ``at_forward_end`` (the records and the summary: short, and safe on any
+    thread under ``_deliver_lock``), a CPU forward that the hooks resolved reaches them on the model's thread at its
+    end (``deliver_at_forward_end``) and waits there for the exporters: the worker then never runs while the model
+    does, except to export. On the worker, the same delivery slowed the model's thread by two to three times its own
+    cost (the GIL handed back and forth between the two threads; 2026-11-25, see docs/performance.md).
     """
 
     def __init__(
@@ -624,18 +630,23 @@ class Dispatcher:
         sinks: Sequence[Sink],
         interval_s: float,
         exporters: Sequence[Sink] = (),
+        at_forward_end: Sequence[Sink] = (),
     ) -> None:
         self.buffer = buffer
         self.modules = modules
         self.exporters = list(exporters)
         self.sinks = [*self.exporters, *sinks]  # every sink, exporters first
         self._in_process = list(sinks)
+        self._at_forward_end = all(any(sink is safe for safe in at_forward_end) for sink in self._in_process)
         self.interval_s = interval_s
         self.sink_errors = 0
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
+        self._deliver_lock = threading.Lock()  # the in-process sinks and what waits for the exporters
         self._waiting: list = []  # taken from the buffer, device work not yet complete
         self._unexported: list[Sequence[ModuleCall]] = []  # resolved segments, delivered in process, to export
+        self._unexported_calls = 0
+        self._behind = False  # the worker holds forwards taken from the buffer that it has not delivered yet
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
 
@@ -660,13 +671,55 @@ class Dispatcher:
     def after_fork(self) -> None:
         """In a forked child: a free lock; what was taken or resolved belongs to the parent, which exports it."""
         self._lock = threading.Lock()
+        self._deliver_lock = threading.Lock()
         self._waiting = []
         self._unexported = []
+        self._unexported_calls = 0
+        self._behind = False
         self._resolved = 0
 
     def has_unresolved(self) -> bool:
         """Whether forwards wait in the buffer (or for their device work)."""
         return bool(len(self.buffer) or self._waiting)
+
+    def deliver_at_forward_end(self, item: Any) -> bool:
+        """Called on the model's thread when a forward or a training step ends, with what it became: a forward
+        resolved to its columns, or a step to its segments (``resolve_step_here``), with nothing but spans and
+        statistics (no error, user value or capture: those take the worker, where ``on_nonfinite`` is called), goes
+        to the in-process sinks now and waits for the exporters' next drain; True then. False: it is buffered for
+        the worker."""
+        if not self._at_forward_end or self._behind or len(self.buffer):
+            return False  # what waits for the worker goes first: the sinks see forwards in the order they ended
+        if type(item) is CallBatch:
+            if item.sparse:
+                return False
+        elif type(item) is not list or any(True for _ in _errors(Calls(item))):
+            return False
+        calls = len(item) if type(item) is CallBatch else sum(map(len, item))
+        with self._deliver_lock:
+            if self._behind or len(self.buffer):  # the worker took some meanwhile: checked again, under the lock
+                return False
+            self._deliver(self._in_process, item if type(item) is CallBatch else Calls(item))
+            if not self.exporters:
+                self._resolved += calls
+            elif self._unexported_calls + calls <= self.buffer.max_calls:
+                self._unexported.append(item) if type(item) is CallBatch else self._unexported.extend(item)
+                self._unexported_calls += calls
+                self._resolved += calls
+            else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
+                self.buffer.drop(calls, FULL)
+        return True
+
+    def resolve_step_here(self, record: StepRecord) -> StepRecord | list[Sequence[ModuleCall]]:
+        """A training step with nothing on a device, resolved on the calling thread (the model's, at ``step()``):
+        its segments, which ``deliver_at_forward_end`` or the worker take as they are. With device work, or if
+        resolution fails (the worker tries again, and logs), the record itself."""
+        if not self._at_forward_end or record.device is not None or any(f.device is not None for f in record.forwards):
+            return record
+        try:
+            return resolve_step(record, self.modules)
+        except Exception:
+            return record
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the
@@ -683,13 +736,16 @@ class Dispatcher:
         """
         with self._lock:
             self._resolve(wait)
-            segments, self._unexported = self._unexported, []
+            with self._deliver_lock:
+                segments, self._unexported, self._unexported_calls = self._unexported, [], 0
+                resolved, self._resolved = self._resolved, 0
             self._deliver(self.exporters, Calls(segments))
-            resolved, self._resolved = self._resolved, 0
             return resolved
 
     def _resolve(self, wait: bool) -> None:
-        items = self._waiting + self.buffer.take_all()
+        with self._deliver_lock:  # from now until they are delivered, later forwards wait behind them
+            items = self._waiting + self.buffer.take_all()
+            self._behind = bool(items)
         ready = len(items)
         for position, item in enumerate(items):
             if wait:
@@ -699,12 +755,15 @@ class Dispatcher:
                 break
         forwards, self._waiting = items[:ready], items[ready:]
         if not forwards:
+            self._behind = bool(self._waiting)
             return
         segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
             try:
                 if isinstance(item, CallBatch):  # resolved by the hooks at the forward's end
                     segments.append(item)
+                elif isinstance(item, list):  # a step resolved at step() (resolve_step_here)
+                    segments.extend(item)
                 elif isinstance(item, StepRecord):
                     segments.extend(resolve_step(item, self.modules))
                 else:
@@ -717,10 +776,13 @@ class Dispatcher:
             for error in _errors(calls):
                 if isinstance(error, NonFiniteError):
                     self._notify_nonfinite(error)
-        self._deliver(self._in_process, calls)
-        if self.exporters:
-            self._unexported.extend(calls.segments)
-        self._resolved += len(calls)
+        with self._deliver_lock:
+            self._deliver(self._in_process, calls)
+            if self.exporters:
+                self._unexported.extend(calls.segments)
+                self._unexported_calls += len(calls)
+            self._resolved += len(calls)
+            self._behind = bool(self._waiting)
 
     def _deliver(self, sinks: list[Sink], calls: Sequence[ModuleCall]) -> None:
         if not calls:

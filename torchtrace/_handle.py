@@ -76,7 +76,10 @@ class TraceHandle:
         export_sinks = self._export_sinks
         batched = export_sinks if self.exporter in ("otlp", "file") else []
         sinks = [*(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks, *options.sinks]
-        self._dispatcher = Dispatcher(self.buffer, modules, sinks, options.export_interval_ms / 1000, batched)
+        self._dispatcher = Dispatcher(
+            self.buffer, modules, sinks, options.export_interval_ms / 1000, batched, (self._records, self._summary)
+        )
+        self._recorder.deliver = self._dispatcher.deliver_at_forward_end
         if callable(options.on_nonfinite):
             self._dispatcher.on_nonfinite = options.on_nonfinite
         if is_ddp(model):
@@ -244,7 +247,9 @@ class TraceHandle:
         if record is not None:
             # module spans, forward and backward (two grad events each): the step and phase spans are not counted
             calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
-            self.buffer.put(record, calls)
+            item = self._dispatcher.resolve_step_here(record)
+            if not self._dispatcher.deliver_at_forward_end(item):
+                self.buffer.put(item, calls)
 
     def __enter__(self) -> TraceHandle:
         return self

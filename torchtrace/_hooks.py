@@ -149,6 +149,8 @@ class HookRecorder:
         # other core and the GIL handed over and back, the same work cost several times as much (cheap model with
         # statistics: ~1 us a call more in all, 2026-11-25). None: the worker resolves it.
         self._resolve = resolve
+        # called with what a forward became at its end; True: it was delivered there (see Dispatcher), else buffered
+        self.deliver: Callable[[Any], bool] | None = None
         self.enabled = True
         self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
         self.summarise = bool(options.stats or options.extra_stats)
@@ -448,7 +450,9 @@ class HookRecorder:
                 steps.forwards.append(forward)
                 steps.pending_calls += calls
         else:
-            self.buffer.put(self._resolved(forward), calls)
+            item = self._resolved(forward)
+            if self.deliver is None or not self.deliver(item):
+                self.buffer.put(item, calls)
 
     def _resolved(self, forward: RawForward) -> Any:
         if self._resolve is None or forward.device is not None:
