@@ -580,8 +580,8 @@ def _backward_calls(
     return [backward, *backward_spans]
 
 
-def _device_works(item: RawForward | StepRecord | CallBatch | list) -> list:
-    if isinstance(item, (CallBatch, list)):  # resolved on the model's thread: nothing on a device
+def _device_works(item: RawForward | StepRecord | CallBatch) -> list:
+    if isinstance(item, CallBatch):  # resolved by the hooks: nothing on a device
         return []
     forwards = item.forwards if isinstance(item, StepRecord) else [item]
     works = [forward.device for forward in forwards if forward.device is not None]
@@ -590,11 +590,11 @@ def _device_works(item: RawForward | StepRecord | CallBatch | list) -> list:
     return works
 
 
-def _device_done(item: RawForward | StepRecord | CallBatch | list) -> bool:
+def _device_done(item: RawForward | StepRecord | CallBatch) -> bool:
     return all(work.ready() for work in _device_works(item))
 
 
-def _wait_for_device(item: RawForward | StepRecord | CallBatch | list) -> None:
+def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
     for work in _device_works(item):
         work.wait()
 
@@ -683,43 +683,28 @@ class Dispatcher:
         return bool(len(self.buffer) or self._waiting)
 
     def deliver_at_forward_end(self, item: Any) -> bool:
-        """Called on the model's thread when a forward or a training step ends, with what it became: a forward
-        resolved to its columns, or a step to its segments (``resolve_step_here``), with nothing but spans and
-        statistics (no error, user value or capture: those take the worker, where ``on_nonfinite`` is called), goes
-        to the in-process sinks now and waits for the exporters' next drain; True then. False: it is buffered for
-        the worker."""
+        """Called by the hooks on the model's thread when a forward ends, with what it became: a forward resolved
+        to its columns, with nothing but spans and statistics (no error, user value or capture: those take the
+        worker, where ``on_nonfinite`` is called), goes to the in-process sinks now and waits for the exporters'
+        next drain; True then. False: the hooks buffer it for the worker."""
         if not self._at_forward_end or self._behind or len(self.buffer):
             return False  # what waits for the worker goes first: the sinks see forwards in the order they ended
-        if type(item) is CallBatch:
-            if item.sparse:
-                return False
-        elif type(item) is not list or any(True for _ in _errors(Calls(item))):
+        if type(item) is not CallBatch or item.sparse:
             return False
-        calls = len(item) if type(item) is CallBatch else sum(map(len, item))
+        calls = len(item)
         with self._deliver_lock:
             if self._behind or len(self.buffer):  # the worker took some meanwhile: checked again, under the lock
                 return False
-            self._deliver(self._in_process, item if type(item) is CallBatch else Calls(item))
+            self._deliver(self._in_process, item)
             if not self.exporters:
                 self._resolved += calls
             elif self._unexported_calls + calls <= self.buffer.max_calls:
-                self._unexported.append(item) if type(item) is CallBatch else self._unexported.extend(item)
+                self._unexported.append(item)
                 self._unexported_calls += calls
                 self._resolved += calls
             else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
                 self.buffer.drop(calls, FULL)
         return True
-
-    def resolve_step_here(self, record: StepRecord) -> StepRecord | list[Sequence[ModuleCall]]:
-        """A training step with nothing on a device, resolved on the calling thread (the model's, at ``step()``):
-        its segments, which ``deliver_at_forward_end`` or the worker take as they are. With device work, or if
-        resolution fails (the worker tries again, and logs), the record itself."""
-        if not self._at_forward_end or record.device is not None or any(f.device is not None for f in record.forwards):
-            return record
-        try:
-            return resolve_step(record, self.modules)
-        except Exception:
-            return record
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the
@@ -762,8 +747,6 @@ class Dispatcher:
             try:
                 if isinstance(item, CallBatch):  # resolved by the hooks at the forward's end
                     segments.append(item)
-                elif isinstance(item, list):  # a step resolved at step() (resolve_step_here)
-                    segments.extend(item)
                 elif isinstance(item, StepRecord):
                     segments.extend(resolve_step(item, self.modules))
                 else:

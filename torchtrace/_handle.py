@@ -247,9 +247,7 @@ class TraceHandle:
         if record is not None:
             # module spans, forward and backward (two grad events each): the step and phase spans are not counted
             calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
-            item = self._dispatcher.resolve_step_here(record)
-            if not self._dispatcher.deliver_at_forward_end(item):
-                self.buffer.put(item, calls)
+            self.buffer.put(record, calls)
 
     def __enter__(self) -> TraceHandle:
         return self
