@@ -400,7 +400,10 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
     "trace_file_max_mb": ("Export", "rotate the trace file past this many MiB (a number; 0: never)"),
     "trace_file_backups": ("Export", "rotated files kept: `traces.jsonl.1` (newest) ... `.5`"),
     "export_interval_ms": ("Export", "how often the worker sends OTLP / file batches"),
-    "max_pending_calls": ("Export", "buffered calls before whole forwards are dropped (counted, logged)"),
+    "max_pending_calls": (
+        "Export",
+        "calls waiting for the worker or the exporter before whole forwards are dropped (counted, logged)",
+    ),
     "print_summary": (
         "Export",
         "print the per-layer table at `remove()` / exit (`None`: with the embedded file default)",
