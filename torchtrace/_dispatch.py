@@ -617,7 +617,7 @@ class Dispatcher:
     ``interval_s``, or at once on ``drain()``.
 
     When every in-process sink is one of ``at_forward_end`` (the records and the summary: short, and safe on any
-    thread under ``_deliver_lock``), a CPU forward that the hooks resolved reaches them on the model's thread at its
+    thread under ``deliver_lock``), a CPU forward that the hooks resolved reaches them on the model's thread at its
     end (``deliver_at_forward_end``) and waits there for the exporters: the worker then never runs while the model
     does, except to export. On the worker, the same delivery slowed the model's thread by two to three times its own
     cost (the GIL handed back and forth between the two threads; 2026-11-25, see docs/performance.md).
@@ -642,7 +642,7 @@ class Dispatcher:
         self.sink_errors = 0
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
-        self._deliver_lock = threading.Lock()  # the in-process sinks and what waits for the exporters
+        self.deliver_lock = threading.Lock()  # held while the in-process sinks and the exporters' backlog change
         self._waiting: list = []  # taken from the buffer, device work not yet complete
         self._unexported: list[Sequence[ModuleCall]] = []  # resolved segments, delivered in process, to export
         self._unexported_calls = 0
@@ -671,7 +671,7 @@ class Dispatcher:
     def after_fork(self) -> None:
         """In a forked child: a free lock; what was taken or resolved belongs to the parent, which exports it."""
         self._lock = threading.Lock()
-        self._deliver_lock = threading.Lock()
+        self.deliver_lock = threading.Lock()
         self._waiting = []
         self._unexported = []
         self._unexported_calls = 0
@@ -692,7 +692,7 @@ class Dispatcher:
         if type(item) is not CallBatch or item.sparse:
             return False
         calls = len(item)
-        with self._deliver_lock:
+        with self.deliver_lock:
             if self._behind or len(self.buffer):  # the worker took some meanwhile: checked again, under the lock
                 return False
             self._deliver(self._in_process, item)
@@ -721,16 +721,22 @@ class Dispatcher:
         """
         with self._lock:
             self._resolve(wait)
-            with self._deliver_lock:
+            with self.deliver_lock:
                 segments, self._unexported, self._unexported_calls = self._unexported, [], 0
                 resolved, self._resolved = self._resolved, 0
             self._deliver(self.exporters, Calls(segments))
             return resolved
 
     def _resolve(self, wait: bool) -> None:
-        with self._deliver_lock:  # from now until they are delivered, later forwards wait behind them
+        with self.deliver_lock:  # from now until they are delivered, later forwards wait behind them
             items = self._waiting + self.buffer.take_all()
             self._behind = bool(items)
+        try:
+            self._resolve_taken(items, wait)
+        finally:  # whatever happened to them: forwards wait behind those still waiting only
+            self._behind = bool(self._waiting)
+
+    def _resolve_taken(self, items: list, wait: bool) -> None:
         ready = len(items)
         for position, item in enumerate(items):
             if wait:
@@ -740,7 +746,6 @@ class Dispatcher:
                 break
         forwards, self._waiting = items[:ready], items[ready:]
         if not forwards:
-            self._behind = bool(self._waiting)
             return
         segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
@@ -759,7 +764,7 @@ class Dispatcher:
             for error in _errors(calls):
                 if isinstance(error, NonFiniteError):
                     self._notify_nonfinite(error)
-        with self._deliver_lock:
+        with self.deliver_lock:
             self._deliver(self._in_process, calls)
             if self.exporters:
                 self._unexported.extend(calls.segments)

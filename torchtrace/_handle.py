@@ -295,8 +295,9 @@ class TraceHandle:
 
     def clear_recorded_data(self) -> None:
         self._dispatcher.drain()
-        self._records.clear()
-        self._summary.clear()
+        with self._dispatcher.deliver_lock:  # a forward ending on another thread may be handing them its calls
+            self._records.clear()
+            self._summary.clear()
         self._recorder.captured_bytes = 0
 
     def summary(self, limit: int | None = None) -> str:
