@@ -266,13 +266,7 @@ def test_a_forked_child_does_not_export_what_the_parent_resolved(tmp_path) -> No
         while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert done[0] and os.waitstatus_to_exitcode(done[1]) == 0
-    span_ids = [
-        span["spanId"]
-        for line in trace_file.read_text().splitlines()
-        for resource in json.loads(line)["resourceSpans"]
-        for scope in resource["scopeSpans"]
-        for span in scope["spans"]
-    ]
+    span_ids = [span["spanId"] for line in trace_file.read_text().splitlines() for span in otlp_json_spans(line)]
     assert len(span_ids) == len(set(span_ids)) == 6  # the parent's forward once, the child's once
 
 

@@ -687,13 +687,11 @@ class Dispatcher:
         to its columns, with nothing but spans and statistics (no error, user value or capture: those take the
         worker, where ``on_nonfinite`` is called), goes to the in-process sinks now and waits for the exporters'
         next drain; True then. False: the hooks buffer it for the worker."""
-        if not self._at_forward_end or self._behind or len(self.buffer):
-            return False  # what waits for the worker goes first: the sinks see forwards in the order they ended
-        if type(item) is not CallBatch or item.sparse:
+        if not self._at_forward_end or type(item) is not CallBatch or item.sparse:
             return False
         calls = len(item)
         with self.deliver_lock:
-            if self._behind or len(self.buffer):  # the worker took some meanwhile: checked again, under the lock
+            if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
                 return False
             self._deliver(self._in_process, item)
             if not self.exporters:
@@ -770,7 +768,6 @@ class Dispatcher:
                 self._unexported.extend(calls.segments)
                 self._unexported_calls += len(calls)
             self._resolved += len(calls)
-            self._behind = bool(self._waiting)
 
     def _deliver(self, sinks: list[Sink], calls: Sequence[ModuleCall]) -> None:
         if not calls:
