@@ -279,3 +279,36 @@ def test_a_stop_is_bounded_when_the_flush_cannot_finish(monkeypatch: pytest.Monk
     _signals._flush_all(0.3)
     assert time.monotonic() - started < 2
     stuck.set()
+
+
+def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they_have_it(tmp_path: Path) -> None:
+    # The flush at SIGTERM runs on a thread of its own and needs the lock that the records and the summary take a
+    # forward under, on the model's thread, at its end: a signal landing there is handled as soon as they have it,
+    # not after the flush waited out its deadline (5 s) with every span lost.
+    trace_file = tmp_path / "t.jsonl"
+    lines_when_handled: list[int] = []
+
+    def application_handler(signum, frame) -> None:
+        lines_when_handled.append(len(trace_file.read_text().splitlines()) if trace_file.exists() else 0)
+
+    before = signal.signal(signal.SIGTERM, application_handler)
+    try:
+        model = _model()
+        options = {"trace_file": str(trace_file), "export_interval_ms": 600_000}
+        with torchtrace.instrument(model, exporter="file", **options) as handle:
+            dispatcher = handle._dispatcher
+            records = dispatcher._in_process[0]
+
+            def records_interrupted(calls) -> None:
+                records(calls)
+                os.kill(os.getpid(), signal.SIGTERM)  # Python handles it at its next step: still inside
+
+            dispatcher._in_process[0] = records_interrupted
+            started = time.monotonic()
+            model(torch.ones(1, 4))
+            assert time.monotonic() - started < 2
+            assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
+            assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
+            assert len(handle.records) == 2
+    finally:
+        signal.signal(signal.SIGTERM, before)

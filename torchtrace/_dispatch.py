@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
+from torchtrace import _signals
 from torchtrace._buffer import FULL, RecordBuffer
 from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
 from torchtrace._device import elapsed_ns
@@ -682,6 +683,7 @@ class Dispatcher:
         """Whether forwards wait in the buffer (or for their device work)."""
         return bool(len(self.buffer) or self._waiting)
 
+    @_signals.guarded
     def deliver_at_forward_end(self, item: Any) -> bool:
         """Called by the hooks on the model's thread when a forward ends, with what it became: a forward resolved
         to its columns, with nothing but spans and statistics (no error, user value or capture: those take the
@@ -690,19 +692,23 @@ class Dispatcher:
         if not self._at_forward_end or type(item) is not CallBatch or item.sparse:
             return False
         calls = len(item)
-        with self.deliver_lock:
-            if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
-                return False
-            self._deliver(self._in_process, item)
-            if not self.exporters:
-                self._resolved += calls
-            elif self._unexported_calls + calls <= self.buffer.max_calls:
-                self._unexported.append(item)
-                self._unexported_calls += calls
-                self._resolved += calls
-            else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
-                self.buffer.drop(calls, FULL)
-        return True
+        try:
+            with self.deliver_lock:
+                if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
+                    return False
+                self._deliver(self._in_process, item)
+                if not self.exporters:
+                    self._resolved += calls
+                elif self._unexported_calls + calls <= self.buffer.max_calls:
+                    self._unexported.append(item)
+                    self._unexported_calls += calls
+                    self._resolved += calls
+                else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
+                    self.buffer.drop(calls, FULL)
+            return True
+        finally:  # a SIGTERM that landed meanwhile: its flush needs the lock, handled now that it is free
+            if _signals.pending is not None:
+                _signals.run_pending()
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the

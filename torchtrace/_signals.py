@@ -9,6 +9,10 @@ exit status is the signal's. A SIGTERM the application ignores stays ignored (no
 
 ``signal.signal`` works only on the main thread: holders taken elsewhere install nothing (their spans are
 delivered at exit as before, or lost to the signal as before).
+
+A SIGTERM that lands while the main thread runs a ``guarded`` function (one that holds a lock the flush needs: the
+records and the summary taking a forward at its end) is handled when that function ends (``run_pending``): the
+flush, on its own thread, would otherwise wait for that lock until its deadline, and lose every span.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "hold", "release"]
+__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "guarded", "hold", "release", "run_pending"]
 
 _logger = logging.getLogger(__name__)
 
@@ -30,6 +34,8 @@ SIGTERM_FLUSH_TIMEOUT_S = 5.0  # docker stop waits 10 s, Kubernetes 30 s before 
 Flush = Callable[[float], Any]  # seconds left -> flushes what it holds
 
 _holders: dict[int, Flush] = {}  # id(token) -> flush, in the order taken
+_guarded: set = set()  # code objects of the functions a SIGTERM waits for (``guarded``)
+pending: Any = None  # (signum, frame) of a SIGTERM that landed inside one, until ``run_pending``
 _previous: Any = None  # the handler that was installed before ours; None while ours is not installed
 _lock = threading.Lock()
 
@@ -89,7 +95,37 @@ def _flush_all(timeout_s: float) -> None:
         _logger.warning("torchtrace: SIGTERM: spans not delivered within %.3gs are lost", timeout_s)
 
 
+def guarded(function: Callable) -> Callable:
+    """Marks ``function``: a SIGTERM landing inside it is handled when it calls ``run_pending`` (at its end)."""
+    _guarded.add(function.__code__)
+    return function
+
+
+def run_pending() -> None:
+    """Handles the SIGTERM that landed inside a guarded function, if any (called by that function as it ends)."""
+    global pending
+    landed, pending = pending, None
+    if landed is not None:
+        _stop(*landed)
+
+
+def _inside_guarded(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code in _guarded:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global pending
+    if _inside_guarded(frame):
+        pending = (signum, frame)
+    else:
+        _stop(signum, frame)
+
+
+def _stop(signum: int, frame: Any) -> None:
     previous = _previous if _previous is not None else signal.SIG_DFL
     _flush_all(SIGTERM_FLUSH_TIMEOUT_S)
     if callable(previous):
