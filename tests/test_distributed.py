@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -119,16 +120,13 @@ class Recording:
         self.buckets.append(bucket)
 
 
-def test_the_comm_hook_records_for_the_current_handle_only(monkeypatch):
+def test_the_comm_hook_records_for_the_current_handle_only():
     from torchtrace._comm import unwatch_ddp, watch_ddp
 
     done = torch.futures.Future()
     done.set_result(torch.ones(4))
-    monkeypatch.setattr(
-        "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook", lambda state, bucket: done
-    )
     ddp, first, second = OneHookDDP(), Recording(), Recording()
-    assert watch_ddp(ddp, first)
+    assert watch_ddp(ddp, first, inner=lambda state, bucket: done)
     ddp.all_reduce()
     unwatch_ddp(ddp, first)  # first handle removed: DDP keeps the hook, which now records nothing
     ddp.all_reduce()
@@ -284,3 +282,61 @@ def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
     names = report["names"]
     assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
     assert names.count("rank 0") == 2 and names.count("train_step") == 2
+
+
+DDP_EQUALITY_JOB = r"""
+import json, os, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtrace
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def train(traced):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+    model = DistributedDataParallel(model, bucket_cap_mb=1)  # 1 MiB buckets: several all-reduces a step
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer) if traced else None
+    data = torch.Generator().manual_seed(rank)  # each rank its own batches: the average is what DDP agrees on
+    for _ in range(3):
+        model(torch.randn(8, 512, generator=data)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    names = []
+    if handle is not None:
+        handle.flush()
+        names = [call.name for call in handle.records]
+        handle.remove()
+    return [parameter.detach().clone() for parameter in model.parameters()], names
+
+
+plain, _ = train(False)
+traced, names = train(True)
+equal = all(torch.equal(a, b) for a, b in zip(plain, traced))
+buckets = sorted({name for name in names if name.startswith("allreduce bucket")})
+print("RESULT " + json.dumps({"rank": rank, "equal": equal, "buckets": buckets}), flush=True)
+os._exit(0)  # see USER_COMM_HOOK_JOB: no gloo teardown with Python future callbacks pending
+"""
+
+
+def test_tracing_a_ddp_job_leaves_its_training_bit_for_bit_unchanged(tmp_path):
+    """torchtrace's comm hook does the all-reduce and the average itself: the parameters after three steps on
+    two ranks (each with its own data) are exactly those of the same job untraced."""
+    script = tmp_path / "job.py"
+    script.write_text(DDP_EQUALITY_JOB)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+               str(script)]  # fmt: skip
+    output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    # the ranks print at once: their lines may interleave
+    results = sorted(map(json.loads, re.findall(r"RESULT (\{.*?\})", output)), key=lambda result: result["rank"])
+    assert [result["rank"] for result in results] == [0, 1], output[-3000:]
+    for result in results:
+        assert result["equal"], result
+        assert len(result["buckets"]) >= 2, result  # the all-reduces did run through the timed hook

@@ -57,7 +57,9 @@ def watch_ddp(model: torch.nn.Module, steps: Any, inner: CommHook | None = None,
         return True
     target = CommTarget(steps)
     try:
-        hook, state = timed_comm_hook(target, inner, inner_state)
+        # the default all-reduce runs over the DDP model's own group (it may be a sub-group)
+        state = inner_state if inner is not None else getattr(model, "process_group", None)
+        hook, state = timed_comm_hook(target, inner, state)
         model.register_comm_hook(state, hook)
     except (RuntimeError, ValueError) as error:  # a hook is already registered, or backward already ran
         _logger.warning("torchtrace: all-reduce spans are off for this DDP model: %s", error)
@@ -74,18 +76,24 @@ def unwatch_ddp(model: torch.nn.Module, steps: Any) -> None:
 
 
 def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any = None) -> tuple[CommHook, Any]:
-    """(hook, state) for ``ddp.register_comm_hook(state, hook)``: runs ``inner`` (default: DDP's own all-reduce,
-    then the average) and records each bucket's all-reduce in the current step."""
-    if inner is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    """(hook, state) for ``ddp.register_comm_hook(state, hook)``: runs ``inner`` (default: DDP's all-reduce, then the
+    average, over the process group ``inner_state`` or the default group) and records each bucket's all-reduce in
+    the current step.
 
-        inner, inner_state = allreduce_hook, None  # None: the default process group
+    The default is torch's ``allreduce_hook`` done here: its result and the timing then come from one callback on
+    the communication thread instead of two chained ones (each waits for the GIL there, and delays the buckets
+    queued behind it: ~35 us a callback, measured with gloo)."""
 
     def hook(state, bucket):  # noqa: ANN001 -- DDP rejects annotations other than the real classes
         timer = steps.timer  # CUDA: the step's event timer
         start = time.perf_counter_ns()
         start_mark = timer.mark() if timer is not None else None  # on the stream that produced the gradients
-        future = inner(state, bucket)
+        if inner is None:
+            group = state if state is not None else torch.distributed.group.WORLD
+            averaged = bucket.buffer().div_(group.size())
+            future = torch.distributed.all_reduce(averaged, group=group, async_op=True).get_future()
+        else:
+            future = inner(state, bucket)
         index, size, is_last = (
             bucket.index(),
             bucket.buffer().numel() * bucket.buffer().element_size(),
@@ -96,7 +104,7 @@ def timed_comm_hook(steps: Any, inner: CommHook | None = None, inner_state: Any 
             # CUDA futures run this on a stream that waits for the all-reduce kernels: the mark is their end
             end_mark = timer.mark() if timer is not None else None
             steps.record_comm(index, size, start, time.perf_counter_ns(), is_last, (start_mark, end_mark))
-            return done.value()
+            return done.value()[0] if inner is None else done.value()  # all_reduce's future holds [tensor]
 
         return future.then(finished)
 
