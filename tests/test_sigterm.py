@@ -8,6 +8,7 @@ written leaves one forward more than reported: the sinks must hold N or N + 1 wh
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -310,5 +311,39 @@ def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they
             assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
             assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
             assert len(handle.records) == 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+class _SignalledDeque(collections.deque):
+    """The record buffer's queue, sending SIGTERM as a forward is appended: while the buffer's lock is held."""
+
+    def append(self, item) -> None:  # noqa: ANN001
+        super().append(item)
+        os.kill(os.getpid(), signal.SIGTERM)  # Python handles it at its next call: still under the lock
+
+
+def test_a_sigterm_landing_while_the_buffer_queues_a_forward_is_handled_once_it_is_queued(tmp_path: Path) -> None:
+    # With a sink of the user's, forwards go through the record buffer to the worker. The model's thread holds the
+    # buffer's lock while it queues one; the flush at SIGTERM takes everything queued under that same lock.
+    trace_file = tmp_path / "t.jsonl"
+    sunk: list = []
+    lines_when_handled: list[int] = []
+
+    def application_handler(signum, frame) -> None:
+        lines_when_handled.append(len(trace_file.read_text().splitlines()) if trace_file.exists() else 0)
+
+    before = signal.signal(signal.SIGTERM, application_handler)
+    try:
+        model = _model()
+        options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "sinks": [sunk.extend]}
+        with torchtrace.instrument(model, exporter="file", **options) as handle:
+            handle.buffer._forwards = _SignalledDeque()
+            started = time.monotonic()
+            model(torch.ones(1, 4))
+            assert time.monotonic() - started < 2  # not the flush's 5 s deadline
+            assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
+            assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
+            assert sorted(call.name for call in sunk) == ["0", "Sequential"]
     finally:
         signal.signal(signal.SIGTERM, before)

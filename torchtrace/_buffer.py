@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from torchtrace import _signals
+
 _logger = logging.getLogger(__name__)
 _DROP_LOG_INTERVAL_S = 20.0
 FULL = "record buffer full: export is slower than the model (raise max_pending_calls or sample)"
@@ -38,8 +40,19 @@ class RecordBuffer:
         self._last_drop_log = 0.0
         self._lock = threading.Lock()  # once per forward: keeps the counters exact across threads
 
+    @_signals.guarded
     def put(self, forward: Any, call_count: int) -> bool:
-        """Queues one finished forward; drops it whole (counted) if the buffer is full."""
+        """Queues one finished forward; drops it whole (counted) if the buffer is full.
+
+        Guarded (``_signals``): a SIGTERM landing while the model's thread holds the lock, which the flush at
+        SIGTERM takes on a thread of its own, is handled once the forward is queued."""
+        try:
+            return self._put(forward, call_count)
+        finally:  # nothing that can take a signal after this check (Python handles signals at calls and loops)
+            if _signals.pending is not None:
+                _signals.run_pending()
+
+    def _put(self, forward: Any, call_count: int) -> bool:
         signal = False
         with self._lock:
             queued = self.pending_calls + call_count <= self.max_calls
@@ -60,16 +73,21 @@ class RecordBuffer:
             on_backlog()
         return True
 
+    @_signals.guarded
     def drop(self, call_count: int, why: str) -> None:
-        """Counts calls lost before reaching the buffer; logs at most once per 20 s."""
-        with self._lock:
-            self.dropped_calls += call_count
-        now = time.monotonic()
-        if now - self._last_drop_log > _DROP_LOG_INTERVAL_S:
-            self._last_drop_log = now
-            _logger.warning(
-                "torchtrace: %s; %d calls dropped so far, %d pending", why, self.dropped_calls, self.pending_calls
-            )
+        """Counts calls lost before reaching the buffer; logs at most once per 20 s. Guarded as ``put``."""
+        try:
+            with self._lock:
+                self.dropped_calls += call_count
+            now = time.monotonic()
+            if now - self._last_drop_log > _DROP_LOG_INTERVAL_S:
+                self._last_drop_log = now
+                _logger.warning(
+                    "torchtrace: %s; %d calls dropped so far, %d pending", why, self.dropped_calls, self.pending_calls
+                )
+        finally:  # nothing that can take a signal after this check (Python handles signals at calls and loops)
+            if _signals.pending is not None:
+                _signals.run_pending()
 
     def take_all(self) -> list:
         """Removes and returns every queued forward, oldest first."""
