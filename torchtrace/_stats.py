@@ -226,7 +226,7 @@ class StatComputer:
                     else:
                         self._copies.append(_numpy_copy(tensor.detach()))
                         self._filled.append(stats)
-                else:
+                elif not (stride == 1 and in_one_pass(tensor, self.wanted, stats)):
                     x = tensor.detach() if tensor.requires_grad else tensor
                     reduce_now(x, self.wanted, stats, stride, self._device_rows)
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
@@ -498,38 +498,64 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     """One CPU tensor, reduced at once: in one pass (``_native.reduce``) where its values are finite and contiguous,
     else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch does."""
     x = _as_real_float(tensor)
+    if in_one_pass(x, wanted, stats):
+        return
     n = x.numel()
     mean_v, squares, low_v, high_v, nonzero, nan_v, inf_v = _passes(x, n, "zero_fraction" in wanted)
-    norm_v = math.sqrt(squares)
-    std_v = math.nan if nan_v or inf_v else 0.0  # as torch.std of data with NaN or Inf; of one element: 0
-    if n > 1 and not (nan_v or inf_v) and "std" in wanted:  # gradients (GRAD_STATS) have no std: no second pass
-        # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels when the mean carries much of
-        # |x|^2: float32 sums of millions of squares are off by up to ~1e-3, which then becomes the whole variance.
-        # Where the mean carries half or more, take the exact second pass.
-        centered_square = squares - n * mean_v * mean_v
-        if not math.isfinite(centered_square) or centered_square < 0.5 * squares:
-            centered_square = float(torch.linalg.vector_norm(x - mean_v)) ** 2
-            if not math.isfinite(centered_square):  # |x| past float32's square: float64
-                centered_square = float(torch.linalg.vector_norm(x.double() - mean_v)) ** 2
-        std_v = math.sqrt(max(centered_square, 0.0) / (n - 1))
-    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, norm_v, nonzero, nan_v, inf_v)
+    std_v = math.nan if nan_v or inf_v else _std(x, n, mean_v, squares, wanted)  # as torch.std of NaN / Inf data
+    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, math.sqrt(squares), nonzero, nan_v, inf_v)
+
+
+def in_one_pass(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bool:
+    """The statistics of a plain contiguous float32 / float64 CPU tensor, from one compiled pass over its memory;
+    False (``stats`` untouched) for any other tensor, or where a value is NaN or Inf (``numeric_stats`` then).
+
+    The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double. A NaN
+    or Inf makes its sum of squares non-finite, and so does, for float32, a sum of squares past float32's range
+    (torch's float32 norm is inf there). What a hook calls first for a tensor of more than ``SMALL_TENSOR`` elements
+    (activations and gradients of a training step): no detached view, no layers of calls.
+    """
+    dtype = x.dtype
+    if not (
+        _one_pass is not None
+        and (dtype is torch.float32 or dtype is torch.float64)
+        and type(x) is torch.Tensor
+        and x.is_cpu
+        and x.is_contiguous()
+        and not (x.is_neg() or x.is_nested)
+    ):
+        return False
+    n = x.numel()
+    double = dtype is torch.float64
+    total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
+    if not squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # NaN, Inf, or float32 squares past its range
+        return False
+    mean = total / n
+    _fill(stats, wanted, n, mean, _std(x, n, mean, squares, wanted), low, high, math.sqrt(squares), nonzero, 0, 0)
+    return True
+
+
+def _std(x: torch.Tensor, n: int, mean: float, squares: float, wanted: frozenset) -> float:
+    """torch.std of finite values from their sum of squares (0 for one element; not computed unless wanted)."""
+    if n < 2 or "std" not in wanted:  # gradients (GRAD_STATS) have no std: no second pass
+        return 0.0
+    # sum((x - mean)^2) = |x|^2 - n mean^2 needs no pass over x, but cancels when the mean carries much of
+    # |x|^2: float32 sums of millions of squares are off by up to ~1e-3, which then becomes the whole variance.
+    # Where the mean carries half or more, take the exact second pass.
+    centered_square = squares - n * mean * mean
+    if not math.isfinite(centered_square) or centered_square < 0.5 * squares:
+        centered_square = float(torch.linalg.vector_norm(x.detach() - mean)) ** 2
+        if not math.isfinite(centered_square):  # |x| past float32's square: float64
+            centered_square = float(torch.linalg.vector_norm(x.detach().double() - mean)) ** 2
+    return math.sqrt(max(centered_square, 0.0) / (n - 1))
 
 
 def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, float, float, int, int, int]:
     """(mean, sum of squares, min, max, non-zero count, NaN count, Inf count) of a CPU tensor's ``n`` values (the
-    non-zero count is ``n`` unless ``count_zeros``).
-
-    The compiled pass reads contiguous float32 / float64 memory once (81 us for 1M float32 on one core, 2026-11-25),
-    adding in double. A NaN or Inf makes its sum of squares non-finite, and so does, for float32, a sum of squares
-    past float32's range (torch's float32 norm is inf there): the numpy passes then give torch's answers. Those take
-    248 us for 1M float32: torch.aminmax 21 us on 131K floats where numpy's min and max take 10; counting ``x != 0``
-    7 us where sign(x) . sign(x) takes 21 and torch's ``(x != 0).sum()`` 93; torch.std_mean is several times slower
-    still."""
-    if _one_pass is not None and type(x) is torch.Tensor and x.is_contiguous() and not (x.is_neg() or x.is_nested):
-        double = x.dtype is torch.float64
-        total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
-        if squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # False for NaN and Inf
-            return total / n, squares, low, high, nonzero, 0, 0
+    non-zero count is ``n`` unless ``count_zeros``), where ``in_one_pass`` did not take it: in numpy's passes, which
+    give torch's answers for NaN and Inf. They take 248 us for 1M float32 (the compiled pass: 81): torch.aminmax 21
+    us on 131K floats where numpy's min and max take 10; counting ``x != 0`` 7 us where sign(x) . sign(x) takes 21
+    and torch's ``(x != 0).sum()`` 93; torch.std_mean is several times slower still."""
     values = _flat_values(x)
     mean = float(x.sum()) / n  # torch's cascade sum: numpy's float32 sum is slower here
     low, high = float(values.min()), float(values.max())  # NaN if any is NaN, as torch.aminmax
