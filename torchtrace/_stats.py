@@ -520,7 +520,7 @@ def in_one_pass(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bo
         _one_pass is not None
         and (dtype is torch.float32 or dtype is torch.float64)
         and type(x) is torch.Tensor
-        and x.is_cpu
+        and not reduced_on_device(x)
         and x.is_contiguous()
         and not (x.is_neg() or x.is_nested)
     ):
