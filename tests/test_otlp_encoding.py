@@ -463,22 +463,27 @@ def test_the_compiled_slot_writers_refuse_what_does_not_fit_and_never_write_outs
 
 def test_the_compiled_span_field_writer_refuses_columns_that_do_not_fit(block_writers):
     """``put_span_fields`` writes a block-encoded forward's trace id, span and parent ids (big-endian) and times
-    (little-endian), and answers False (numpy then writes them) for columns of the wrong length, an id past 64
-    bits, a parent position outside the forward, or a slot past the buffer."""
+    (little-endian) from its native 64-bit columns, and answers False (numpy then writes them) for columns of the
+    wrong length, a column that is not native (a list), a parent position outside the forward, or a slot past the
+    buffer."""
+    from array import array
+
     import numpy as np
 
     if block_writers == "numpy-writers":
         pytest.skip("the compiled writer itself")
     from torchtrace._native import put_span_fields
 
-    def put(buf, **change):  # call 0: the root, no parent slot; call 1: its child, with one
+    def put(buf, listed=(), **change):  # call 0: the root, no parent slot; call 1: its child, with one
         columns = {"tid_at": [0, 41], "sid_at": [16, 57], "pid_at": [65], "has_pid": [False, True],
                    "start_at": [24, 73], "span_ids": [0x0102030405060708, 7], "parents": [-1, 0],
-                   "starts": [5, 6], "ends": [2**64 - 1, 9], **change}  # fmt: skip
+                   "starts": [5, 6], "ends": [-1, 9], **change}  # fmt: skip
         arrays = {key: np.array(columns[key], dtype=bool if key == "has_pid" else np.int64)
                   for key in ("tid_at", "sid_at", "pid_at", "has_pid", "start_at")}  # fmt: skip
-        return put_span_fields(buf, 0, bytes(range(16)), *arrays.values(), columns["span_ids"], columns["parents"],
-                               0x99, columns["starts"], columns["ends"])  # fmt: skip
+        native = {key: array("Q" if key == "span_ids" else "q", columns[key]) if key not in listed else columns[key]
+                  for key in ("span_ids", "starts", "ends")}  # fmt: skip
+        return put_span_fields(buf, 0, bytes(range(16)), *arrays.values(), native["span_ids"], columns["parents"],
+                               0x99, native["starts"], native["ends"])  # fmt: skip
 
     buf = bytearray(90)
     assert put(buf)
@@ -487,7 +492,7 @@ def test_the_compiled_span_field_writer_refuses_columns_that_do_not_fit(block_wr
     assert buf[65:73] == (0x0102030405060708).to_bytes(8, "big")  # the child's parent: the root's span id
     assert buf[24:32] == (5).to_bytes(8, "little") and buf[33:41] == bytes([0xFF] * 8)
     assert buf[73:81] == (6).to_bytes(8, "little") and buf[82:90] == (9).to_bytes(8, "little")
-    assert not put(bytearray(90), span_ids=[1, 2**64])  # past 64 bits
+    assert not put(bytearray(90), listed=("span_ids",))  # a list of ints, not a native column
     assert not put(bytearray(90), parents=[-1, 5])  # no such call
     assert not put(bytearray(90), starts=[5])  # a column of another length
     assert not put(bytearray(89))  # the last slot past the buffer

@@ -124,11 +124,12 @@ class CallBatch(Sequence[ModuleCall]):
                  trace_flags: int, trace_state: Any, thread_id: int) -> None:  # fmt: skip
         self.modules = modules
         self.module: list[int] = []
-        self.start_ns: list[int] = []
-        self.end_ns: list[int] = []
+        # the 64-bit columns: native arrays ("q", "Q") once resolved, read as ints item by item
+        self.start_ns: Sequence[int] = []
+        self.end_ns: Sequence[int] = []
         self.parent: list[int] = []
         self.depth: list[int] = []
-        self.span_id: list[int] = []
+        self.span_id: Sequence[int] = []
         self.sparse: dict[int, list] = {}
         self.trace_id = trace_id
         self.root_parent_id = root_parent_id

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
-import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace import _signals
@@ -143,10 +143,11 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     batch.parent = parents = forward.parent
     columns = _call_columns(starts, ends, parents, offset) if _call_columns is not None else None
     if columns is not None:
-        batch.start_ns, batch.end_ns, batch.depth, batch.durations = columns
+        start_ns, end_ns, batch.depth, batch.durations = columns
+        batch.start_ns, batch.end_ns = array("q", start_ns), array("q", end_ns)
     else:
-        batch.start_ns = [start + offset for start in starts]
-        batch.end_ns = [(start if end is None else end) + offset for start, end in zip(starts, ends)]
+        batch.start_ns = array("q", [start + offset for start in starts])
+        batch.end_ns = array("q", [(start if end is None else end) + offset for start, end in zip(starts, ends)])
         depth = batch.depth = [0] * n
         for position in range(1, n):
             parent_position = parents[position]
@@ -318,12 +319,16 @@ def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict
 _NO_SUMMARIES = (None, None, None)
 
 
-def _span_ids(n: int) -> list[int]:
-    """``n`` random non-zero 64-bit span ids, drawn at once."""
-    ids = np.frombuffer(random.randbytes(8 * n), dtype=np.uint64)
-    if not ids.all():  # one chance in 2**64 per id
-        ids = np.where(ids == 0, np.uint64(1), ids)
-    return ids.tolist()
+def _span_ids(n: int) -> array:
+    """``n`` random non-zero 64-bit span ids, drawn at once, as a column of native uint64s (no Python int each)."""
+    raw = random.randbytes(8 * n)
+    ids = array("Q", raw)
+    if raw.find(_EIGHT_ZEROS) >= 0 and 0 in ids:  # one chance in 2**64 per id
+        ids = array("Q", [span_id or 1 for span_id in ids])
+    return ids
+
+
+_EIGHT_ZEROS = bytes(8)
 
 
 def _release(forward: RawForward) -> None:

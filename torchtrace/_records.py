@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
@@ -68,6 +69,11 @@ def pack_columns(batch: CallBatch) -> Iterator[tuple]:
             yield untracked((*head, interned(tuple(attributes)), *attributes.values()))
 
 
+def _native_bytes(column: Sequence[int], code: str, hi: int) -> bytes:
+    """The first ``hi`` values of a 64-bit column as native bytes (a column made in Python may be a list)."""
+    return column[:hi].tobytes() if isinstance(column, array) else array(code, column[:hi]).tobytes()
+
+
 def unpack(packed: tuple) -> ModuleCall:
     """A new ``ModuleCall`` equal, field by field, to the one packed."""
     keys = packed[_KEYS]
@@ -113,7 +119,10 @@ class RecordStore:
         whole = hi == len(batch.module)
         head = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id)
         columns = [untracked(tuple(column if whole else column[:hi])) for column in
-                   (batch.module, batch.depth, batch.parent, batch.start_ns, batch.end_ns, batch.span_id)]  # fmt: skip
+                   (batch.module, batch.depth, batch.parent)]  # fmt: skip
+        # the 64-bit columns (times, span ids) as their bytes: no Python int per call, and untracked (an array is not)
+        columns += [_native_bytes(batch.start_ns, "q", hi), _native_bytes(batch.end_ns, "q", hi),
+                    _native_bytes(batch.span_id, "Q", hi)]  # fmt: skip
         if not batch.any_call_attributed(hi):
             return untracked((_FORWARD, hi, id(batch.modules), *head, *columns))
         counts, keys, values = batch.flat_attributes()
@@ -128,7 +137,8 @@ class RecordStore:
             return self._calls_of(packed[3])[packed[2] :]
         _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
         modules = self._modules[modules_id]
-        columns = packed[_FORWARD_HEAD : _FORWARD_HEAD + 6]
+        module, depth, parent, start_ns, end_ns, span_id = packed[_FORWARD_HEAD : _FORWARD_HEAD + 6]
+        columns = (module, depth, parent, array("q", start_ns), array("q", end_ns), array("Q", span_id))
         # a forward without attributes ends with its columns: no call has any
         counts, keys, values = packed[_FORWARD_HEAD + 6 :] or ((0,) * n, (), ())
         calls = []
