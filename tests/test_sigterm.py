@@ -9,6 +9,7 @@ written leaves one forward more than reported: the sinks must hold N or N + 1 wh
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -282,11 +284,10 @@ def test_a_stop_is_bounded_when_the_flush_cannot_finish(monkeypatch: pytest.Monk
     stuck.set()
 
 
-def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they_have_it(tmp_path: Path) -> None:
-    # The flush at SIGTERM runs on a thread of its own and needs the lock that the records and the summary take a
-    # forward under, on the model's thread, at its end: a signal landing there is handled as soon as they have it,
-    # not after the flush waited out its deadline (5 s) with every span lost.
-    trace_file = tmp_path / "t.jsonl"
+@contextlib.contextmanager
+def _application_handler(trace_file: Path) -> Iterator[list[int]]:
+    """The application's own SIGTERM handler for the test: it notes how many lines the trace file had when it ran
+    (torchtrace hands the signal on to it after its flush)."""
     lines_when_handled: list[int] = []
 
     def application_handler(signum, frame) -> None:
@@ -294,25 +295,36 @@ def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they
 
     before = signal.signal(signal.SIGTERM, application_handler)
     try:
-        model = _model()
-        options = {"trace_file": str(trace_file), "export_interval_ms": 600_000}
-        with torchtrace.instrument(model, exporter="file", **options) as handle:
-            dispatcher = handle._dispatcher
-            records = dispatcher._in_process[0]
-
-            def records_interrupted(calls) -> None:
-                records(calls)
-                os.kill(os.getpid(), signal.SIGTERM)  # Python handles it at its next step: still inside
-
-            dispatcher._in_process[0] = records_interrupted
-            started = time.monotonic()
-            model(torch.ones(1, 4))
-            assert time.monotonic() - started < 2
-            assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
-            assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
-            assert len(handle.records) == 2
+        yield lines_when_handled
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they_have_it(tmp_path: Path) -> None:
+    # The flush at SIGTERM runs on a thread of its own and needs the lock that the records and the summary take a
+    # forward under, on the model's thread, at its end: a signal landing there is handled as soon as they have it,
+    # not after the flush waited out its deadline (5 s) with every span lost.
+    trace_file = tmp_path / "t.jsonl"
+    model = _model()
+    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000}
+    with (
+        _application_handler(trace_file) as lines_when_handled,
+        torchtrace.instrument(model, exporter="file", **options) as handle,
+    ):
+        dispatcher = handle._dispatcher
+        records = dispatcher._in_process[0]
+
+        def records_interrupted(calls) -> None:
+            records(calls)
+            os.kill(os.getpid(), signal.SIGTERM)  # Python handles it at its next step: still inside
+
+        dispatcher._in_process[0] = records_interrupted
+        started = time.monotonic()
+        model(torch.ones(1, 4))
+        assert time.monotonic() - started < 2
+        assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
+        assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
+        assert len(handle.records) == 2
 
 
 class _SignalledDeque(collections.deque):
@@ -328,22 +340,16 @@ def test_a_sigterm_landing_while_the_buffer_queues_a_forward_is_handled_once_it_
     # buffer's lock while it queues one; the flush at SIGTERM takes everything queued under that same lock.
     trace_file = tmp_path / "t.jsonl"
     sunk: list = []
-    lines_when_handled: list[int] = []
-
-    def application_handler(signum, frame) -> None:
-        lines_when_handled.append(len(trace_file.read_text().splitlines()) if trace_file.exists() else 0)
-
-    before = signal.signal(signal.SIGTERM, application_handler)
-    try:
-        model = _model()
-        options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "sinks": [sunk.extend]}
-        with torchtrace.instrument(model, exporter="file", **options) as handle:
-            handle.buffer._forwards = _SignalledDeque()
-            started = time.monotonic()
-            model(torch.ones(1, 4))
-            assert time.monotonic() - started < 2  # not the flush's 5 s deadline
-            assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
-            assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
-            assert sorted(call.name for call in sunk) == ["0", "Sequential"]
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    model = _model()
+    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "sinks": [sunk.extend]}
+    with (
+        _application_handler(trace_file) as lines_when_handled,
+        torchtrace.instrument(model, exporter="file", **options) as handle,
+    ):
+        handle.buffer._forwards = _SignalledDeque()
+        started = time.monotonic()
+        model(torch.ones(1, 4))
+        assert time.monotonic() - started < 2  # not the flush's 5 s deadline
+        assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
+        assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
+        assert sorted(call.name for call in sunk) == ["0", "Sequential"]

@@ -806,8 +806,8 @@ def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
 
 def test_a_forwards_times_and_depths_are_the_same_compiled_and_in_python(monkeypatch):
     """``resolve_forward``'s epoch times (an open call ends at its start: native int64 columns) and depths come from
-    one C loop (``_native.call_columns``) or from Python: the same values; columns that do not have the forward's form (a
-    parent after its child, a time that is not an int) make the C loop step aside."""
+    one C loop (``_native.call_columns``) or from Python: the same values; columns that do not have the forward's
+    form (a parent after its child, a time that is not an int) make the C loop step aside."""
     if _dispatch._call_columns is None:
         pytest.skip("torchtrace._native is not built here")
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Sequential(nn.Identity())), nn.Linear(4, 4))

@@ -526,6 +526,8 @@ def in_one_pass(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bo
     ):
         return False
     n = x.numel()
+    if not n:
+        return False
     double = dtype is torch.float64
     total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
     if not squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # NaN, Inf, or float32 squares past its range
