@@ -353,3 +353,35 @@ def test_a_sigterm_landing_while_the_buffer_queues_a_forward_is_handled_once_it_
         assert lines_when_handled == [1]  # the flush had written the forward when the application heard of it
         assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
         assert sorted(call.name for call in sunk) == ["0", "Sequential"]
+
+
+class _SignallingClock:
+    """``time`` for the record buffer: its ``monotonic``, read while a dropped forward is counted, sends SIGTERM."""
+
+    def monotonic(self) -> float:
+        os.kill(os.getpid(), signal.SIGTERM)  # Python handles it at its next call: still inside the drop
+        return time.monotonic()
+
+
+def test_a_sigterm_landing_in_a_drop_inside_the_records_delivery_waits_for_the_outer_delivery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The export backlog is full: the second forward, delivered to the records at its end under the dispatcher's lock,
+    # is dropped for export there. A SIGTERM landing in that drop (guarded itself) must wait until the delivery has
+    # released the lock the flush needs, not be handled as the drop returns.
+    trace_file = tmp_path / "t.jsonl"
+    model = _model()
+    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "max_pending_calls": 2}
+    with (
+        _application_handler(trace_file) as lines_when_handled,
+        torchtrace.instrument(model, exporter="file", **options) as handle,
+    ):
+        model(torch.ones(1, 4))  # waits for the exporters: the backlog is full
+        monkeypatch.setattr("torchtrace._buffer.time", _SignallingClock())
+        started = time.monotonic()
+        model(torch.ones(1, 4))
+        monkeypatch.undo()
+        assert time.monotonic() - started < 2  # not the flush's 5 s deadline
+        assert lines_when_handled == [1]  # the flush had written the first forward
+        assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
+        assert handle.buffer.dropped_calls == 2 and len(handle.records) == 4

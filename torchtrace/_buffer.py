@@ -46,13 +46,6 @@ class RecordBuffer:
 
         Guarded (``_signals``): a SIGTERM landing while the model's thread holds the lock, which the flush at
         SIGTERM takes on a thread of its own, is handled once the forward is queued."""
-        try:
-            return self._put(forward, call_count)
-        finally:  # nothing that can take a signal after this check (Python handles signals at calls and loops)
-            if _signals.pending is not None:
-                _signals.run_pending()
-
-    def _put(self, forward: Any, call_count: int) -> bool:
         signal = False
         with self._lock:
             queued = self.pending_calls + call_count <= self.max_calls
@@ -76,18 +69,14 @@ class RecordBuffer:
     @_signals.guarded
     def drop(self, call_count: int, why: str) -> None:
         """Counts calls lost before reaching the buffer; logs at most once per 20 s. Guarded as ``put``."""
-        try:
-            with self._lock:
-                self.dropped_calls += call_count
-            now = time.monotonic()
-            if now - self._last_drop_log > _DROP_LOG_INTERVAL_S:
-                self._last_drop_log = now
-                _logger.warning(
-                    "torchtrace: %s; %d calls dropped so far, %d pending", why, self.dropped_calls, self.pending_calls
-                )
-        finally:  # nothing that can take a signal after this check (Python handles signals at calls and loops)
-            if _signals.pending is not None:
-                _signals.run_pending()
+        with self._lock:
+            self.dropped_calls += call_count
+        now = time.monotonic()
+        if now - self._last_drop_log > _DROP_LOG_INTERVAL_S:
+            self._last_drop_log = now
+            _logger.warning(
+                "torchtrace: %s; %d calls dropped so far, %d pending", why, self.dropped_calls, self.pending_calls
+            )
 
     def take_all(self) -> list:
         """Removes and returns every queued forward, oldest first."""

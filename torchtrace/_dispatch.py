@@ -697,23 +697,19 @@ class Dispatcher:
         if not self._at_forward_end or type(item) is not CallBatch or item.sparse:
             return False
         calls = len(item)
-        try:
-            with self.deliver_lock:
-                if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
-                    return False
-                self._deliver(self._in_process, item)
-                if not self.exporters:
-                    self._resolved += calls
-                elif self._unexported_calls + calls <= self.buffer.max_calls:
-                    self._unexported.append(item)
-                    self._unexported_calls += calls
-                    self._resolved += calls
-                else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
-                    self.buffer.drop(calls, FULL)
-            return True
-        finally:  # a SIGTERM that landed meanwhile: its flush needs the lock, handled now that it is free
-            if _signals.pending is not None:
-                _signals.run_pending()
+        with self.deliver_lock:  # guarded: a SIGTERM landing meanwhile (its flush needs the lock) is handled after
+            if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
+                return False
+            self._deliver(self._in_process, item)
+            if not self.exporters:
+                self._resolved += calls
+            elif self._unexported_calls + calls <= self.buffer.max_calls:
+                self._unexported.append(item)
+                self._unexported_calls += calls
+                self._resolved += calls
+            else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
+                self.buffer.drop(calls, FULL)
+        return True
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the

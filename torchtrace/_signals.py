@@ -11,21 +11,23 @@ exit status is the signal's. A SIGTERM the application ignores stays ignored (no
 delivered at exit as before, or lost to the signal as before).
 
 A SIGTERM that lands while the main thread runs a ``guarded`` function (one that holds a lock the flush needs: the
-records and the summary taking a forward at its end) is handled when that function ends (``run_pending``): the
+records and the summary taking a forward at its end) is handled when that function returns: the
 flush, on its own thread, would otherwise wait for that lock until its deadline, and lose every span.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "guarded", "hold", "release", "run_pending"]
+__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "guarded", "hold", "release"]
 
 _logger = logging.getLogger(__name__)
 
@@ -34,7 +36,6 @@ SIGTERM_FLUSH_TIMEOUT_S = 5.0  # docker stop waits 10 s, Kubernetes 30 s before 
 Flush = Callable[[float], Any]  # seconds left -> flushes what it holds
 
 _holders: dict[int, Flush] = {}  # id(token) -> flush, in the order taken
-_guarded: set = set()  # code objects of the functions a SIGTERM waits for (``guarded``)
 pending: Any = None  # (signum, frame) of a SIGTERM that landed inside one, until ``run_pending``
 _previous: Any = None  # the handler that was installed before ours; None while ours is not installed
 _lock = threading.Lock()
@@ -96,13 +97,27 @@ def _flush_all(timeout_s: float) -> None:
 
 
 def guarded(function: Callable) -> Callable:
-    """Marks ``function``: a SIGTERM landing inside it is handled when it calls ``run_pending`` (at its end)."""
-    _guarded.add(function.__code__)
-    return function
+    """``function``, with a SIGTERM landing inside it (or in what it calls) handled as it returns or raises."""
+
+    @functools.wraps(function)
+    def guarded_call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        # Handled by the outermost guarded call on the main thread (Python runs handlers there): an inner one returns
+        # while its caller may still hold the lock. Nothing that can take a signal follows the check (Python handles
+        # signals at calls and loops).
+        finally:
+            if pending is not None and _on_main_thread() and not _inside_guarded(sys._getframe(1)):
+                _run_pending()
+
+    return guarded_call
 
 
-def run_pending() -> None:
-    """Handles the SIGTERM that landed inside a guarded function, if any (called by that function as it ends)."""
+_GUARDED_CALL = guarded(lambda: None).__code__  # the wrapper's code: every guarded call runs it
+
+
+def _run_pending() -> None:
+    """Handles the SIGTERM that landed inside a guarded function."""
     global pending
     landed, pending = pending, None
     if landed is not None:
@@ -111,7 +126,7 @@ def run_pending() -> None:
 
 def _inside_guarded(frame: Any) -> bool:
     while frame is not None:
-        if frame.f_code in _guarded:
+        if frame.f_code is _GUARDED_CALL:
             return True
         frame = frame.f_back
     return False
