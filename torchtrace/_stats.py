@@ -226,9 +226,10 @@ class StatComputer:
                     else:
                         self._copies.append(_numpy_copy(tensor.detach()))
                         self._filled.append(stats)
-                elif not (stride == 1 and in_one_pass(tensor, self.wanted, stats)):
-                    x = tensor.detach() if tensor.requires_grad else tensor
-                    reduce_now(x, self.wanted, stats, stride, self._device_rows)
+                else:
+                    if not (stride == 1 and plain_float_stats(tensor, self.wanted, stats)):
+                        x = tensor.detach() if tensor.requires_grad else tensor
+                        reduce_now(x, self.wanted, stats, stride, self._device_rows)
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
@@ -498,17 +499,13 @@ def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]
     """One CPU tensor, reduced at once: in one pass (``_native.reduce``) where its values are finite and contiguous,
     else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch does."""
     x = _as_real_float(tensor)
-    if in_one_pass(x, wanted, stats):
-        return
-    n = x.numel()
-    mean_v, squares, low_v, high_v, nonzero, nan_v, inf_v = _passes(x, n, "zero_fraction" in wanted)
-    std_v = math.nan if nan_v or inf_v else _std(x, n, mean_v, squares, wanted)  # as torch.std of NaN / Inf data
-    _fill(stats, wanted, n, mean_v, std_v, low_v, high_v, math.sqrt(squares), nonzero, nan_v, inf_v)
+    if not plain_float_stats(x, wanted, stats):
+        _numpy_stats(x, x.numel(), wanted, stats)
 
 
-def in_one_pass(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bool:
-    """The statistics of a plain contiguous float32 / float64 CPU tensor, from one compiled pass over its memory;
-    False (``stats`` untouched) for any other tensor, or where a value is NaN or Inf (``numeric_stats`` then).
+def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bool:
+    """The statistics of a plain contiguous float32 / float64 CPU tensor, from one compiled pass over its memory (or,
+    where it finds NaN or Inf, from numpy's passes); False (``stats`` untouched) for any other tensor.
 
     The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double. A NaN
     or Inf makes its sum of squares non-finite, and so does, for float32, a sum of squares past float32's range
@@ -531,10 +528,18 @@ def in_one_pass(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bo
     double = dtype is torch.float64
     total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
     if not squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # NaN, Inf, or float32 squares past its range
-        return False
+        _numpy_stats(x.detach(), n, wanted, stats)
+        return True
     mean = total / n
     _fill(stats, wanted, n, mean, _std(x, n, mean, squares, wanted), low, high, math.sqrt(squares), nonzero, 0, 0)
     return True
+
+
+def _numpy_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """The statistics of a CPU float tensor's ``n`` values from numpy's passes (``_passes``)."""
+    mean, squares, low, high, nonzero, nan_count, inf_count = _passes(x, n, "zero_fraction" in wanted)
+    std = math.nan if nan_count or inf_count else _std(x, n, mean, squares, wanted)  # as torch.std of NaN / Inf data
+    _fill(stats, wanted, n, mean, std, low, high, math.sqrt(squares), nonzero, nan_count, inf_count)
 
 
 def _std(x: torch.Tensor, n: int, mean: float, squares: float, wanted: frozenset) -> float:
@@ -554,7 +559,7 @@ def _std(x: torch.Tensor, n: int, mean: float, squares: float, wanted: frozenset
 
 def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, float, float, int, int, int]:
     """(mean, sum of squares, min, max, non-zero count, NaN count, Inf count) of a CPU tensor's ``n`` values (the
-    non-zero count is ``n`` unless ``count_zeros``), where ``in_one_pass`` did not take it: in numpy's passes, which
+    non-zero count is ``n`` unless ``count_zeros``), where the compiled pass did not take them: in numpy's passes, which
     give torch's answers for NaN and Inf. They take 248 us for 1M float32 (the compiled pass: 81): torch.aminmax 21
     us on 131K floats where numpy's min and max take 10; counting ``x != 0`` 7 us where sign(x) . sign(x) takes 21
     and torch's ``(x != 0).sum()`` 93; torch.std_mean is several times slower still."""

@@ -28,7 +28,14 @@ from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, compl
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._hooks import FEATURE_ERROR
 from torchtrace._schedule import StepSchedule
-from torchtrace._stats import device_stats, find_tensors, in_one_pass, reduce_now, reduced_on_device, sampling_stride
+from torchtrace._stats import (
+    device_stats,
+    find_tensors,
+    plain_float_stats,
+    reduce_now,
+    reduced_on_device,
+    sampling_stride,
+)
 
 MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step
 
@@ -283,7 +290,7 @@ class StepTracker:
         stats: dict[str, Any] = {}
         try:
             stride = sampling_stride(grad.numel(), self.stats_sample, stats)
-            if not (stride == 1 and in_one_pass(grad, GRAD_STATS, stats)):
+            if not (stride == 1 and plain_float_stats(grad, GRAD_STATS, stats)):
                 reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
         except Exception as error:  # a statistic must never break the user's backward
             stats = {"stats_error": error_text(error)}
