@@ -23,7 +23,7 @@ from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish
 
 try:
     from torchtrace._native import copy as _copy
-    from torchtrace._native import reduce as _one_pass
+    from torchtrace._native import float_stats as _one_pass
     from torchtrace._native import stat_rows as _table_rows
 except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
     _one_pass = _table_rows = None
@@ -338,16 +338,21 @@ def _table_in_one_pass(values: np.ndarray, columns: tuple[str, ...]) -> np.ndarr
     double = values.dtype == np.float64
     if _table_rows is None or not (double or values.dtype == np.float32) or not values.flags.c_contiguous:
         return None
-    codes = _COLUMN_CODES.get(columns)
-    if codes is None:
-        codes = _COLUMN_CODES[columns] = bytes(_NUMERIC.index(name) for name in columns)
+    codes = _column_codes(columns)
     table = np.empty((len(values), len(columns)))
     if not _table_rows(values.ctypes.data, len(values), values.shape[1], double, codes, table.ctypes.data):
         return None
     return table
 
 
-_COLUMN_CODES: dict[tuple[str, ...], bytes] = {}  # columns -> their positions in _NUMERIC: _native.stat_rows's codes
+_COLUMN_CODES: dict[tuple[str, ...], bytes] = {}  # columns -> their positions in _NUMERIC: the compiled passes' codes
+
+
+def _column_codes(columns: tuple[str, ...]) -> bytes:
+    codes = _COLUMN_CODES.get(columns)
+    if codes is None:
+        codes = _COLUMN_CODES[columns] = bytes(_NUMERIC.index(name) for name in columns)
+    return codes
 
 
 class _Staging:
@@ -507,9 +512,10 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     """The statistics of a plain contiguous float32 / float64 CPU tensor, from one compiled pass over its memory (or,
     where it finds NaN or Inf, from numpy's passes); False (``stats`` untouched) for any other tensor.
 
-    The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double. A NaN
-    or Inf makes its sum of squares non-finite, and so does, for float32, a sum of squares past float32's range
-    (torch's float32 norm is inf there). What a hook calls first for a tensor of more than ``SMALL_TENSOR`` elements
+    The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double, and
+    writes the statistics into ``stats`` itself; the std takes its exact second pass there too where the mean carries
+    half of the sum of squares or more (as ``_std`` does). A NaN or Inf makes its sum of squares non-finite, and so
+    does, for float32, a sum of squares past float32's range (torch's float32 norm is inf there). What a hook calls first for a tensor of more than ``SMALL_TENSOR`` elements
     (activations and gradients of a training step): no detached view, no layers of calls.
     """
     dtype = x.dtype
@@ -525,14 +531,15 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     n = x.numel()
     if not n:
         return False
-    double = dtype is torch.float64
-    total, squares, low, high, nonzero = _one_pass(x.data_ptr(), n, double)
-    if not squares <= (_FLOAT64_MAX if double else _FLOAT32_MAX):  # NaN, Inf, or float32 squares past its range
-        _numpy_stats(x.detach(), n, wanted, stats)
-        return True
-    mean = total / n
-    _fill(stats, wanted, n, mean, _std(x, n, mean, squares, wanted), low, high, math.sqrt(squares), nonzero, 0, 0)
+    names = _WANTED_COLUMNS.get(wanted)
+    if names is None:
+        names = _WANTED_COLUMNS[wanted] = tuple(name for name in _NUMERIC if name in wanted)  # in _fill's order
+    if not _one_pass(x.data_ptr(), n, dtype is torch.float64, _column_codes(names), names, stats):
+        _numpy_stats(x.detach(), n, wanted, stats)  # NaN, Inf, or float32 squares past its range
     return True
+
+
+_WANTED_COLUMNS: dict[frozenset, tuple[str, ...]] = {}  # a set of wanted statistics -> their names, in _fill's order
 
 
 def _numpy_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
