@@ -515,8 +515,9 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double, and
     writes the statistics into ``stats`` itself; the std takes its exact second pass there too where the mean carries
     half of the sum of squares or more (as ``_std`` does). A NaN or Inf makes its sum of squares non-finite, and so
-    does, for float32, a sum of squares past float32's range (torch's float32 norm is inf there). What a hook calls first for a tensor of more than ``SMALL_TENSOR`` elements
-    (activations and gradients of a training step): no detached view, no layers of calls.
+    does, for float32, a sum of squares past float32's range (torch's float32 norm is inf there). What a hook calls
+    first for a tensor of more than ``SMALL_TENSOR`` elements (activations and gradients of a training step): no
+    detached view, no layers of calls.
     """
     dtype = x.dtype
     if not (
