@@ -154,46 +154,20 @@ class StepTracker:
             return
         if timer is not None:
             self.timer = timer
-        events = self.events
-
         # One hook per tensor, each firing once: a leaf (a parameter, a leaf input) outlives this graph, and its
         # hook would fire again in a later backward (gradient accumulation, a second loss) and stretch this span.
         # The first gradient to arrive starts the span; each output's gradient is summarised under its forward
         # name, and an output that got none is called with None (or not at all) and left out.
-        grad_outputs: dict[str, dict] = {}
-        started: list = []  # non-empty once a gradient arrived (the span started)
-        # the names only: the step keeps its hooks until it closes, and a tensor held by its own hook's callbacks
-        # would outlive the backward that frees it (every micro-batch's outputs, under gradient accumulation)
-        names = [name for name, _ in outputs]
-
-        def received(name: str, now: int, grad: torch.Tensor | None) -> None:
-            if grad is None:
-                return
-            # the statistics' kernels run before the mark: they are not the module's backward
-            grad_outputs.update(self._grad_stats([grad], [name]))
-            if len(names) > 1:  # in the forward's order, whatever order the gradients arrived in
-                for other in names:
-                    if other in grad_outputs:
-                        grad_outputs[other] = grad_outputs.pop(other)
-            if started:
-                return
-            value = _user_value(self.on_grad_output, grad, grad_outputs)
-            started.append(True)
-            mark = timer.mark() if timer is not None else None
-            events.append((call, BACKWARD_START, now, grad_outputs, mark, value))
-
-        def finished(now: int, grads: Any) -> None:  # "all": every source's gradient; "any": the first one's
-            if not started:  # its outputs got no gradient: not this module's backward, but a shared input's
-                return
-            mark = timer.mark() if timer is not None else None  # before the statistics' kernels
-            grads = [grads] if isinstance(grads, torch.Tensor) else grads
-            stats = self._grad_stats(grads)
-            value = _user_value(self.on_grad_input, grads[0] if len(grads) == 1 else tuple(grads), stats)
-            events.append((call, BACKWARD_END, now, stats, mark, value))
-
-        for name, tensor in outputs:
-            self._gradient_hook(tensor).callbacks.append(functools.partial(received, name))
-        sources = [t for t in _tensors(inputs) if t.requires_grad]
+        watch = _BackwardWatch(self, call, [name for name, _ in outputs], timer)
+        if len(outputs) == 1:
+            self._gradient_hook(outputs[0][1]).callbacks.append(watch.received_only)
+        else:
+            for name, tensor in outputs:
+                self._gradient_hook(tensor).callbacks.append(functools.partial(watch.received, name))
+        if type(inputs) is tuple and len(inputs) == 1 and type(inputs[0]) is torch.Tensor:  # the usual layer
+            sources = inputs if inputs[0].requires_grad else ()
+        else:
+            sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
         # mode="all" waits for every source but refuses leaves under torch.autograd.grad: then the first leaf's
@@ -202,10 +176,10 @@ class StepTracker:
         if len(non_leaves) == 1:
             # the usual layer: its input is the output of the call before, whose hook fires at that same moment
             # and is shared (one hook, one summary of the gradient)
-            self._gradient_hook(non_leaves[0]).callbacks.append(finished)
+            self._gradient_hook(non_leaves[0]).callbacks.append(watch.finished)
         elif sources:
             end = _GradientHook()
-            end.callbacks.append(finished)
+            end.callbacks.append(watch.finished)
             if non_leaves:
                 handle = register_multi_grad_hook(non_leaves, end)
             else:
@@ -357,6 +331,61 @@ def _user_value(function: Callable[[Any], Any] | None, grads: Any, summaries: di
     except Exception as error:
         summaries[FEATURE_ERROR] = {"stats_error": error_text(error)}
         return None
+
+
+class _BackwardWatch:
+    """One call's backward: started by the first gradient to reach its outputs (each output's gradient summarised
+    under its forward name), ended by its inputs' gradients. Holds the outputs' names only: the step keeps its hooks
+    until it closes, and a tensor held by its own hook's callbacks would outlive the backward that frees it (every
+    micro-batch's outputs, under gradient accumulation)."""
+
+    __slots__ = ("steps", "events", "call", "names", "timer", "grad_outputs", "started")
+
+    def __init__(self, steps: StepTracker, call: tuple, names: list[str], timer: EventTimer | None) -> None:
+        self.steps = steps
+        self.events = steps.events  # the step of the forward, whenever its backward runs
+        self.call = call  # (forward, position)
+        self.names = names
+        self.timer = timer
+        self.grad_outputs: dict[str, dict] = {}
+        self.started = False  # a gradient arrived: the span started
+
+    def received_only(self, now: int, grad: torch.Tensor | None) -> None:
+        """The gradient of a call's one output."""
+        self.received(self.names[0], now, grad)
+
+    def received(self, name: str, now: int, grad: torch.Tensor | None) -> None:
+        if grad is None:
+            return
+        grad_outputs = self.grad_outputs
+        steps = self.steps
+        if grad.numel():  # an expert that got no tokens: nothing to summarise
+            # the statistics' kernels run before the mark: they are not the module's backward
+            grad_outputs[name] = steps._gradient_stats(grad)
+        names = self.names
+        if len(names) > 1:  # in the forward's order, whatever order the gradients arrived in
+            for other in names:
+                if other in grad_outputs:
+                    grad_outputs[other] = grad_outputs.pop(other)
+        if self.started:
+            return
+        self.started = True
+        value = _user_value(steps.on_grad_output, grad, grad_outputs) if steps.on_grad_output is not None else None
+        mark = self.timer.mark() if self.timer is not None else None
+        self.events.append((self.call, BACKWARD_START, now, grad_outputs, mark, value))
+
+    def finished(self, now: int, grads: Any) -> None:
+        """The gradients of the call's inputs ("all": every source's; "any": the first one's)."""
+        if not self.started:  # its outputs got no gradient: not this module's backward, but a shared input's
+            return
+        steps = self.steps
+        mark = self.timer.mark() if self.timer is not None else None  # before the statistics' kernels
+        grads = [grads] if isinstance(grads, torch.Tensor) else grads
+        stats = steps._grad_stats(grads)
+        value = None
+        if steps.on_grad_input is not None:
+            value = _user_value(steps.on_grad_input, grads[0] if len(grads) == 1 else tuple(grads), stats)
+        self.events.append((self.call, BACKWARD_END, now, stats, mark, value))
 
 
 class _GradientHook:
