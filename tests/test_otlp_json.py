@@ -17,6 +17,7 @@ from test_otlp_encoding import (
     T0,
     TRACE_ID,
     call,
+    decode,
     remote_child,
     sample_calls,
     three_forwards,
@@ -173,3 +174,43 @@ def test_the_file_exporter_writes_it(tmp_path):
     assert linear["spanId"] == f"{records['0'].span_id:016x}"
     mean = next(a for a in linear["attributes"] if a["key"] == "torchtrace.output.mean")["value"]["doubleValue"]
     assert math.isclose(mean, records["0"].attributes["torchtrace.output.mean"])
+
+
+def traced_step_segments() -> list:
+    """What the sinks get for one traced training step of a small MLP (its own spans, then columns: each forward's
+    backward spans and its calls), unread by anyone (no ModuleCall made)."""
+    import torch
+    from torch import nn
+
+    import torchtrace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches: list = []
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, optimizer=optimizer, sinks=[lambda calls: batches.append(calls)]
+    ) as handle:
+        model(torch.randn(5, 8)).pow(2).sum().backward()
+        optimizer.step()
+        handle.flush()
+    return [segment for calls in batches for segment in calls.segments]
+
+
+def test_a_steps_backward_spans_encode_from_their_columns_as_from_their_calls():
+    """A forward's module backward spans are columns, as its calls are: both encoders write them from the columns
+    (the protobuf one as a block), as they write the same spans made one by one."""
+    segments = traced_step_segments()
+    backward = [segment for segment in segments if getattr(segment, "kind", None) == "backward"]
+    assert len(backward) == 1 and len(backward[0]) == 4  # the model's and its three layers' backward spans
+    protobuf = encode_export_request(Calls(segments), RESOURCE, *SCOPE)
+    text = json.loads(encode_otlp_json(Calls(segments), RESOURCE, *SCOPE))
+    assert not backward[0].made  # the columns were enough for both
+    calls = [call for segment in segments for call in segment]
+    assert decode(protobuf) == decode(encode_export_request(calls, RESOURCE, *SCOPE))
+    assert text == through_protobuf(calls)
+    spans = decode(protobuf).resource_spans[0].scope_spans[0].spans
+    names = {span.span_id: span.name for span in spans}
+    nested = {span.name: names.get(span.parent_span_id) for span in spans if span.name.endswith(" backward")}
+    assert nested == {"Sequential backward": "backward", "0 backward": "Sequential backward",
+                      "1 backward": "Sequential backward", "2 backward": "Sequential backward"}  # fmt: skip

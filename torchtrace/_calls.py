@@ -112,17 +112,21 @@ class CallBatch(Sequence[ModuleCall]):
     (position -> (error, output value, input value, tensors, module attributes)). A forward whose every call carries
     statistics is resolved straight to ``flat_attributes()`` (what the records and the encoders' blocks read): its
     ``attributes`` dicts are then made only if something asks for them.
+
+    ``kind`` is that of every call: "forward", or "backward" for the module backward spans of one forward in a
+    training step (nested like its calls, their roots under the step's backward span).
     """
 
     __slots__ = (
         "modules", "module", "start_ns", "end_ns", "parent", "depth", "span_id", "sparse", "trace_id", "root_parent_id",
         "parent_is_remote", "trace_flags", "trace_state", "thread_id", "lo", "hi", "durations", "_attributes", "_made",
-        "_flat",
+        "_flat", "kind",
     )  # fmt: skip
 
     def __init__(self, modules: Sequence[Any], trace_id: int, root_parent_id: int, parent_is_remote: bool,
-                 trace_flags: int, trace_state: Any, thread_id: int) -> None:  # fmt: skip
+                 trace_flags: int, trace_state: Any, thread_id: int, kind: str = "forward") -> None:  # fmt: skip
         self.modules = modules
+        self.kind = kind
         self.module: list[int] = []
         # the 64-bit columns: native arrays ("q", "Q") once resolved, read as ints item by item
         self.start_ns: Sequence[int] = []
@@ -218,7 +222,14 @@ class CallBatch(Sequence[ModuleCall]):
             input_value,
             tensors,
             module_attributes,
+            self.kind,
         )
+
+    def span_name(self, i: int) -> str:
+        """The span name of call ``i`` (as ``ModuleCall.name``)."""
+        info = self.modules[self.module[i]]
+        name = info.path or info.type_name
+        return name if self.kind == "forward" else f"{name} {self.kind}"
 
     def span_attributes(self, i: int) -> dict[str, Any]:
         """The attributes of call ``i``'s span: its own, or only its module path and type."""

@@ -175,8 +175,14 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
         if any(map(_has_nonfinite, forward.output_stats.values())) or any(
             _nonfinite(extras[OUTPUTS]) is not None for extras in forward.extras.values()
         ):
-            outputs = [forward.output_summaries(position) for position in range(n)]
-            _mark_first_nonfinite_output(batch, outputs, [forward.extra(position, INPUTS) for position in range(n)])
+            _mark_first_nonfinite(
+                (
+                    (batch.end_ns[position], (batch, position), forward.output_summaries(position),
+                     forward.extra(position, INPUTS))
+                    for position in range(n)
+                ),
+                "output",
+            )  # fmt: skip
     if release:
         _release(forward)
     return batch
@@ -365,30 +371,16 @@ def _first_nonfinite(
     return None if first is None else (first[1], *first[2])
 
 
-def _mark_first_nonfinite(
-    calls: Sequence[ModuleCall], summaries: Sequence[dict | None], received: Sequence[dict | None], what: str
-) -> None:
-    """Marks the call that first produced NaN/Inf ERROR, with a NonFiniteError naming the tensor."""
-    found = _first_nonfinite(
-        (call.end_ns, call, summary, got) for call, summary, got in zip(calls, summaries, received)
-    )
+def _mark_first_nonfinite(candidates: Iterable[tuple[int, tuple[CallBatch, int], Any, Any]], what: str) -> None:
+    """Of (end, (columns, position), the call's tensor summaries, what it received), the call that first produced
+    NaN/Inf gets a NonFiniteError naming the tensor (its ``what``: "output", "grad_input")."""
+    found = _first_nonfinite(candidates)
     if found is None:
         return
-    call, name, nans, infs = found
-    tensor = f"{what}.{name}" if name else what
-    if call.error is None:
-        call.error = NonFiniteError(f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}", call)
-
-
-def _mark_first_nonfinite_output(batch: CallBatch, summaries: list, received: list) -> None:
-    """The forward's call that first produced NaN/Inf in its output gets a NonFiniteError naming the tensor."""
-    found = _first_nonfinite(zip(batch.end_ns, range(len(summaries)), summaries, received))
-    if found is None:
-        return
-    position, name, nans, infs = found
+    (batch, position), name, nans, infs = found
     if batch.error(position) is None:
         call = batch.calls()[position]
-        tensor = f"output.{name}" if name else "output"
+        tensor = f"{what}.{name}" if name else what
         message = f"{call.name} produced {nans} NaN and {infs} Inf in its {tensor}"
         batch.set_error(position, NonFiniteError(message, call))
 
@@ -430,9 +422,9 @@ def _step_call(name: str, trace_id: int, span_id: int, parent_id: int, record: S
 
 
 def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequence[ModuleCall]]:
-    """A traced training step as segments: a list of its root span, its all-reduce buckets, the optimizer step and a
-    backward span holding one span per module backward (nested like the forward calls), then each forward's calls
-    as columns (``resolve_forward``, no ModuleCall made)."""
+    """A traced training step as segments: a list of its root span, its all-reduce buckets, the optimizer step and its
+    backward span, then each forward's module backward spans (nested like its calls, ``_backward_columns``) and each
+    forward's calls, as columns (no ModuleCall made)."""
     offset = record.clock_offset_ns
     getrandbits = random.getrandbits
 
@@ -480,14 +472,15 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
             )
         )
     batches = {forward: resolve_forward(forward, modules, release=False) for forward in record.forwards}
-    tail: list[ModuleCall] = []
     if record.optimizer_ns:
         start, end = record.optimizer_ns
-        tail.append(phase("optimizer.step", start + offset, end + offset))
-    tail.extend(_backward_calls(record, batches, phase, on_step_clock))
-    own = head + tail  # the step's own spans in one list (one encoding run), then the forwards' columns
-    starts = [call.start_ns for call in own] + [min(batch.start_ns) for batch in batches.values() if batch]
-    ends = [call.end_ns for call in own] + [max(batch.end_ns) for batch in batches.values() if batch]
+        head.append(phase("optimizer.step", start + offset, end + offset))
+    backward = _backward_columns(record, batches, phase, on_step_clock)
+    if backward:
+        head.append(backward[0])  # the step's own spans in one list (one encoding run), then columns
+    columns = [*backward[1:], *batches.values()]  # each forward's backward spans, then each forward's calls
+    starts = [call.start_ns for call in head] + [min(batch.start_ns) for batch in columns if batch]
+    ends = [call.end_ns for call in head] + [max(batch.end_ns) for batch in columns if batch]
     for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
         step.start_ns, step.end_ns = min(step.start_ns, *starts), max(step.end_ns, *ends)
     for forward in record.forwards:
@@ -495,7 +488,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     if record.device is not None:
         marks = [event[4] for event in record.backward_events]
         record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
-    return [own, *batches.values()]
+    return [head, *columns]
 
 
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
@@ -515,9 +508,10 @@ def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
     return on_step_clock
 
 
-def _backward_calls(
+def _backward_columns(
     record: StepRecord, batches: dict[RawForward, CallBatch], phase: Any, on_step_clock: Callable[[Any, int], int]
-) -> list[ModuleCall]:
+) -> list:
+    """[the step's backward span, then each forward's module backward spans as columns], or [] without any."""
     offset = record.clock_offset_ns
     starts: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_output stats, user's value)
     ends: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_input stats, user's value)
@@ -529,61 +523,84 @@ def _backward_calls(
             starts.setdefault(key, (time_ns + offset, grads, value))
         else:
             ends[key] = (time_ns + offset, grads, value)
-    keys = sorted(starts.keys() | ends.keys(), key=lambda k: (starts.get(k) or ends[k])[0])
-    if not keys:
+    if not (starts or ends):
         return []
-    first = min((starts.get(k) or ends[k])[0] for k in keys)
-    last = max((ends.get(k) or starts[k])[0] for k in keys)
-    backward = phase("backward", first, last)
-    spans: dict[tuple, ModuleCall] = {}
-    grads_of: dict[tuple, tuple[dict | None, dict | None]] = {}  # (grad_inputs made, grad_outputs received)
-    param_stats = record.param_stats
-    for key in keys:
-        forward, position = key
-        batch = batches[forward]
-        info = batch.modules[batch.module[position]]
+    # per forward: position -> [start, end, grad_outputs, grad_inputs, output value, input value]
+    spans_of: dict[RawForward, dict[int, list]] = {}
+    for key in starts.keys() | ends.keys():
         start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
         end, grad_inputs, input_value = ends.get(key) or (start, None, None)
-        attributes: dict[str, Any] = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
-        _stat_attributes(attributes, GRAD_OUTPUT_PREFIX, grad_outputs)
-        _stat_attributes(attributes, GRAD_INPUT_PREFIX, grad_inputs)
-        for name, value in param_stats.get(key, {}).items():
-            attributes[name] = resolve(value)["norm"] if isinstance(value, dict) else value  # dict: on a device
-        spans[key] = ModuleCall(
-            info.path,
-            info.type_name,
-            batch.depth[position],
-            record.trace_id,
-            random.getrandbits(64) or 1,
-            backward.span_id,
-            start,
-            end,
-            attributes,
-            thread_id=batch.thread_id,
-            output_value=output_value,  # function_on_grad_output(grad_output)
-            input_value=input_value,  # function_on_grad_input(grad_input)
-            kind="backward",
-        )
-        grads_of[key] = (grad_inputs, grad_outputs)
-    # Nest like the forward calls: under the nearest ancestor with a backward, which is stretched to hold it (a
-    # container's own hooks miss its children's work when its inputs take no gradient, e.g. token ids). Deepest
-    # first, so that a child is final (holds its own descendants) before its parent is stretched over it.
-    for key in sorted(spans, key=lambda k: -spans[k].depth):
-        span = spans[key]
-        forward, position = key
-        position = forward.parent[position]
-        while position >= 0:
-            ancestor = spans.get((forward, position))
-            if ancestor is not None:
-                span.parent_span_id = ancestor.span_id
-                ancestor.start_ns = min(ancestor.start_ns, span.start_ns)
-                ancestor.end_ns = max(ancestor.end_ns, span.end_ns)
-                break
-            position = forward.parent[position]
-    backward_spans = list(spans.values())
-    made, received = zip(*(grads_of[key] for key in spans))
-    _mark_first_nonfinite(backward_spans, made, received, "grad_input")
-    return [backward, *backward_spans]
+        spans_of.setdefault(key[0], {})[key[1]] = [start, end, grad_outputs, grad_inputs, output_value, input_value]
+    backward = phase(
+        "backward",
+        min(span[0] for spans in spans_of.values() for span in spans.values()),
+        max(span[1] for spans in spans_of.values() for span in spans.values()),
+    )
+    columns = [
+        _backward_batch(forward, batches[forward], spans_of[forward], record, backward.span_id)
+        for forward in batches
+        if forward in spans_of
+    ]
+    _mark_first_nonfinite(
+        (
+            (batch.end_ns[position], (batch, position), grads[0], grads[1])
+            for batch, grads_of in columns
+            for position, grads in enumerate(grads_of)
+        ),
+        "grad_input",
+    )
+    return [backward, *(batch for batch, _ in columns)]
+
+
+def _backward_batch(
+    raw: RawForward, forward: CallBatch, spans: dict[int, list], record: StepRecord, backward_id: int
+) -> tuple[CallBatch, list[tuple]]:
+    """One forward's module backward spans as columns, parents first, and each span's (grad_input, grad_output)
+    summaries. Nested like the forward calls: under the nearest ancestor with a backward, which is stretched to hold
+    it (a container's own hooks miss its children's work when its inputs take no gradient, e.g. token ids); deepest
+    first, so that a child is final (holds its own descendants) before its parent is stretched over it."""
+    depth, parent_of = forward.depth, forward.parent
+    ancestor_of: dict[int, int] = {}
+    for position in sorted(spans, key=lambda p: -depth[p]):
+        span = spans[position]
+        ancestor = parent_of[position]
+        while ancestor >= 0 and ancestor not in spans:
+            ancestor = parent_of[ancestor]
+        ancestor_of[position] = ancestor
+        if ancestor >= 0:
+            holder = spans[ancestor]
+            holder[0] = min(holder[0], span[0])
+            holder[1] = max(holder[1], span[1])
+    # by start, an ancestor (which starts no later than its descendants) before them
+    order = sorted(spans, key=lambda p: (spans[p][0], depth[p]))
+    index_of = {position: index for index, position in enumerate(order)}
+    modules = forward.modules
+    batch = CallBatch(modules, record.trace_id, backward_id, False, 1, None, forward.thread_id, kind="backward")
+    batch.module = [forward.module[position] for position in order]
+    batch.parent = [index_of[ancestor_of[p]] if ancestor_of[p] >= 0 else -1 for p in order]
+    batch.depth = [depth[position] for position in order]
+    batch.start_ns = array("q", [spans[position][0] for position in order])
+    batch.end_ns = array("q", [spans[position][1] for position in order])
+    batch.span_id = _span_ids(len(order))
+    batch.hi = len(order)
+    param_stats = record.param_stats  # (raw forward, position) -> parameter norms
+    attributes = []
+    grads = []
+    for index, position in enumerate(order):
+        _, _, grad_outputs, grad_inputs, output_value, input_value = spans[position]
+        info = modules[batch.module[index]]
+        attrs: dict[str, Any] = {_PATH_KEY: info.path, _TYPE_KEY: info.type_name}
+        _stat_attributes(attrs, GRAD_OUTPUT_PREFIX, grad_outputs)
+        _stat_attributes(attrs, GRAD_INPUT_PREFIX, grad_inputs)
+        for name, value in param_stats.get((raw, position), {}).items():
+            attrs[name] = resolve(value)["norm"] if isinstance(value, dict) else value  # dict: on a device
+        attributes.append(attrs)
+        grads.append((grad_inputs, grad_outputs))
+        if output_value is not None or input_value is not None:
+            # function_on_grad_output(grad_output), function_on_grad_input(grad_input)
+            batch.sparse[index] = [None, output_value, input_value, None, None]
+    batch.attributes = attributes
+    return batch, grads
 
 
 def _device_works(item: RawForward | StepRecord | CallBatch) -> list:

@@ -655,8 +655,8 @@ def _is_whole_forward(batch: CallBatch) -> bool:
 
 
 def is_timing_forward(batch: CallBatch) -> bool:
-    """A whole forward with only the module path and type on every call."""
-    return _is_whole_forward(batch) and not batch.any_call_attributed(len(batch.module))
+    """A whole forward with only the module path and type on every call (its spans named as its modules)."""
+    return batch.kind == "forward" and _is_whole_forward(batch) and not batch.any_call_attributed(len(batch.module))
 
 
 class _Block:
@@ -739,7 +739,7 @@ def shared_stats_block(batch: CallBatch, cache: dict, limits: _Limits, make: Any
     if not batch.every_call_attributed() or not _is_whole_forward(batch):
         return None
     _, keys, values = batch.flat_attributes()  # made once for the records and every encoder
-    cache_key = (tuple(batch.module), root_kind(batch), limits.attributes, limits.value_length)
+    cache_key = (tuple(batch.module), batch.kind, root_kind(batch), limits.attributes, limits.value_length)
     candidates = cache.get(cache_key)
     for candidate in candidates or ():
         if candidate.match(keys, values):
@@ -913,8 +913,7 @@ def _call_template(batch: CallBatch, position: int, attrs: dict, trace_state: st
     attributes are ``attrs`` (within the span limits): cached per name, parent kind, trace state and attribute keys,
     then per non-float values. None: values marshal cannot key (the call is then encoded alone)."""
     vals = tuple(attrs.values())
-    info = batch.modules[batch.module[position]]
-    name = info.path or info.type_name
+    name = batch.span_name(position)
     parent = batch.parent[position]
     key = (name, parent >= 0 or batch.root_parent_id != 0, parent < 0 and batch.parent_is_remote, trace_state,
            tuple(attrs))  # fmt: skip

@@ -314,11 +314,10 @@ def _make_stats_block(batch: CallBatch, trace_state: str | None, limits: _Limits
     for position, attrs in enumerate(batch.attributes):
         if len(attrs) > max_attributes or _over_limits(attrs, limits):
             return _StatsBlock(keys)
-        info = batch.modules[batch.module[position]]
         parent = batch.parent[position]
         has_parent = parent >= 0 or batch.root_parent_id != 0
         remote = parent < 0 and batch.parent_is_remote
-        found = _json_template(info.path or info.type_name, attrs, has_parent, remote, trace_state,
+        found = _json_template(batch.span_name(position), attrs, has_parent, remote, trace_state,
                                partial(batch._make, position))  # fmt: skip
         if found is None:
             return _StatsBlock(keys)
@@ -381,7 +380,7 @@ def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> lis
             attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
         texts.append(
             _templated_text(
-                info.path or info.type_name,
+                batch.span_name(position),
                 attributes,
                 parent >= 0 or root_parent != 0,
                 parent < 0 and remote_root,

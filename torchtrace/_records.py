@@ -62,7 +62,7 @@ def pack_columns(batch: CallBatch) -> Iterator[tuple]:
         error, output_value, input_value, tensors, module_attributes = sparse.get(position) or NO_EXTRAS
         head = (info.path, info.type_name, depth, trace_id, ids[position], ids[parent] if parent >= 0 else root_parent,
                 start, end, error, thread_id, parent < 0 and remote, flags, trace_state, output_value, input_value,
-                tensors, module_attributes, "forward")  # fmt: skip
+                tensors, module_attributes, batch.kind)  # fmt: skip
         if attributes is None:
             yield untracked((*head, _TIMING_KEYS, info.path, info.type_name))
         else:
@@ -214,8 +214,10 @@ _PARTIAL = 2  # (_PARTIAL, calls left, calls skipped, a packed forward): the res
 
 def _whole_forward(segment: Sequence[ModuleCall]) -> bool:
     """Columns of a whole forward with nothing but attributes (or the first calls of one with none): no error, user
-    value, capture or trace state (what a packed forward leaves out)."""
+    value, capture or trace state (what a packed forward leaves out); not backward spans (packed call by call)."""
     if not isinstance(segment, CallBatch) or segment.made or segment.trace_state is not None or segment.lo:
+        return False
+    if segment.kind != "forward":  # packed call by call, with their kind
         return False  # (a view from the first call on: parent positions stay inside the packed columns)
     hi = segment.hi
     if hi < len(segment.module) and segment.any_call_attributed(hi):

@@ -192,23 +192,21 @@ class _FinishedSpans:
 
     def _forward(self, batch: CallBatch) -> None:
         """One forward from its columns: the root decides (children follow it), every call becomes a span."""
-        modules, span_ids, trace_id = batch.modules, batch.span_id, batch.trace_id
-        root = modules[batch.module[0]]
+        span_ids, trace_id = batch.span_id, batch.trace_id
         root_parent = self._outside_parent(trace_id, batch.root_parent_id, batch.trace_flags, batch.trace_state)
         recording, flags, trace_state, root_attributes = self._decide(
-            root_parent, trace_id, root.path or root.type_name, batch.span_attributes(0)
+            root_parent, trace_id, batch.span_name(0), batch.span_attributes(0)
         )
         batch.trace_flags = int(flags)  # every call of the forward: sampled out by the provider, no exemplar link
         if not recording:
             return
         contexts: list[SpanContext] = []
-        for position, index, _, parent, _, start, end in batch.rows():
-            info = modules[index]
+        for position, _, _, parent, _, start, end in batch.rows():
             span_context = SpanContext(trace_id, span_ids[position], False, flags, trace_state)
             contexts.append(span_context)
             attributes = root_attributes if position == 0 else batch.span_attributes(position)
             parent_context = contexts[parent] if parent >= 0 else root_parent
-            self._end(info.path or info.type_name, span_context, parent_context, attributes, batch.error(position),
+            self._end(batch.span_name(position), span_context, parent_context, attributes, batch.error(position),
                       start, end)  # fmt: skip
 
     @staticmethod
