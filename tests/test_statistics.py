@@ -1068,3 +1068,22 @@ def test_zero_fraction_of_large_tensors_equals_torch(make):
     torch.manual_seed(2)
     tensor = make()
     assert_stats_match(output_attributes(tensor), tensor)
+
+
+def test_large_tensors_of_one_kind_after_the_first_get_their_own_statistics(passes):
+    """The first large tensor of a (dtype, shape) decides what the next ones of that kind get without the general
+    path (their shape and dtype, then the compiled pass); each still gets its own values, NaN and Inf counted."""
+    torch.manual_seed(0)
+    finite = torch.randn(64, 128)
+    with_nan = torch.randn(64, 128)
+    with_nan[3, 5], with_nan[7, 9] = float("nan"), float("inf")
+    module = Emit()
+    with capture_spans(module) as captured:
+        for value in (finite, with_nan, finite * 2):
+            module.value = value
+            module()
+        spans = captured.spans_named("Emit")
+    prefix = "torchtrace.output."
+    for span, tensor in zip(spans, (finite, with_nan, finite * 2), strict=True):
+        assert_stats_match(dict(span.attributes), tensor, prefix)
+    assert [span.status.is_ok for span in spans] == [True, False, True]  # the NaN is found in a repeated kind too

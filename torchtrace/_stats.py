@@ -92,9 +92,10 @@ class StatComputer:
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
         self._columns = tuple(name for name in _NUMERIC if name in self.wanted)  # of the forward's StatTable
-        # (dtype, shape, layout) of a plain CPU tensor that was staged -> (its stats before the values, its rows):
-        # what every tensor of that kind gets, decided once, so the next one costs a lookup and a copy
-        self._staged: dict[tuple, tuple[dict, _Staging]] = {}
+        # (dtype, shape, layout) of a plain CPU tensor -> (its stats before the values, its staging rows if it is
+        # small, else None: the compiled pass): what every tensor of that kind gets, decided once, so the next one
+        # costs a lookup and a copy
+        self._staged: dict[tuple, tuple[dict, _Staging | None]] = {}
 
     def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
         """Reduces every small tensor copied during this forward into the forward's ``StatTable`` (a row each, which
@@ -176,7 +177,12 @@ class StatComputer:
                 head, staging = staged
                 stats = head.copy()
                 try:
-                    staging.add(tensor, stats)
+                    if staging is not None:  # a small tensor: a row of the forward's table
+                        staging.add(tensor, stats)
+                    elif not plain_float_stats(tensor, self.wanted, stats):  # a large one: the compiled pass
+                        return self._compute_in_full(tensor)
+                    elif stats.get("nan_count") or stats.get("inf_count"):
+                        self._all_finite = False
                 except Exception as error:  # a statistic must never break the user's forward
                     stats["stats_error"] = error_text(error)
                 return stats
@@ -227,7 +233,11 @@ class StatComputer:
                         self._copies.append(_numpy_copy(tensor.detach()))
                         self._filled.append(stats)
                 else:
-                    if not (stride == 1 and plain_float_stats(tensor, self.wanted, stats)):
+                    head = dict(stats)
+                    if stride == 1 and plain_float_stats(tensor, self.wanted, stats):
+                        if not (self.extra or tensor.is_nested) and len(self._staged) < _MAX_STAGED_KINDS:
+                            self._staged[dtype, tensor.shape, tensor.layout] = (head, None)
+                    else:
                         x = tensor.detach() if tensor.requires_grad else tensor
                         reduce_now(x, self.wanted, stats, stride, self._device_rows)
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):

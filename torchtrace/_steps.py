@@ -170,22 +170,23 @@ class StepTracker:
             sources = [t for t in _tensors(inputs) if t.requires_grad]
         if not sources:  # the first layer: its backward ends when its own parameters have their gradients
             sources = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        # mode="all" waits for every source but refuses leaves under torch.autograd.grad: then the first leaf's
-        # gradient ends the span (a layer's parameter gradients come from one node, at once)
         non_leaves = [t for t in sources if t.grad_fn is not None]
         if len(non_leaves) == 1:
             # the usual layer: its input is the output of the call before, whose hook fires at that same moment
             # and is shared (one hook, one summary of the gradient)
             self._gradient_hook(non_leaves[0]).callbacks.append(watch.finished)
-        elif sources:
+        elif non_leaves:  # several inputs (attention's q, k, v; a residual sum): the span ends with the last one
             end = _GradientHook()
             end.callbacks.append(watch.finished)
-            if non_leaves:
-                handle = register_multi_grad_hook(non_leaves, end)
-            else:
-                handle = register_multi_grad_hook(sources, end, mode="any")
+            handle = register_multi_grad_hook(non_leaves, end)
             end.handles.append(handle)
             self.hook_handles.append(handle)
+        else:
+            # leaves only (the first layer's parameters, a leaf input): the first of their gradients ends the span
+            # (a layer's parameter gradients come from one node, at once; waiting for all of them would wait
+            # forever for one that takes none, and torch.autograd.grad computes only those asked for)
+            for leaf in sources:
+                self._gradient_hook(leaf).callbacks.append(watch.finished)
         if self.param_stats:
             self.parameter_owners.append((call, module))
 
@@ -339,7 +340,7 @@ class _BackwardWatch:
     until it closes, and a tensor held by its own hook's callbacks would outlive the backward that frees it (every
     micro-batch's outputs, under gradient accumulation)."""
 
-    __slots__ = ("steps", "events", "call", "names", "timer", "grad_outputs", "started")
+    __slots__ = ("steps", "events", "call", "names", "timer", "grad_outputs", "started", "ended")
 
     def __init__(self, steps: StepTracker, call: tuple, names: list[str], timer: EventTimer | None) -> None:
         self.steps = steps
@@ -349,6 +350,7 @@ class _BackwardWatch:
         self.timer = timer
         self.grad_outputs: dict[str, dict] = {}
         self.started = False  # a gradient arrived: the span started
+        self.ended = False
 
     def received_only(self, now: int, grad: torch.Tensor | None) -> None:
         """The gradient of a call's one output."""
@@ -375,9 +377,10 @@ class _BackwardWatch:
         self.events.append((self.call, BACKWARD_START, now, grad_outputs, mark, value))
 
     def finished(self, now: int, grads: Any) -> None:
-        """The gradients of the call's inputs ("all": every source's; "any": the first one's)."""
-        if not self.started:  # its outputs got no gradient: not this module's backward, but a shared input's
-            return
+        """The gradients of the call's inputs (all of them, or the first of its leaves')."""
+        if not self.started or self.ended:  # its outputs got no gradient: not this module's backward, but a shared
+            return  # input's; or another leaf's gradient ended it
+        self.ended = True
         steps = self.steps
         mark = self.timer.mark() if self.timer is not None else None  # before the statistics' kernels
         grads = [grads] if isinstance(grads, torch.Tensor) else grads
