@@ -49,6 +49,16 @@ def exception_event_attributes(error: BaseException) -> dict[str, str]:
     }
 
 
+def call_name(path: str, type_name: str, kind: str) -> str:
+    """A span's name, bounded by the model's size: the module path (its class name for the model itself),
+    "<path> backward" for a module's backward, and the step / phase name (``type_name``) for the others."""
+    if kind == "forward":
+        return path or type_name
+    if kind == "backward":
+        return f"{path or type_name} backward"
+    return type_name
+
+
 @dataclass(slots=True, eq=False)
 class ModuleCall:
     """One finished call of one module: what a span and a record are made of."""
@@ -75,13 +85,8 @@ class ModuleCall:
 
     @property
     def name(self) -> str:
-        """Span name, bounded by the model's size: the module path (its class name for the model itself),
-        "<path> backward" for a module's backward, and the step / phase name for the others."""
-        if self.kind == "forward":
-            return self.path or self.type_name
-        if self.kind == "backward":
-            return f"{self.path or self.type_name} backward"
-        return self.type_name
+        """Span name (``call_name``)."""
+        return call_name(self.path, self.type_name, self.kind)
 
     @property
     def duration_ns(self) -> int:
@@ -226,10 +231,9 @@ class CallBatch(Sequence[ModuleCall]):
         )
 
     def span_name(self, i: int) -> str:
-        """The span name of call ``i`` (as ``ModuleCall.name``)."""
+        """The span name of call ``i`` (``call_name``)."""
         info = self.modules[self.module[i]]
-        name = info.path or info.type_name
-        return name if self.kind == "forward" else f"{name} {self.kind}"
+        return call_name(info.path, info.type_name, self.kind)
 
     def span_attributes(self, i: int) -> dict[str, Any]:
         """The attributes of call ``i``'s span: its own, or only its module path and type."""

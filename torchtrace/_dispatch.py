@@ -132,7 +132,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     parent = forward.context if forward.context is not None else INVALID_SPAN_CONTEXT
     if parent.is_valid:
         trace_id, root_parent_id = parent.trace_id, parent.span_id
-        flags, trace_state = int(parent.trace_flags), parent.trace_state
+        # an empty trace state is none (what the records and the encoders' shortcuts take)
+        flags, trace_state = int(parent.trace_flags), parent.trace_state or None
     else:
         trace_id, root_parent_id, flags, trace_state = random.getrandbits(128) or 1, 0, 1, None
     batch = CallBatch(modules, trace_id, root_parent_id, parent.is_remote, flags, trace_state, forward.thread_id)

@@ -83,10 +83,10 @@ def unpack(packed: tuple) -> ModuleCall:
 class RecordStore:
     """The latest ``max_records`` calls, in call order (oldest dropped first).
 
-    A whole forward with no error, user value or capture is kept as one tuple of its columns and its calls'
-    attribute keys and values (tuples themselves: the values the worker made, shared); any other call as its own
-    packed tuple. Both are untracked by the garbage collector; ``ModuleCall`` objects are made when the records are
-    read.
+    A whole forward (or one forward's backward spans) with no error, user value or capture is kept as one tuple of its
+    columns and its calls' attribute keys and values (tuples themselves: the values the worker made, shared); any
+    other call as its own packed tuple. Both are untracked by the garbage collector; ``ModuleCall`` objects are made
+    when the records are read.
     """
 
     def __init__(self, max_records: int, on_drop: Callable[[ModuleCall], None] | None = None) -> None:
@@ -117,7 +117,14 @@ class RecordStore:
         self._modules.setdefault(id(batch.modules), batch.modules)
         hi = batch.hi
         whole = hi == len(batch.module)
-        head = (batch.trace_id, batch.root_parent_id, batch.parent_is_remote, batch.trace_flags, batch.thread_id)
+        head = (
+            batch.trace_id,
+            batch.root_parent_id,
+            batch.parent_is_remote,
+            batch.trace_flags,
+            batch.thread_id,
+            batch.kind,
+        )
         columns = [untracked(tuple(column if whole else column[:hi])) for column in
                    (batch.module, batch.depth, batch.parent)]  # fmt: skip
         # the 64-bit columns (times, span ids) as their bytes: no Python int per call, and untracked (an array is not)
@@ -135,7 +142,7 @@ class RecordStore:
             return [packed]
         if packed[0] == _PARTIAL:
             return self._calls_of(packed[3])[packed[2] :]
-        _, n, modules_id, trace_id, root_parent, remote, flags, thread_id = packed[:_FORWARD_HEAD]
+        _, n, modules_id, trace_id, root_parent, remote, flags, thread_id, kind = packed[:_FORWARD_HEAD]
         modules = self._modules[modules_id]
         module, depth, parent, start_ns, end_ns, span_id = packed[_FORWARD_HEAD : _FORWARD_HEAD + 6]
         columns = (module, depth, parent, array("q", start_ns), array("q", end_ns), array("Q", span_id))
@@ -148,7 +155,7 @@ class RecordStore:
             info = modules[index]
             parent_id = span_ids[parent] if parent >= 0 else root_parent
             head = (info.path, info.type_name, depth, trace_id, span_id, parent_id, start, end, None, thread_id,
-                    parent < 0 and remote, flags, None, None, None, None, None, "forward")  # fmt: skip
+                    parent < 0 and remote, flags, None, None, None, None, None, kind)  # fmt: skip
             if count:
                 calls.append((*head, keys[at : at + count], *values[at : at + count]))
                 at += count
@@ -208,16 +215,16 @@ class RecordStore:
 
 _FORWARD = 0  # first value of a packed forward (an int: a packed call starts with its path, a str)
 _FORWARD_WITH_ATTRIBUTES = 1  # the same, followed by its calls' attributes
-_FORWARD_HEAD = 8  # (kind, calls, id(modules), trace id, root parent id, remote, flags, thread id), six columns
+# (_FORWARD or _FORWARD_WITH_ATTRIBUTES, calls, id(modules), trace id, root parent id, remote, flags, thread id, the
+# calls' kind: "forward", or "backward" for a forward's backward spans), then six columns
+_FORWARD_HEAD = 9
 _PARTIAL = 2  # (_PARTIAL, calls left, calls skipped, a packed forward): the rest of a forward whose first calls left
 
 
 def _whole_forward(segment: Sequence[ModuleCall]) -> bool:
-    """Columns of a whole forward with nothing but attributes (or the first calls of one with none): no error, user
-    value, capture or trace state (what a packed forward leaves out); not backward spans (packed call by call)."""
+    """Columns of a whole forward (or of one forward's backward spans) with nothing but attributes (or the first calls
+    of one with none): no error, user value, capture or trace state (what a packed forward leaves out)."""
     if not isinstance(segment, CallBatch) or segment.made or segment.trace_state is not None or segment.lo:
-        return False
-    if segment.kind != "forward":  # packed call by call, with their kind
         return False  # (a view from the first call on: parent positions stay inside the packed columns)
     hi = segment.hi
     if hi < len(segment.module) and segment.any_call_attributed(hi):

@@ -11,7 +11,7 @@ from operator import sub
 
 import numpy as np
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall
+from torchtrace._calls import CallBatch, Calls, ModuleCall, call_name
 
 _RESERVOIR = 1024  # durations kept per layer for the p95: the latest ones, 8 bytes each (a 129-layer model: 1 MiB)
 _FOLD_AT = 64  # forwards whose durations wait, as rows, before they are added to their layers (or until read)
@@ -76,7 +76,7 @@ class SummarySink:
     def __init__(self) -> None:
         self._layers: dict[str, _Layer] = {}
         self._root_ns = 0  # time in outermost forward calls: the denominator of "share"
-        # (module sequence, root positions) -> (modules, rows of durations as int64 bytes)
+        # (module sequence, root positions, the calls' kind) -> (modules, rows of durations as int64 bytes)
         self._waiting: dict[tuple, tuple[Sequence, list[bytes]]] = {}
         self._waiting_rows = 0
         self._lock = threading.Lock()  # the worker adds, the user's thread reads (and folds what waits)
@@ -85,15 +85,7 @@ class SummarySink:
         with self._lock:
             for segment in calls.segments if isinstance(calls, Calls) else [calls]:
                 if isinstance(segment, CallBatch) and not segment.made:
-                    if segment.kind == "forward":
-                        self._add_columns(segment)
-                    else:  # a forward's backward spans: layers of their own ("<path> backward"), no root time
-                        modules = segment.modules
-                        self._add_calls(
-                            (segment.span_name(position), modules[index].type_name, start, end, segment.trace_id,
-                             False)
-                            for position, index, _, _, _, start, end in segment.rows()
-                        )  # fmt: skip
+                    self._add_columns(segment)
                 else:
                     if any(call.kind == "forward" for call in segment):
                         self._fold()  # the latest durations stay the latest (a step's own spans: other layers)
@@ -129,17 +121,20 @@ class SummarySink:
         whole = lo == 0 and hi == len(batch.module)
         sequence = tuple(batch.module) if whole else tuple(batch.module[lo:hi])
         parents = batch.parent if whole else batch.parent[lo:hi]
-        if parents[0] == -1 and parents.count(-1) == 1:
-            roots: tuple[int, ...] = _FIRST  # a whole forward: its outermost call
+        kind = batch.kind
+        if kind != "forward":
+            roots: tuple[int, ...] = ()  # backward spans: layers of their own ("<path> backward"), not the forward's
+        elif parents[0] == -1 and parents.count(-1) == 1:
+            roots = _FIRST  # a whole forward: its outermost call
         else:
             roots = tuple(position for position, parent in enumerate(parents) if parent < 0)
-        waiting = self._waiting.get((sequence, roots))
+        waiting = self._waiting.get((sequence, roots, kind))
         if waiting is None:
             if len(set(sequence)) < len(sequence):
                 self._fold()
                 self._add_repeated(batch)
                 return
-            waiting = self._waiting[sequence, roots] = (batch.modules, [])
+            waiting = self._waiting[sequence, roots, kind] = (batch.modules, [])
         durations = batch.durations
         if durations is None:  # columns resolved without the compiled module
             durations = array("q", map(sub, batch.end_ns[lo:hi], batch.start_ns[lo:hi])).tobytes()
@@ -151,12 +146,12 @@ class SummarySink:
     def _fold(self) -> None:
         """Adds the durations that wait to their layers: per module sequence, its rows transposed."""
         layers = self._layers
-        for (sequence, roots), (info_of, rows) in self._waiting.items():
+        for (sequence, roots, kind), (info_of, rows) in self._waiting.items():
             durations = np.frombuffer(b"".join(rows), dtype=np.int64).reshape(len(rows), len(sequence))
             self._root_ns += int(durations[:, list(roots)].sum())
             for module, total, column in zip(sequence, durations.sum(axis=0).tolist(), durations.T.copy()):
                 info = info_of[module]
-                name = info.path or info.type_name
+                name = call_name(info.path, info.type_name, kind)
                 layer = layers.get(name) or self._layer(name, info.type_name)
                 layer.calls += len(rows)
                 layer.sum_ns += total
@@ -168,13 +163,13 @@ class SummarySink:
     def _add_repeated(self, batch: CallBatch) -> None:
         """A forward's calls from its columns (one trace), per call: the loop of ``_add``, inlined."""
         outermost: dict[str, int] = {}  # name -> end of its latest call not nested in itself
-        modules, layers = batch.modules, self._layers
+        modules, layers, kind = batch.modules, self._layers, batch.kind
         lo, hi = batch.lo, batch.hi
         for index, start, end, parent in zip(
             batch.module[lo:hi], batch.start_ns[lo:hi], batch.end_ns[lo:hi], batch.parent[lo:hi]
         ):
             info = modules[index]
-            name = info.path or info.type_name
+            name = call_name(info.path, info.type_name, kind)
             layer = layers.get(name) or self._layer(name, info.type_name)
             duration = end - start
             layer.calls += 1
@@ -183,7 +178,7 @@ class SummarySink:
             if end > outermost.get(name, 0):
                 outermost[name] = end
                 layer.total_ns += duration  # a recursive call's inner calls are inside it: counted once
-            if parent < 0:
+            if parent < 0 and kind == "forward":
                 self._root_ns += duration
 
     def _add(self, layer: _Layer, start: int, end: int, trace_id: int, name: str, outermost: dict, root: bool) -> None:
