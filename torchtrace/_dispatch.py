@@ -86,27 +86,48 @@ def _keys_of(
 def _stat_attributes(
     attributes: dict, prefix: str, summaries: dict[str, dict] | None, table: StatTable | None = None
 ) -> None:
+    keys: list[str] = []
+    values: list = []
+    _stat_items(keys, values, prefix, summaries, table)
+    attributes.update(zip(keys, values))
+
+
+def _stat_items(
+    keys: list[str], values: list, prefix: str, summaries: dict[str, dict] | None, table: StatTable | None = None
+) -> None:
+    """Appends the attribute keys and values of each tensor's statistics (``_tensor_items``), and the own keys of a
+    summary that is no tensor (truncated, a feature's error)."""
     if not summaries:
         return
     for name, stats in summaries.items():
-        if isinstance(name, SummaryMarker):  # truncated, a feature's error: not a tensor
-            attributes.update((f"{prefix}.{key}", value) for key, value in stats.items())
+        if isinstance(name, SummaryMarker):
+            for key, value in stats.items():
+                keys.append(f"{prefix}.{key}")
+                values.append(value)
         else:
-            _tensor_attributes(attributes, prefix, name, stats, table)
+            _tensor_items(keys, values, prefix, name, stats, table)
 
 
 def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, table: StatTable | None) -> None:
-    """One tensor's statistics as ``<prefix>[.<name>].<stat>`` attributes; the values of a tensor whose statistics
-    are a row of the forward's ``table`` come from the row (its stats dict is left as it is: it may be shared)."""
+    keys: list[str] = []
+    values: list = []
+    _tensor_items(keys, values, prefix, name, stats, table)
+    attributes.update(zip(keys, values))
+
+
+def _tensor_items(keys: list[str], values: list, prefix: str, name: str, stats: dict, table: StatTable | None) -> None:
+    """Appends one tensor's statistics as ``<prefix>[.<name>].<stat>`` keys and their values; the values of a tensor
+    whose statistics are a row of the forward's ``table`` come from the row (its stats dict is left as it is: it may
+    be shared)."""
     if "_pending" in stats:
         resolve(stats)
-    keys = _keys_of(_prefixed_keys, (prefix, name, *stats), prefix, name, stats, table)
+    keys += _keys_of(_prefixed_keys, (prefix, name, *stats), prefix, name, stats, table)
     if "_row" in stats:
-        values = [*stats.values()]
-        values[-1:] = table.row(values[-1])
-        attributes.update(zip(keys, values))
+        row = [*stats.values()]
+        row[-1:] = table.row(row[-1])
+        values += row
     else:
-        attributes.update(zip(keys, stats.values()))
+        values += stats.values()
 
 
 def fill_table_rows(forward: RawForward) -> None:
@@ -585,22 +606,27 @@ def _backward_batch(
     batch.span_id = _span_ids(len(order))
     batch.hi = len(order)
     param_stats = record.param_stats  # (raw forward, position) -> parameter norms
-    attributes = []
+    counts: list[int] = []
+    keys: list[str] = []  # every span's attributes, flat (as CallBatch.flat_attributes()): no dict a span
+    values: list = []
     grads = []
     for index, position in enumerate(order):
         _, _, grad_outputs, grad_inputs, output_value, input_value = spans[position]
         info = modules[batch.module[index]]
-        attrs: dict[str, Any] = {_PATH_KEY: info.path, _TYPE_KEY: info.type_name}
-        _stat_attributes(attrs, GRAD_OUTPUT_PREFIX, grad_outputs)
-        _stat_attributes(attrs, GRAD_INPUT_PREFIX, grad_inputs)
+        before = len(keys)
+        keys += _CALL_KEYS
+        values += (info.path, info.type_name)
+        _stat_items(keys, values, GRAD_OUTPUT_PREFIX, grad_outputs)
+        _stat_items(keys, values, GRAD_INPUT_PREFIX, grad_inputs)
         for name, value in param_stats.get((raw, position), {}).items():
-            attrs[name] = resolve(value)["norm"] if isinstance(value, dict) else value  # dict: on a device
-        attributes.append(attrs)
+            keys.append(name)
+            values.append(resolve(value)["norm"] if isinstance(value, dict) else value)  # dict: on a device
+        counts.append(len(keys) - before)
         grads.append((grad_inputs, grad_outputs))
         if output_value is not None or input_value is not None:
             # function_on_grad_output(grad_output), function_on_grad_input(grad_input)
             batch.sparse[index] = [None, output_value, input_value, None, None]
-    batch.attributes = attributes
+    batch.set_flat_attributes(interned(tuple(counts)), interned(tuple(keys)), tuple(values))
     return batch, grads
 
 
