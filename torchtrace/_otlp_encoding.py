@@ -913,7 +913,8 @@ def _call_template(batch: CallBatch, position: int, attrs: dict, trace_state: st
     attributes are ``attrs`` (within the span limits): cached per name, parent kind, trace state and attribute keys,
     then per non-float values. None: values marshal cannot key (the call is then encoded alone)."""
     vals = tuple(attrs.values())
-    name = batch.span_name(position)
+    info = batch.modules[batch.module[position]]
+    name = (info.path or info.type_name) if batch.kind == "forward" else batch.span_name(position)
     parent = batch.parent[position]
     key = (name, parent >= 0 or batch.root_parent_id != 0, parent < 0 and batch.parent_is_remote, trace_state,
            tuple(attrs))  # fmt: skip

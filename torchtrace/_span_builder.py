@@ -201,13 +201,15 @@ class _FinishedSpans:
         if not recording:
             return
         contexts: list[SpanContext] = []
-        for position, _, _, parent, _, start, end in batch.rows():
+        modules, forward = batch.modules, batch.kind == "forward"
+        for position, index, _, parent, _, start, end in batch.rows():
             span_context = SpanContext(trace_id, span_ids[position], False, flags, trace_state)
             contexts.append(span_context)
             attributes = root_attributes if position == 0 else batch.span_attributes(position)
             parent_context = contexts[parent] if parent >= 0 else root_parent
-            self._end(batch.span_name(position), span_context, parent_context, attributes, batch.error(position),
-                      start, end)  # fmt: skip
+            info = modules[index]
+            name = (info.path or info.type_name) if forward else batch.span_name(position)
+            self._end(name, span_context, parent_context, attributes, batch.error(position), start, end)
 
     @staticmethod
     def _outside_parent(trace_id: int, parent_span_id: int, trace_flags: int, trace_state: Any) -> SpanContext | None:
