@@ -2,7 +2,8 @@
    numpy's passes and ctypes.memmove, the same values, slower).
 
    float_stats: the statistics of a large CPU float tensor from one pass over its values (sum, sum of squares, min,
-   max, non-zero count), written straight into its stats dict (no Python arithmetic, no tuple). numpy and torch take one pass each (five in all: 248 us for 1M float32 on one core, where this takes 81 us,
+   max, non-zero count), written straight into its stats dict (no Python arithmetic, no tuple). numpy and torch
+   take one pass each (five in all: 248 us for 1M float32 on one core, where this takes 81 us,
    2026-11-25). Each of LANES accumulators adds every LANES-th value, so the compiler vectorises the loop without
    reordering any sum (no -ffast-math needed). Sums and squares are added in double: a float32 accumulator drifts by
    parts per million over values far from zero, which the std's second pass (x - mean) then multiplies. On x86-64
@@ -182,8 +183,8 @@ static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
    float tensor (n >= 1 values at its data_ptr()) straight into the dict `stats`: names[j] gets statistic columns[j]
    (0-8 as in stat_rows; the counts 6 and 7 as ints). 1 or 2: the passes it took over the values (the second only for
    a wanted std that needs it); 0 (`stats` untouched) where the sum of squares is not finite: the caller's numpy
-   passes then count NaN and Inf as torch does. The GIL is kept: the pass is shorter than
-   a hand-over of it can cost. */
+   passes then count NaN and Inf as torch does. The GIL is kept: the pass is shorter than a hand-over of it can
+   cost. */
 static PyObject *float_stats(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 6, "float_stats(address, n, is_float64, columns, names, stats)")) return NULL;

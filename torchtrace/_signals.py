@@ -36,7 +36,7 @@ SIGTERM_FLUSH_TIMEOUT_S = 5.0  # docker stop waits 10 s, Kubernetes 30 s before 
 Flush = Callable[[float], Any]  # seconds left -> flushes what it holds
 
 _holders: dict[int, Flush] = {}  # id(token) -> flush, in the order taken
-pending: Any = None  # (signum, frame) of a SIGTERM that landed inside one, until ``run_pending``
+pending: Any = None  # (signum, frame) of a SIGTERM that landed inside one, until the outermost one returns
 _previous: Any = None  # the handler that was installed before ours; None while ours is not installed
 _lock = threading.Lock()
 

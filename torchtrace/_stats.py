@@ -91,7 +91,7 @@ class StatComputer:
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
-        self._columns = tuple(name for name in _NUMERIC if name in self.wanted)  # of the forward's StatTable
+        self._columns = numeric_columns(self.wanted)  # of the forward's StatTable
         # (dtype, shape, layout) of a plain CPU tensor -> (its stats before the values, its staging rows if it is
         # small, else None: the compiled pass): what every tensor of that kind gets, decided once, so the next one
         # costs a lookup and a copy
@@ -233,9 +233,10 @@ class StatComputer:
                         self._copies.append(_numpy_copy(tensor.detach()))
                         self._filled.append(stats)
                 else:
-                    head = dict(stats)
+                    # the stats before the values, kept for the next CPU tensor of this kind (as a small one's)
+                    head = dict(stats) if is_cpu and not (self.extra or tensor.is_nested) else None
                     if stride == 1 and plain_float_stats(tensor, self.wanted, stats):
-                        if not (self.extra or tensor.is_nested) and len(self._staged) < _MAX_STAGED_KINDS:
+                        if head is not None and len(self._staged) < _MAX_STAGED_KINDS:
                             self._staged[dtype, tensor.shape, tensor.layout] = (head, None)
                     else:
                         x = tensor.detach() if tensor.requires_grad else tensor
@@ -511,8 +512,9 @@ def device_stats(
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
-    """One CPU tensor, reduced at once: in one pass (``_native.reduce``) where its values are finite and contiguous,
-    else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch does."""
+    """One CPU tensor, reduced at once: in one pass (``_native.float_stats``) where its values are finite and
+    contiguous, else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch
+    does."""
     x = _as_real_float(tensor)
     if not plain_float_stats(x, wanted, stats):
         _numpy_stats(x, x.numel(), wanted, stats)
@@ -542,15 +544,21 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     n = x.numel()
     if not n:
         return False
-    names = _WANTED_COLUMNS.get(wanted)
-    if names is None:
-        names = _WANTED_COLUMNS[wanted] = tuple(name for name in _NUMERIC if name in wanted)  # in _fill's order
+    names = numeric_columns(wanted)
     if not _one_pass(x.data_ptr(), n, dtype is torch.float64, _column_codes(names), names, stats):
         _numpy_stats(x.detach(), n, wanted, stats)  # NaN, Inf, or float32 squares past its range
     return True
 
 
-_WANTED_COLUMNS: dict[frozenset, tuple[str, ...]] = {}  # a set of wanted statistics -> their names, in _fill's order
+def numeric_columns(wanted: frozenset) -> tuple[str, ...]:
+    """The numeric statistics of ``wanted``, in the order spans and tables show them (``_NUMERIC``)."""
+    names = _WANTED_COLUMNS.get(wanted)
+    if names is None:
+        names = _WANTED_COLUMNS[wanted] = tuple(name for name in _NUMERIC if name in wanted)
+    return names
+
+
+_WANTED_COLUMNS: dict[frozenset, tuple[str, ...]] = {}  # a set of wanted statistics -> numeric_columns(it)
 
 
 def _numpy_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
@@ -593,10 +601,6 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
     # NaN != 0, as count_nonzero counts it; -0.0 == 0
     nonzero = int(np.count_nonzero(values != 0)) if count_zeros else n
     return mean, squares, low, high, nonzero, nan_count, inf_count
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_FLOAT64_MAX = float(np.finfo(np.float64).max)
 
 
 def _flat_values(x: torch.Tensor) -> np.ndarray:

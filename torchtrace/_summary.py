@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import sub
 
@@ -89,11 +89,7 @@ class SummarySink:
                 else:
                     if any(call.kind == "forward" for call in segment):
                         self._fold()  # the latest durations stay the latest (a step's own spans: other layers)
-                    self._add_calls(
-                        (call.name, call.type_name, call.start_ns, call.end_ns, call.trace_id,
-                         call.depth == 0 and call.kind == "forward")
-                        for call in segment
-                    )  # fmt: skip
+                    self._add_calls(segment)
             if self._waiting_rows >= _FOLD_AT:
                 self._fold()
 
@@ -103,12 +99,18 @@ class SummarySink:
             layer = self._layers[name] = _Layer(type_name)
         return layer
 
-    def _add_calls(self, calls: Iterable[tuple[str, str, int, int, int, bool]]) -> None:
-        """Calls as (span name, type name, start, end, trace id, an outermost forward call), in start order within
-        each forward."""
+    def _add_calls(self, calls: Sequence[ModuleCall]) -> None:
         outermost: dict[str, tuple[int, int]] = {}  # name -> (trace id, end) of its latest call not nested in itself
-        for name, type_name, start, end, trace_id, root in calls:
-            self._add(self._layer(name, type_name), start, end, trace_id, name, outermost, root)
+        for call in calls:  # in start order within each forward
+            self._add(
+                self._layer(call.name, call.type_name),
+                call.start_ns,
+                call.end_ns,
+                call.trace_id,
+                call.name,
+                outermost,
+                call.depth == 0 and call.kind == "forward",
+            )
 
     def _add_columns(self, batch: CallBatch) -> None:
         """A forward's calls from its columns. Forwards that call the same modules in the same order (a model's
