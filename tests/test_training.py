@@ -612,3 +612,55 @@ def test_a_layers_output_is_freed_after_backward_while_its_step_is_still_open():
         assert [reference() for reference in kept] == [None, None, None]
         handle.step()
         assert len([call for call in handle.records if call.name == "1 backward"]) == 3
+
+
+def test_the_users_own_gradient_hooks_run_beside_torchtraces_and_none_of_torchtraces_outlive_the_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    seen, between = [], {}
+
+    def keep_output(module, args, output):
+        between["tanh"] = output
+        between["handle"] = output.register_hook(lambda grad: seen.append(("tanh", grad.clone())))
+
+    with capture_spans(model, backward=True) as captured:
+        model[1].register_forward_hook(keep_output)
+        weight_handle = model[0].weight.register_hook(lambda grad: seen.append(("weight", grad.clone())))
+        loss = model(torch.randn(3, 4)).pow(2).sum()
+        tanh_output = between["tanh"]
+        tanh_output.retain_grad()
+        loss.backward()
+        captured.handle.step()
+        assert [name for name, _ in seen] == ["tanh", "weight"]
+        assert torch.equal(seen[0][1], tanh_output.grad) and torch.equal(seen[1][1], model[0].weight.grad)
+        assert captured.span("1 backward").attributes["torchtrace.grad_output.0.norm"] == pytest.approx(
+            float(torch.linalg.vector_norm(tanh_output.grad))
+        )
+        # what is left on the tensors is the user's own (and retain_grad's), theirs to remove
+        assert len(model[0].weight._backward_hooks) == 1
+        weight_handle.remove()
+        between["handle"].remove()
+        assert not model[0].weight._backward_hooks
+
+
+def test_a_tensor_subclass_output_gets_its_backward_span_through_its_own_register_hook():
+    class Tagged(torch.Tensor):
+        registered = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.register_hook:
+                cls.registered += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class TaggedTanh(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x).as_subclass(Tagged)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), TaggedTanh(), nn.Linear(8, 2))
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        captured.handle.step()
+        assert Tagged.registered >= 1
+        assert captured.span("1 backward").end_time <= captured.span("0 backward").start_time
