@@ -176,6 +176,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             if parent_position >= 0:
                 depth[position] = depth[parent_position] + 1
     flat = _flat_row_attributes(forward, modules) if _may_be_row_calls(forward) else None
+    if flat is None and not forward.extras and forward.output_stats:
+        flat = _flat_output_attributes(forward, modules)
     if flat is not None:
         batch.set_flat_attributes(*flat)
     else:
@@ -307,6 +309,26 @@ def _row_call(info: ModuleInfo, stats: dict, table: StatTable, table_values: lis
     first = values.pop() * width
     values += table_values[first : first + width]
     return keys, values
+
+
+def _flat_output_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
+    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their output's statistics, not all
+    of them table rows (a training step's large activations, summarised in the hook): built flat, as a step's
+    backward spans are, without a dict a call (``_attributes`` makes the same attributes as dicts)."""
+    all_stats, module_of, table = forward.output_stats, forward.module, forward.stat_table
+    counts: list[int] = []
+    keys: list[str] = []
+    values: list = []
+    for position, index in enumerate(module_of):
+        info = modules[index]
+        before = len(keys)
+        keys += _CALL_KEYS
+        values += (info.path, info.type_name)
+        stats = all_stats.get(position)
+        if stats is not None:  # else: a call that returned no tensor
+            _tensor_items(keys, values, OUTPUT_PREFIX, "", stats, table)
+        counts.append(len(keys) - before)
+    return interned(tuple(counts)), interned(tuple(keys)), tuple(values)
 
 
 def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict | None]:
