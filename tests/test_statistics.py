@@ -293,6 +293,17 @@ def test_property_large_float32_statistics_equal_torch_in_one_pass(n, seed, scal
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
 
 
+@pytest.mark.parametrize("scale", [1e-20, 1e-30])
+def test_a_large_float32_tensor_of_tiny_values_keeps_its_exact_norm(scale, passes):
+    """A vanishing gradient: float32 squares of such values flush to zero (torch's own float32 norm is 0.0 at
+    1e-30); the statistics are those of the values in float64."""
+    tensor = torch.randn(20_000, generator=torch.Generator().manual_seed(7)) * scale
+    got = output_attributes(tensor)
+    assert got["norm"] == pytest.approx(torch.linalg.vector_norm(tensor.double()).item(), rel=1e-6, abs=0)
+    assert got["std"] == pytest.approx(tensor.double().std().item(), rel=1e-6, abs=0)
+    assert got["mean"] == pytest.approx(tensor.double().mean().item(), rel=1e-5, abs=0)  # numpy's: a torch sum
+
+
 @pytest.mark.parametrize("repeat", [1, 5000], ids=["small", "large"])
 def test_float64_with_a_large_mean_and_a_tiny_spread_keeps_its_std(repeat, passes):
     tensor = torch.tensor([1e8, 1e8 + 1e-3, 1e8 - 1e-3, 1e8], dtype=torch.float64).repeat(repeat)

@@ -140,6 +140,10 @@ REDUCE(reduce_double, double)
 REDUCE_BLOCKS(reduce_float_blocks, float)
 REDUCE_BLOCKS(reduce_double_blocks, double)
 
+/* Below this magnitude float32 squares lose precision (FLT_MIN is 1.2e-38) or flush to zero, which double
+   accumulation does not: a tensor of such values only (a vanishing gradient) takes the lane loop throughout. */
+#define TINY_FLOAT32 1e-15
+
 /* The n values from position `first` at address, float64 or float32: whole blocks first (a large tensor), the
    rest (all of a small tensor's row) lane by lane. */
 static void reduce_values(const void *address, int64_t first, int64_t n, int is_double, double *out) {
@@ -148,6 +152,7 @@ static void reduce_values(const void *address, int64_t first, int64_t n, int is_
     if (n >= BLOCK_LANES * BLOCK) {
         done = is_double ? reduce_double_blocks((const double *)address + first, n, blocks)
                          : reduce_float_blocks((const float *)address + first, n, blocks);
+        if (!is_double && fabs(blocks[2]) < TINY_FLOAT32 && fabs(blocks[3]) < TINY_FLOAT32) done = 0;
         if (done == n) {
             memcpy(out, blocks, sizeof blocks);
             return;

@@ -594,6 +594,9 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
     low, high = float(values.min()), float(values.max())  # NaN if any is NaN, as torch.aminmax
     with np.errstate(all="ignore"):  # a float32 square past 3.4e38 is inf, as in torch; never a warning
         squares = float(values @ values)
+    if squares < _TINY_SQUARES and values.dtype != np.float64:
+        # float32 squares of values below ~1e-19 lose precision, below ~1e-23 flush to zero (a vanishing gradient)
+        squares = float(np.dot(values, values.astype(np.float64)))
     nan_count = inf_count = 0
     if not math.isfinite(squares):  # a NaN or Inf somewhere (or x*x overflowed): only now pay for the counts
         nan_count = int(np.count_nonzero(np.isnan(values)))
@@ -601,6 +604,9 @@ def _passes(x: torch.Tensor, n: int, count_zeros: bool) -> tuple[float, float, f
     # NaN != 0, as count_nonzero counts it; -0.0 == 0
     nonzero = int(np.count_nonzero(values != 0)) if count_zeros else n
     return mean, squares, low, high, nonzero, nan_count, inf_count
+
+
+_TINY_SQUARES = 1e-30  # a float32 sum of squares below this is taken again in float64
 
 
 def _flat_values(x: torch.Tensor) -> np.ndarray:
