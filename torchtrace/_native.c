@@ -89,8 +89,8 @@ REDUCE(reduce_double, double)
    values that is, 0 when n is less than one block). Each lane adds BLOCK values in the tensor's own type, then the
    block's partial sums go into double accumulators: float32 adds vectorise twice as wide as double ones (16384
    float32 values: 2.9 -> 1.3 us with reduce_float's tail, 2026-11-26), and a partial sum of 16 values is within a
-   few float32 ulps of exact, so the totals stay within parts per billion of numpy's float64 sums. A function of
-   its own: the lanes of a block in reduce_float's frame made every small tensor's row 9 ns slower. */
+   few float32 ulps of exact, so the totals stay within ~1e-7 of their magnitude (numpy's float64 sums). A
+   function of its own: the lanes of a block in reduce_float's frame made every small tensor's row 9 ns slower. */
 #define REDUCE_BLOCKS(NAME, T)                                                                                        \
     VECTOR_CLONES static int64_t NAME(const T *x, int64_t n, double *out) {                                           \
         double sums[LANES] = {0}, squares[LANES] = {0};                                                               \
