@@ -749,6 +749,50 @@ def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per
     assert batch.attributes[0]["torchtrace.output.norm"] == pytest.approx(outputs[-1].norm().item(), rel=1e-6)
 
 
+class PairAndNothing(nn.Module):
+    """Calls whose outputs are a tuple (as attention's (output, weights)), nothing, one large tensor and small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.quiet = nn.Identity()
+        self.wide = nn.Linear(16, 5000)
+        self.narrow = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attended, _ = self.attention(x, x, x)
+        self.quiet(None)
+        return self.wide(attended).sum() + self.narrow(attended).sum()
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_a_forward_of_tuple_outputs_and_large_tensors_is_resolved_flat_to_the_per_call_attributes(grad):
+    """Outputs that are tuples or large tensors (their statistics taken in the hook, not table rows) are resolved
+    straight to flat keys and values too: the calls' attributes equal the per-call path's, value types included."""
+    torch.manual_seed(0)
+    model = PairAndNothing()
+    x = torch.randn(2, 3, 16)
+    with torchtrace.instrument(model, exporter="none") as handle, torch.set_grad_enabled(grad):
+        dispatcher = handle._dispatcher
+        handle._recorder._resolve = None
+        with WORKER._condition:
+            model(x)
+            (forward,) = dispatcher.buffer.take_all()
+        assert forward.extras  # the attention's tuple and the quiet call's None are no single tensors
+        batch = resolve_forward(forward, dispatcher.modules)
+        assert batch._attributes[0] is None  # resolved flat: nothing made yet
+        per_call = _dispatch._attributes(forward, dispatcher.modules)
+        made = batch.attributes
+        for attributes, expected, call in zip(made, per_call, batch.calls(), strict=True):
+            expected = expected or {"torchtrace.module.path": call.path, "torchtrace.module.type": call.type_name}
+            assert attributes == expected
+            assert [type(value) for value in attributes.values()] == [type(value) for value in expected.values()]
+    attention = made[[call.path for call in batch.calls()].index("attention")]
+    assert attention["torchtrace.output.0.shape"] == (2, 3, 16)
+    wide = made[[call.path for call in batch.calls()].index("wide")]
+    assert wide["torchtrace.output.shape"] == (2, 3, 5000)
+
+
 def table_row_forward(layouts: list[tuple[str, ...]]) -> tuple[Any, list]:
     """A raw forward of len(layouts) calls of modules 0, 1, 0, 1, ..., call i's stats dict holding the keys of
     ``layouts[i]`` (then "_row": row n - 1 - i of a table of two columns), and the modules."""

@@ -176,7 +176,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             if parent_position >= 0:
                 depth[position] = depth[parent_position] + 1
     flat = _flat_row_attributes(forward, modules) if _may_be_row_calls(forward) else None
-    if flat is None and not forward.extras and forward.output_stats:
+    if flat is None and _only_output_summaries(forward):
         flat = _flat_output_attributes(forward, modules)
     if flat is not None:
         batch.set_flat_attributes(*flat)
@@ -311,11 +311,21 @@ def _row_call(info: ModuleInfo, stats: dict, table: StatTable, table_values: lis
     return keys, values
 
 
+def _only_output_summaries(forward: RawForward) -> bool:
+    """Whether the forward's attributes are its calls' outputs' statistics alone (no inputs summarised, no module
+    attributes): what ``_flat_output_attributes`` builds."""
+    extras = forward.extras
+    if not (forward.output_stats or extras):
+        return False
+    return all(slots[INPUTS] is None and slots[ATTRIBUTES] is None for slots in extras.values())
+
+
 def _flat_output_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
-    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their output's statistics, not all
-    of them table rows (a training step's large activations, summarised in the hook): built flat, as a step's
-    backward spans are, without a dict a call (``_attributes`` makes the same attributes as dicts)."""
-    all_stats, module_of, table = forward.output_stats, forward.module, forward.stat_table
+    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their outputs' statistics, not all
+    of them table rows (a training step's large activations, summarised in the hook; an attention's tuple output):
+    built flat, as a step's backward spans are, without a dict a call (``_attributes`` makes the same attributes as
+    dicts)."""
+    all_stats, all_extras, module_of, table = forward.output_stats, forward.extras, forward.module, forward.stat_table
     counts: list[int] = []
     keys: list[str] = []
     values: list = []
@@ -325,8 +335,11 @@ def _flat_output_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) 
         keys += _CALL_KEYS
         values += (info.path, info.type_name)
         stats = all_stats.get(position)
-        if stats is not None:  # else: a call that returned no tensor
+        if stats is not None:  # one tensor out
             _tensor_items(keys, values, OUTPUT_PREFIX, "", stats, table)
+        extras = all_extras.get(position)
+        if extras is not None:  # any other output (a tuple, a dict): its tensors by name; or none
+            _stat_items(keys, values, OUTPUT_PREFIX, extras[OUTPUTS], table)
         counts.append(len(keys) - before)
     return interned(tuple(counts)), interned(tuple(keys)), tuple(values)
 
