@@ -708,8 +708,8 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
 
 @pytest.fixture(params=["compiled", "python"])
 def row_values(request, monkeypatch):
-    """A forward of table-row calls resolved by ``torchtrace._native.row_call_values``, and call by call in Python
-    (an install without a C compiler)."""
+    """A forward of table-row calls resolved by ``torchtrace._native.row_call_values``, and in Python by
+    ``_flat_output_attributes`` (an install without a C compiler)."""
     if request.param == "compiled" and _dispatch._row_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     if request.param == "python":
@@ -815,14 +815,16 @@ def table_row_forward(layouts: list[tuple[str, ...]]) -> tuple[Any, list]:
 )
 def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_python(layouts, monkeypatch):
     """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row) get the
-    same counts, keys and values from the compiled loop as call by call, the counts and keys the same objects
-    (interned: blocks are matched by identity); count columns stay ints."""
+    same counts, keys and values from the compiled loop as from the Python one (``_flat_output_attributes``, what an
+    install without the compiled module takes), the counts and keys the same objects (interned: blocks are matched
+    by identity); count columns stay ints."""
     if _dispatch._row_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     forward, modules = table_row_forward(layouts)
     compiled = _dispatch._flat_row_attributes(forward, modules)
     monkeypatch.setattr(_dispatch, "_row_call_values", None)
-    python = _dispatch._flat_row_attributes(forward, modules)
+    assert _dispatch._flat_row_attributes(forward, modules) is None
+    python = _dispatch._flat_output_attributes(forward, modules)
     assert compiled == python
     assert compiled[0] is python[0] and compiled[1] is python[1]
     n, first = len(layouts), compiled[0][0]  # the first call: module 0, row n - 1 of the table

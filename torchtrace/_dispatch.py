@@ -11,7 +11,6 @@ import random
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from itertools import chain
 from typing import Any
 
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
@@ -242,27 +241,16 @@ def _may_be_row_calls(forward: RawForward) -> bool:
 
 def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple] | None:
     """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row (``_row_call``),
-    made without a dict per call: by the compiled module where it is built (the values in one C loop, the keys
-    once per layout; it checks the rows itself), else call by call. None: a call's statistics are not a row."""
-    all_stats, module_of = forward.output_stats, forward.module
-    table = forward.stat_table
-    if _row_call_values is not None:
-        made = _row_call_values(module_of, all_stats, *_names_of(modules), table.values, table.count_mask())
-        if made is not None:
-            values, runs = made
-            return (*_row_layout(runs, table), values)
-    if not all("_row" in stats for stats in all_stats.values()):
+    by the compiled module (the values in one C loop, the keys once per layout; it checks the rows itself). None
+    without it, or where a call's statistics are not a row: ``_flat_output_attributes`` then builds them in Python."""
+    if _row_call_values is None:
         return None
-    table_values, width = table.values_list(), table.width
-    call_keys = []
-    values: list = []
-    extend = values.extend
-    for position in range(len(module_of)):
-        keys, call_values = _row_call(modules[module_of[position]], all_stats[position], table, table_values, width)
-        call_keys.append(keys)
-        extend(call_values)
-    counts = interned(tuple(map(len, call_keys)))
-    return counts, interned(tuple(chain.from_iterable(call_keys))), tuple(values)
+    table = forward.stat_table
+    made = _row_call_values(forward.module, forward.output_stats, *_names_of(modules), table.values, table.count_mask())
+    if made is None:
+        return None
+    values, runs = made
+    return (*_row_layout(runs, table), values)
 
 
 # id(modules) -> (modules, their paths, their type names): the compiled loop's view of a handle's modules
