@@ -100,12 +100,13 @@ def test_latency_quick_reports_percentiles_and_full_collections_per_variant() ->
     report, stdout = run_benchmark("latency.py", "--quick", "--models", "linear8")
     assert set(report) == {"linear8", "duration_s"}
     variants = report["linear8"]["variants"]
-    assert set(variants) == {"untraced", "traced", "traced_gc_freeze"}
+    assert set(variants) == {"untraced", "empty_hooks", "traced", "traced_gc_freeze"}
     for name, values in variants.items():
         assert values["forwards"] > 0, name
         assert 0 < values["p50_ms"] <= values["p99_ms"] <= values["max_ms"], (name, values)
         assert isinstance(values["gen2"], int) and values["gen2_total_ms"] >= values["gen2_max_ms"] >= 0, name
-    assert math.isfinite(report["linear8"]["p99_ratio"])
+    for ratio in ("p99_ratio", "floor_p99_ratio", "p99_over_floor"):
+        assert math.isfinite(report["linear8"][ratio]), ratio
     assert "extra full collections per minute" in stdout
 
 

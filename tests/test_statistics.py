@@ -27,6 +27,7 @@ import torchtrace
 from torchtrace import _dispatch, _stats
 from torchtrace._dispatch import resolve_forward
 from torchtrace._handle import _live_handles
+from torchtrace._hooks import OUTPUTS
 from torchtrace._stats import StatComputer
 from torchtrace._worker import WORKER
 from torchtrace.testing import capture_spans
@@ -708,12 +709,12 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
 
 @pytest.fixture(params=["compiled", "python"])
 def row_values(request, monkeypatch):
-    """A forward of table-row calls resolved by ``torchtrace._native.row_call_values``, and in Python by
+    """A forward of table-row calls resolved by ``torchtrace._native.output_call_values``, and in Python by
     ``_flat_output_attributes`` (an install without a C compiler)."""
-    if request.param == "compiled" and _dispatch._row_call_values is None:
+    if request.param == "compiled" and _dispatch._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     if request.param == "python":
-        monkeypatch.setattr(_dispatch, "_row_call_values", None)
+        monkeypatch.setattr(_dispatch, "_output_call_values", None)
     return request.param
 
 
@@ -793,81 +794,137 @@ def test_a_forward_of_tuple_outputs_and_large_tensors_is_resolved_flat_to_the_pe
     assert wide["torchtrace.output.shape"] == (2, 3, 5000)
 
 
-def table_row_forward(layouts: list[tuple[str, ...]]) -> tuple[Any, list]:
-    """A raw forward of len(layouts) calls of modules 0, 1, 0, 1, ..., call i's stats dict holding the keys of
-    ``layouts[i]`` (then "_row": row n - 1 - i of a table of two columns), and the modules."""
+def test_an_encoder_layers_forward_with_attentions_tuple_output_is_resolved_by_the_compiled_loop():
+    """Attention returns (output, weights): with small tensors, every summary of the forward is a table row, named
+    or not, and the compiled loop resolves it to what the Python path makes."""
+    if _dispatch._output_call_values is None:
+        pytest.skip("torchtrace._native is not built here")
+    model = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
+    with torchtrace.instrument(model, exporter="none") as handle, torch.inference_mode():
+        handle._recorder._resolve = None
+        with WORKER._condition:
+            model(torch.randn(1, 4, 16))
+            (forward,) = handle._dispatcher.buffer.take_all()
+        compiled = _dispatch._compiled_output_attributes(forward, handle._dispatcher.modules)
+        python = _dispatch._flat_output_attributes(forward, handle._dispatcher.modules)
+    assert any(slots[OUTPUTS] for slots in forward.extras.values())  # the attention's tuple
+    assert compiled is not None and compiled == python
+    assert "torchtrace.output.0.mean" in compiled[1]
+
+
+def table_row_forward(layouts: list[tuple[str, ...] | dict[str, tuple[str, ...]]]) -> tuple[Any, list]:
+    """A raw forward of len(layouts) calls of modules 0, 1, 0, 1, ..., call i's summaries as ``layouts[i]`` says: a
+    tuple of stats keys for one bare tensor output, or {tensor name: stats keys} for a tuple's tensors ("" the bare
+    output, {} no tensor at all). Each stats dict holds its keys, then "_row": the table's rows given out last to
+    first, two columns; keys given as a list make a dict of values with no row (a large tensor's). And the modules."""
     from torchtrace._hooks import ModuleInfo, RawForward
 
     modules = [ModuleInfo("", "Net", 0), ModuleInfo("block", "Block", 1)]
-    n = len(layouts)
-    table = _stats.StatTable(np.arange(2.0 * n).reshape(n, 2), ("mean", "nan_count"))
-    forward = RawForward(None, 0, 0, module=[i % 2 for i in range(n)], parent=[-1, *[0] * (n - 1)])
-    for position, keys in enumerate(layouts):
-        forward.output_stats[position] = {**{key: f"{key}-{position}" for key in keys}, "_row": n - 1 - position}
-    forward.stat_table = table
+    calls = [layout if isinstance(layout, dict) else {"": layout} for layout in layouts]
+    rows = sum(isinstance(keys, tuple) for summaries in calls for keys in summaries.values())
+    forward = RawForward(None, 0, 0, module=[i % 2 for i in range(len(calls))], parent=[-1, *[0] * (len(calls) - 1)])
+    forward.stat_table = _stats.StatTable(np.arange(2.0 * rows).reshape(rows, 2), ("mean", "nan_count"))
+    for position, summaries in enumerate(calls):
+        for name, keys in summaries.items():
+            stats = {key: f"{key}-{position}" for key in keys}
+            if isinstance(keys, tuple):
+                rows -= 1
+                stats["_row"] = rows
+            if name:
+                forward.set_extra(position, OUTPUTS, {**(forward.extra(position, OUTPUTS) or {}), name: stats})
+            else:
+                forward.output_stats[position] = stats
     return forward, modules
 
 
 @pytest.mark.parametrize(
     "layouts",
-    [[("shape", "dtype")] * 4, [("shape", "dtype"), ("shape",), ("shape",), ("dtype", "shape"), ()] * 3, [()]],
-    ids=["one-layout", "runs-of-layouts", "row-only"],
-)
+    [
+        [("shape", "dtype")] * 4,
+        [("shape", "dtype"), ("shape",), ("shape",), ("dtype", "shape"), ()] * 3,
+        [()],
+        [("shape",), {"0": ("shape",)}, {"0": ("shape",)}, {"0": ("shape",), "1": ("shape",)}, {}, {},
+         {"": ("shape",), "0": ("dtype",)}, {"1": ("shape",)}, ("shape",)],
+        [("shape",), ["shape", "mean", "nan_count"], ["shape", "mean", "nan_count"], {"0": ["shape", "std"]},
+         {"": ("shape",), "1": ["mean"]}, {"": ["mean"], "1": ("shape",)}, ("shape",)],
+    ],
+    ids=["one-layout", "runs-of-layouts", "row-only", "tuples-and-nothing", "large-tensors"],
+)  # fmt: skip
 def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_python(layouts, monkeypatch):
-    """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row) get the
-    same counts, keys and values from the compiled loop as from the Python one (``_flat_output_attributes``, what an
-    install without the compiled module takes), the counts and keys the same objects (interned: blocks are matched
-    by identity); count columns stay ints."""
-    if _dispatch._row_call_values is None:
+    """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row), whose
+    outputs are tuples of tensors (named summaries, with or without a bare one) or no tensor, or large tensors (a
+    dict of values, no row), get the same counts,
+    keys and values from the compiled loop as from the Python one (``_flat_output_attributes``, what an install
+    without the compiled module takes), the counts and keys the same objects (interned: blocks are matched by
+    identity); count columns stay ints."""
+    if _dispatch._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     forward, modules = table_row_forward(layouts)
-    compiled = _dispatch._flat_row_attributes(forward, modules)
-    monkeypatch.setattr(_dispatch, "_row_call_values", None)
-    assert _dispatch._flat_row_attributes(forward, modules) is None
+    compiled = _dispatch._compiled_output_attributes(forward, modules)
+    monkeypatch.setattr(_dispatch, "_output_call_values", None)
+    assert _dispatch._compiled_output_attributes(forward, modules) is None
     python = _dispatch._flat_output_attributes(forward, modules)
     assert compiled == python
     assert compiled[0] is python[0] and compiled[1] is python[1]
-    n, first = len(layouts), compiled[0][0]  # the first call: module 0, row n - 1 of the table
+    first = compiled[0][0]  # the first call: module 0, the table's last row
+    rows = forward.stat_table.values.shape[0]
     assert compiled[1][:first] == (
         "torchtrace.module.path",
         "torchtrace.module.type",
         *(f"torchtrace.output.{key}" for key in (*layouts[0], "mean", "nan_count")),
     )
-    assert compiled[2][:first] == ("", "Net", *(f"{key}-0" for key in layouts[0]), 2.0 * n - 2, 2 * n - 1)
+    assert compiled[2][:first] == ("", "Net", *(f"{key}-0" for key in layouts[0]), 2.0 * rows - 2, 2 * rows - 1)
     assert type(compiled[2][first - 1]) is int  # a count column
 
 
 @pytest.mark.parametrize(
     "odd",
-    ["row-out-of-range", "row-not-int", "row-not-last", "no-stats", "module-out-of-range", "float32-table",
-     "strided-table"],
+    ["row-out-of-range", "row-not-int", "row-not-last", "stats-not-dict", "module-out-of-range", "float32-table",
+     "strided-table", "named-not-dict", "on-a-device", "marker-name", "outputs-not-dict", "extras-not-list"],
 )  # fmt: skip
 def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     """The compiled loop answers None (the caller's Python path then resolves the forward) for anything but the
     form it is made for, never a wrong value or a crash."""
-    if _dispatch._row_call_values is None:
+    from torchtrace._hooks import TRUNCATED
+
+    if _dispatch._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
-    forward, modules = table_row_forward([("shape",)] * 3)
+    forward, modules = table_row_forward([("shape",), {"0": ("shape",)}, ("shape",)])
     stats = forward.output_stats
+
+    def made() -> Any:
+        table = forward.stat_table
+        return _dispatch._output_call_values(
+            forward.module, stats, forward.extras, OUTPUTS, *_dispatch._names_of(modules), table.values,
+            table.count_mask(),
+        )  # fmt: skip
+
+    assert made() is not None  # the form it is made for
     if odd == "row-out-of-range":
-        stats[1]["_row"] = 3
+        stats[2]["_row"] = 3
     elif odd == "row-not-int":
-        stats[1]["_row"] = 1.0
+        stats[2]["_row"] = 1.0
     elif odd == "row-not-last":
-        stats[1] = {"_row": 1, "shape": (1,)}
-    elif odd == "no-stats":
-        del stats[2]
+        stats[2] = {"_row": 1, "shape": (1,)}
+    elif odd == "stats-not-dict":
+        stats[2] = None
     elif odd == "float32-table":
         forward.stat_table.values = forward.stat_table.values.astype(np.float32)
     elif odd == "strided-table":
         forward.stat_table.values = np.asfortranarray(forward.stat_table.values)
+    elif odd == "named-not-dict":
+        forward.extra(1, OUTPUTS)["0"] = None
+    elif odd == "on-a-device":  # a large tensor's statistics still in a device row
+        stats[2] = {"shape": (1,), "_pending": (None, 0, 1, (), False)}
+    elif odd == "marker-name":
+        forward.extra(1, OUTPUTS)[TRUNCATED] = {"truncated": True}
+    elif odd == "outputs-not-dict":
+        forward.set_extra(1, OUTPUTS, [{"_row": 0}])
+    elif odd == "extras-not-list":
+        forward.extras[1] = tuple(forward.extras[1])
     else:
         forward.module[1] = 7
-    table = forward.stat_table
-    made = _dispatch._row_call_values(
-        forward.module, stats, *_dispatch._names_of(modules), table.values, table.count_mask()
-    )
-    assert made is None
+    assert made() is None
 
 
 def test_a_forwards_times_and_depths_are_the_same_compiled_and_in_python(monkeypatch):

@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace import _signals
@@ -39,9 +40,9 @@ from torchtrace._worker import WORKER
 
 try:
     from torchtrace._native import call_columns as _call_columns
-    from torchtrace._native import row_call_values as _row_call_values
+    from torchtrace._native import output_call_values as _output_call_values
 except ImportError:  # not built (no C compiler at install): the Python loops make the same values
-    _row_call_values = _call_columns = None
+    _output_call_values = _call_columns = None
 
 _logger = logging.getLogger(__name__)
 
@@ -174,9 +175,9 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             parent_position = parents[position]
             if parent_position >= 0:
                 depth[position] = depth[parent_position] + 1
-    flat = _flat_row_attributes(forward, modules) if _may_be_row_calls(forward) else None
-    if flat is None and _only_output_summaries(forward):
-        flat = _flat_output_attributes(forward, modules)
+    flat = None
+    if _only_output_summaries(forward):
+        flat = _compiled_output_attributes(forward, modules) or _flat_output_attributes(forward, modules)
     if flat is not None:
         batch.set_flat_attributes(*flat)
     else:
@@ -232,31 +233,32 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     return starts, ends
 
 
-def _may_be_row_calls(forward: RawForward) -> bool:
-    """Whether the forward may be the usual one with statistics: every call returned one tensor, and has nothing
-    else (no extras); whether each tensor's statistics are a row of the forward's table, ``_flat_row_attributes``
-    finds out."""
-    return forward.stat_table is not None and not forward.extras and len(forward.output_stats) == len(forward.module)
-
-
-def _flat_row_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple] | None:
-    """``CallBatch.flat_attributes()`` of a forward whose every call's statistics are a table row (``_row_call``),
-    by the compiled module (the values in one C loop, the keys once per layout; it checks the rows itself). None
-    without it, or where a call's statistics are not a row: ``_flat_output_attributes`` then builds them in Python."""
-    if _row_call_values is None:
+def _compiled_output_attributes(
+    forward: RawForward, modules: Sequence[ModuleInfo]
+) -> tuple[tuple, tuple, tuple] | None:
+    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their outputs' statistics (a bare
+    tensor's, a tuple's tensors'; table rows or dicts of values), by the compiled module (the values in one C loop,
+    the keys once per layout; it checks the form itself). None without it, or where a summary has another form
+    (still on a device, a marker): ``_flat_output_attributes`` then builds them in Python."""
+    if _output_call_values is None:
         return None
-    table = forward.stat_table
-    made = _row_call_values(forward.module, forward.output_stats, *_names_of(modules), table.values, table.count_mask())
+    table = forward.stat_table or _NO_TABLE
+    made = _output_call_values(
+        forward.module, forward.output_stats, forward.extras, OUTPUTS, *_names_of(modules), table.values,
+        table.count_mask(),
+    )  # fmt: skip
     if made is None:
         return None
     values, runs = made
-    return (*_row_layout(runs, table), values)
+    return (*_output_layout(runs, table), values)
 
+
+_NO_TABLE = StatTable(np.empty((0, 0)), ())  # a forward with no small tensors: no row to read
 
 # id(modules) -> (modules, their paths, their type names): the compiled loop's view of a handle's modules
 _module_names: dict[int, tuple[Sequence[ModuleInfo], list[str], list[str]]] = {}
-# (the stats keys of a forward's calls as (count, keys) runs, the table's columns) -> (counts, keys) of its calls
-_row_layouts: dict[tuple, tuple[tuple, tuple]] = {}
+# (a forward's calls' layouts as (count, layout) runs, the table's columns) -> (counts, keys) of its calls
+_output_layouts: dict[tuple, tuple[tuple, tuple]] = {}
 
 
 def _names_of(modules: Sequence[ModuleInfo]) -> tuple[list[str], list[str]]:
@@ -270,22 +272,26 @@ def _names_of(modules: Sequence[ModuleInfo]) -> tuple[list[str], list[str]]:
     return cached[1], cached[2]
 
 
-def _row_layout(runs: tuple[tuple[int, tuple], ...], table: StatTable) -> tuple[tuple, tuple]:
-    """(each call's number of attributes, all their keys) of a forward of row calls whose stats keys come in
-    ``runs``: what ``_row_call`` gives call by call, made once per layout (interned, as ``flat_attributes``)."""
+def _output_layout(runs: tuple[tuple[int, tuple], ...], table: StatTable) -> tuple[tuple, tuple]:
+    """(each call's number of attributes, all their keys) of a forward whose calls' layouts come in ``runs``
+    ((count, ((tensor name, or None for the bare output, its stats keys), ...)): what ``_flat_output_attributes``
+    gives call by call, made once per layout (interned, as ``flat_attributes``)."""
     key = (runs, table.columns)
-    layout = _row_layouts.get(key)
+    layout = _output_layouts.get(key)
     if layout is None:
-        if len(_row_layouts) > 10_000:  # layouts that never repeat: stay bounded
-            _row_layouts.clear()
+        if len(_output_layouts) > 10_000:  # layouts that never repeat: stay bounded
+            _output_layouts.clear()
         counts: list[int] = []
         keys: list[str] = []
-        for count, stat_keys in runs:
-            call_keys = _keys_of(_row_call_keys, stat_keys, OUTPUT_PREFIX, "", dict.fromkeys(stat_keys), table,
-                                 _CALL_KEYS)  # fmt: skip
+        for count, summaries in runs:
+            call_keys = [*_CALL_KEYS]
+            for name, stat_keys in summaries:
+                name = name or ""
+                call_keys += _keys_of(_prefixed_keys, (OUTPUT_PREFIX, name, *stat_keys), OUTPUT_PREFIX, name,
+                                      dict.fromkeys(stat_keys), table)  # fmt: skip
             counts += [len(call_keys)] * count
             keys += call_keys * count
-        layout = _row_layouts[key] = (interned(tuple(counts)), interned(tuple(keys)))
+        layout = _output_layouts[key] = (interned(tuple(counts)), interned(tuple(keys)))
     return layout
 
 
@@ -309,10 +315,10 @@ def _only_output_summaries(forward: RawForward) -> bool:
 
 
 def _flat_output_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> tuple[tuple, tuple, tuple]:
-    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their outputs' statistics, not all
-    of them table rows (a training step's large activations, summarised in the hook; an attention's tuple output):
-    built flat, as a step's backward spans are, without a dict a call (``_attributes`` makes the same attributes as
-    dicts)."""
+    """``CallBatch.flat_attributes()`` of a forward whose calls hold nothing but their outputs' statistics (table
+    rows, a large tensor's values summarised in the hook, an attention's tuple output), in Python: where the compiled
+    module is not built, or a summary has a form it steps aside for. Built flat, as a step's backward spans are,
+    without a dict a call (``_attributes`` makes the same attributes as dicts)."""
     all_stats, all_extras, module_of, table = forward.output_stats, forward.extras, forward.module, forward.stat_table
     counts: list[int] = []
     keys: list[str] = []

@@ -363,15 +363,70 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
     return t;
 }
 
-/* row_call_values(module_of, output_stats, paths, types, table, counts): the flat attribute values of a forward
-   whose every call's statistics are a row of its StatTable, in call order: per call its module's path and type,
-   its stats dict's values but the last (shape, dtype, ...), then its row of ``table`` (the table's float64 values,
-   rows x columns) in place of the last ("_row": the row's index), as floats, or as ints in the columns that
-   ``counts`` (a byte per column) marks. Returns (values, runs): ``runs`` the calls' stats keys as (count, keys) for each
-   stretch of consecutive calls whose dicts have the same keys (the same key objects, in the same order), from
-   which the caller makes the attribute keys once per layout. None where a forward does not have that form (a
-   missing stats dict, a row that is not an int index into the table): the caller then takes its Python path. The
-   per-call Python it replaces cost ~1 us a call (2026-11-25). */
+/* output_call_values(module_of, output_stats, extras, outputs_slot, paths, types, table, counts): the flat attribute
+   values of a forward whose calls hold nothing but their outputs' statistics, in call order: per call its module's
+   path and type, then for each of its summaries (its bare tensor output's stats dict from ``output_stats``, then
+   the named ones of ``extras[position][outputs_slot]``: a tuple's, a dict's) the stats dict's values; where the
+   dict is a row of the forward's StatTable (its last item "_row": the row's index) its values but that one, then
+   the row of ``table`` (float64 values, rows x columns) in its place, as floats, or as ints in the columns that
+   ``counts`` (a byte per column) marks. A call with neither (it returned no tensor) has its path and type only.
+   The caller has checked that no call has other attributes (inputs, module attributes). Returns (values, runs):
+   ``runs`` the calls' layouts as (count, layout) for each stretch of consecutive calls of the same layout, a layout
+   being ((name or None for the bare output, stats keys), ...), from which the caller makes the attribute keys once
+   per layout. None where a forward does not have that form (a summary that is no dict, still on a device, a name
+   that is not a str): the caller then takes its Python path. The per-call Python it replaces cost ~1 us a call
+   (2026-11-25), ~3 us a call at a forward's end (2026-11-26). */
+typedef struct {
+    PyObject *name;  /* NULL: the bare output */
+    PyObject *stats; /* held */
+    Py_ssize_t row;  /* -1: a dict of values, no row */
+    Py_ssize_t size; /* the dict's, as counted (a finalizer run meanwhile could change the dict) */
+} RowSummary;
+
+typedef struct {
+    RowSummary *items;
+    Py_ssize_t count, capacity;
+} RowSummaries;
+
+/* Appends a summary: a table row (a non-empty dict whose last item is "_row": an int index into the table) or a
+   dict of values (a large tensor's, summarised in the hook; not one still on a device: "_pending"): 1; 0 if it is
+   neither; -1 on an error. */
+static int add_summary(RowSummaries *summaries, PyObject *name, PyObject *stats, Py_ssize_t rows_in_table) {
+    if (!PyDict_Check(stats) || PyDict_GET_SIZE(stats) == 0) return 0;
+    Py_ssize_t i = 0, row = -1;
+    PyObject *last_key = NULL, *last = NULL;
+    while (PyDict_Next(stats, &i, &last_key, &last)) {
+    }
+    if (PyUnicode_Check(last_key) && PyUnicode_CompareWithASCIIString(last_key, "_row") == 0) {
+        row = PyLong_CheckExact(last) ? PyLong_AsSsize_t(last) : -1;
+        if (row < 0 || row >= rows_in_table) {
+            PyErr_Clear();
+            return 0;
+        }
+    } else {
+        /* borrowed; a "_row" anywhere but last is no form of ours */
+        if (PyDict_GetItemString(stats, "_pending") != NULL || PyDict_GetItemString(stats, "_row") != NULL ||
+            PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    if (summaries->count == summaries->capacity) {
+        Py_ssize_t capacity = summaries->capacity * 2 + 16;
+        RowSummary *items = PyMem_Realloc(summaries->items, sizeof(RowSummary) * (size_t)capacity);
+        if (items == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        summaries->items = items;
+        summaries->capacity = capacity;
+    }
+    /* held: a collection while the values are made may run finalizers */
+    summaries->items[summaries->count++] = (RowSummary){Py_XNewRef(name), Py_NewRef(stats), row,
+                                                        PyDict_GET_SIZE(stats)};
+    return 1;
+}
+
 static int same_keys(PyObject *a, PyObject *b) {
     if (PyDict_GET_SIZE(a) != PyDict_GET_SIZE(b)) return 0;
     Py_ssize_t i = 0, j = 0;
@@ -382,109 +437,164 @@ static int same_keys(PyObject *a, PyObject *b) {
     return 1;
 }
 
-static int add_run(PyObject *runs, Py_ssize_t count, PyObject *stats) {
-    PyObject *keys = PyDict_Keys(stats);
-    if (keys == NULL) return -1;
-    PyObject *run = Py_BuildValue("(nN)", count, PyList_AsTuple(keys));
-    Py_DECREF(keys);
+/* Whether two calls' summaries (``count`` each) have the same names and the same stats keys: 1, 0, or -1. */
+static int same_layout(const RowSummary *a, const RowSummary *b, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if ((a[k].name == NULL) != (b[k].name == NULL) || !same_keys(a[k].stats, b[k].stats)) return 0;
+        if (a[k].name != NULL && a[k].name != b[k].name) {
+            int equal = PyObject_RichCompareBool(a[k].name, b[k].name, Py_EQ);
+            if (equal <= 0) return equal;
+        }
+    }
+    return 1;
+}
+
+static int add_run(PyObject *runs, Py_ssize_t count, const RowSummary *summaries, Py_ssize_t n_summaries) {
+    PyObject *layout = PyTuple_New(n_summaries);
+    if (layout == NULL) return -1;
+    for (Py_ssize_t k = 0; k < n_summaries; k++) {
+        PyObject *keys = PyDict_Keys(summaries[k].stats);
+        PyObject *key_tuple = keys != NULL ? PyList_AsTuple(keys) : NULL;
+        Py_XDECREF(keys);
+        /* "N" steals both, also when the other is NULL (an error set: then no entry) */
+        PyObject *entry = key_tuple != NULL ? Py_BuildValue("(ON)", summaries[k].name != NULL ? summaries[k].name
+                                                                                               : Py_None, key_tuple)
+                                            : NULL;
+        if (entry == NULL) {
+            Py_DECREF(layout);
+            return -1;
+        }
+        PyTuple_SET_ITEM(layout, k, entry);
+    }
+    PyObject *run = Py_BuildValue("(nN)", count, layout);
     if (run == NULL) return -1;
     int failed = PyList_Append(runs, run);
     Py_DECREF(run);
     return failed;
 }
 
-static PyObject *row_call_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 6, "row_call_values(module_of, output_stats, paths, types, table, counts)")) return NULL;
-    PyObject *module_of = args[0], *all_stats = args[1], *paths = args[2], *types = args[3];
-    if (!PyList_Check(module_of) || !PyDict_Check(all_stats) || !PyList_Check(paths) || !PyList_Check(types) ||
-        !PyBytes_Check(args[5]))
+    if (!takes(nargs, 8, "output_call_values(module_of, output_stats, extras, outputs_slot, paths, types, table, counts)"))
+        return NULL;
+    PyObject *module_of = args[0], *all_stats = args[1], *all_extras = args[2], *paths = args[4], *types = args[5];
+    Py_ssize_t outputs_slot = PyLong_Check(args[3]) ? PyLong_AsSsize_t(args[3]) : -1;
+    if (outputs_slot < 0 || !PyList_Check(module_of) || !PyDict_Check(all_stats) || !PyDict_Check(all_extras) ||
+        !PyList_Check(paths) || !PyList_Check(types) || !PyBytes_Check(args[7])) {
+        PyErr_Clear();
         Py_RETURN_NONE;
+    }
     Py_buffer table;
-    if (PyObject_GetBuffer(args[4], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) { /* not a plain array */
+    if (PyObject_GetBuffer(args[6], &table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) { /* not a plain array */
         PyErr_Clear();
         Py_RETURN_NONE;
     }
     if (table.ndim != 2 || table.itemsize != 8 || table.format == NULL || strcmp(table.format, "d") != 0 ||
-        PyBytes_GET_SIZE(args[5]) != table.shape[1]) {
+        PyBytes_GET_SIZE(args[7]) != table.shape[1]) {
         PyBuffer_Release(&table);
         Py_RETURN_NONE;
     }
     const double *cells = table.buf;
-    const char *counts = PyBytes_AS_STRING(args[5]);
+    const char *counts = PyBytes_AS_STRING(args[7]);
     Py_ssize_t width = table.shape[1], rows_in_table = table.shape[0];
-    Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0, held = 0;
-    PyObject **stats_of = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n ? n : 1));
-    Py_ssize_t *row_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0;
+    RowSummaries summaries = {NULL, 0, 0};
+    Py_ssize_t *first_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1)); /* call -> its first summary */
     PyObject *values = NULL, *runs = NULL, *result = NULL;
-    if (PyList_GET_SIZE(types) != n_modules) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    if (stats_of == NULL || row_of == NULL) {
+    if (first_of == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    if (PyList_GET_SIZE(types) != n_modules) goto not_rows;
     for (Py_ssize_t position = 0; position < n; position++) { /* the sizes, and the form checked */
         PyObject *index = PyList_GET_ITEM(module_of, position);
         Py_ssize_t module_index = PyLong_Check(index) ? PyLong_AsSsize_t(index) : -1;
+        if (module_index < 0 || module_index >= n_modules) goto not_rows;
+        first_of[position] = summaries.count;
         PyObject *key = PyLong_FromSsize_t(position);
         if (key == NULL) goto done;
         PyObject *stats = PyDict_GetItemWithError(all_stats, key); /* borrowed */
+        PyObject *extras = stats != NULL || !PyErr_Occurred() ? PyDict_GetItemWithError(all_extras, key) : NULL;
         Py_DECREF(key);
-        if (stats == NULL && PyErr_Occurred()) goto done;
-        if (module_index < 0 || module_index >= n_modules || stats == NULL || !PyDict_Check(stats) ||
-            PyDict_GET_SIZE(stats) == 0) {
-            PyErr_Clear();
-            result = Py_NewRef(Py_None);
-            goto done;
+        if (PyErr_Occurred()) goto done;
+        if (stats != NULL) {
+            int added = add_summary(&summaries, NULL, stats, rows_in_table);
+            if (added < 0) goto done;
+            if (!added) goto not_rows;
         }
-        Py_ssize_t i = 0, size = PyDict_GET_SIZE(stats);
-        PyObject *last_key = NULL, *last = NULL;
-        while (PyDict_Next(stats, &i, &last_key, &last)) {
+        PyObject *outputs = NULL;
+        if (extras != NULL) {
+            if (!PyList_Check(extras) || PyList_GET_SIZE(extras) <= outputs_slot) goto not_rows;
+            outputs = PyList_GET_ITEM(extras, outputs_slot);
         }
-        Py_ssize_t row = PyLong_CheckExact(last) ? PyLong_AsSsize_t(last) : -1;
-        if (row < 0 || row >= rows_in_table || !PyUnicode_Check(last_key) ||
-            PyUnicode_CompareWithASCIIString(last_key, "_row") != 0) {
-            PyErr_Clear();
-            result = Py_NewRef(Py_None);
-            goto done;
+        if (outputs != NULL && outputs != Py_None) {
+            if (!PyDict_Check(outputs)) goto not_rows;
+            Py_ssize_t i = 0;
+            PyObject *name, *named_stats;
+            while (PyDict_Next(outputs, &i, &name, &named_stats)) {
+                if (!PyUnicode_CheckExact(name)) goto not_rows; /* a marker (truncated, a feature's error) */
+                int added = add_summary(&summaries, name, named_stats, rows_in_table);
+                if (added < 0) goto done;
+                if (!added) goto not_rows;
+            }
         }
-        stats_of[held++] = Py_NewRef(stats); /* held: a collection while the values are made may run finalizers */
-        row_of[position] = row;
-        total += 2 + (size - 1) + width;
+        total += 2;
+        for (Py_ssize_t k = first_of[position]; k < summaries.count; k++)
+            total += summaries.items[k].row >= 0 ? summaries.items[k].size - 1 + width : summaries.items[k].size;
     }
+    first_of[n] = summaries.count;
     values = PyTuple_New(total);
     runs = PyList_New(0);
     if (values == NULL || runs == NULL) goto done;
     Py_ssize_t at = 0, run = 0;
     for (Py_ssize_t position = 0; position < n; position++) {
-        PyObject *stats = stats_of[position], *key, *value;
         Py_ssize_t module_index = PyLong_AsSsize_t(PyList_GET_ITEM(module_of, position));
         PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(paths, module_index)));
         PyTuple_SET_ITEM(values, at++, Py_NewRef(PyList_GET_ITEM(types, module_index)));
-        Py_ssize_t i = 0, left = PyDict_GET_SIZE(stats) - 1;
-        while (left-- > 0 && PyDict_Next(stats, &i, &key, &value)) PyTuple_SET_ITEM(values, at++, Py_NewRef(value));
-        for (Py_ssize_t j = 0, first = row_of[position] * width; j < width; j++) {
-            PyObject *cell = counts[j] ? PyLong_FromDouble(cells[first + j]) : PyFloat_FromDouble(cells[first + j]);
-            if (cell == NULL) goto done;
-            PyTuple_SET_ITEM(values, at++, cell);
+        Py_ssize_t first = first_of[position], count = first_of[position + 1] - first;
+        for (Py_ssize_t k = first; k < first + count; k++) {
+            PyObject *stats = summaries.items[k].stats, *key, *value;
+            Py_ssize_t i = 0, row = summaries.items[k].row, left = summaries.items[k].size - (row >= 0);
+            while (left > 0 && PyDict_Next(stats, &i, &key, &value)) {
+                PyTuple_SET_ITEM(values, at++, Py_NewRef(value));
+                left--;
+            }
+            if (left) goto not_rows; /* the dict shrank meanwhile */
+            for (Py_ssize_t j = 0, cell_at = row * width; row >= 0 && j < width; j++) {
+                double cell_value = cells[cell_at + j];
+                PyObject *cell = counts[j] ? PyLong_FromDouble(cell_value) : PyFloat_FromDouble(cell_value);
+                if (cell == NULL) goto done;
+                PyTuple_SET_ITEM(values, at++, cell);
+            }
         }
-        if (position && !same_keys(stats_of[position - 1], stats)) {
-            if (add_run(runs, run, stats_of[position - 1]) < 0) goto done;
-            run = 0;
+        if (position) {
+            Py_ssize_t previous = first_of[position - 1], previous_count = first - previous;
+            int same = previous_count == count ? same_layout(summaries.items + previous, summaries.items + first, count)
+                                               : 0;
+            if (same < 0) goto done;
+            if (!same) {
+                if (add_run(runs, run, summaries.items + previous, previous_count) < 0) goto done;
+                run = 0;
+            }
         }
         run++;
     }
-    if (n && add_run(runs, run, stats_of[n - 1]) < 0) goto done;
+    if (n && add_run(runs, run, summaries.items + first_of[n - 1], first_of[n] - first_of[n - 1]) < 0) goto done;
     result = Py_BuildValue("(NN)", values, PyList_AsTuple(runs));
     values = NULL;
+    goto done;
+not_rows:
+    PyErr_Clear();
+    result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(values);
     Py_XDECREF(runs);
-    for (Py_ssize_t i = 0; i < held; i++) Py_DECREF(stats_of[i]);
-    PyMem_Free(stats_of);
-    PyMem_Free(row_of);
+    for (Py_ssize_t k = 0; k < summaries.count; k++) {
+        Py_XDECREF(summaries.items[k].name);
+        Py_DECREF(summaries.items[k].stats);
+    }
+    PyMem_Free(summaries.items);
+    PyMem_Free(first_of);
     PyBuffer_Release(&table);
     return result;
 }
@@ -780,8 +890,9 @@ static PyMethodDef methods[] = {
     {"stat_rows", (PyCFunction)(void (*)(void))stat_rows, METH_FASTCALL,
      "stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: each row's statistics as a table"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
-    {"row_call_values", (PyCFunction)(void (*)(void))row_call_values, METH_FASTCALL,
-     "row_call_values(module_of, output_stats, paths, types, table, counts) -> (values, runs) or None"},
+    {"output_call_values", (PyCFunction)(void (*)(void))output_call_values, METH_FASTCALL,
+     "output_call_values(module_of, output_stats, extras, outputs_slot, paths, types, table, counts) -> (values, runs) "
+     "or None"},
     {"put_values", (PyCFunction)(void (*)(void))put_values, METH_FASTCALL,
      "put_values(buf, base, offsets, values, positions, shapes) -> bool: floats as little-endian doubles (shapes: "
      "5-byte varints) at the offsets"},

@@ -419,7 +419,7 @@ class StatTable:
         return self._list
 
     def count_mask(self) -> bytes:
-        """A byte per column, 1 for a count (NaN / Inf: ints in the attributes), what ``_native.row_call_values``
+        """A byte per column, 1 for a count (NaN / Inf: ints in the attributes), what ``_native.output_call_values``
         reads the table's floats with."""
         mask = _COUNT_MASKS.get(self.columns)
         if mask is None:
