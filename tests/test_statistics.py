@@ -269,13 +269,34 @@ def test_a_large_tensor_takes_the_same_values_as_torch(passes):
         lambda: torch.randn(64, 1024).relu(),  # half of it zeros
         lambda: torch.zeros(20_000),
         lambda: torch.full((20_000,), -3.0),
+        lambda: torch.randn(1, 301).expand(300, 301),  # stride 0, as the gradient of a sum() loss
     ],
-    ids=["transposed", "offset", "negative-view", "float64", "int64", "bool", "float16", "relu", "zeros", "constant"],
-)
+    ids=["transposed", "offset", "negative-view", "float64", "int64", "bool", "float16", "relu", "zeros", "constant",
+         "expanded"],
+)  # fmt: skip
 def test_large_tensors_in_any_layout_and_dtype_equal_torch(make, passes):
     torch.manual_seed(4)
     tensor = make()
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(300, 301).t(), lambda: torch.randn(1, 301).expand(300, 301)],
+    ids=["transposed", "expanded"],
+)
+def test_a_strided_float_tensor_takes_the_compiled_pass_over_a_contiguous_copy(make, monkeypatch):
+    """numpy's passes (several times slower) are left for NaN and Inf: a strided tensor's values are copied
+    contiguous and reduced in the one compiled pass, to torch's values."""
+    if _stats._one_pass is None:
+        pytest.skip("torchtrace._native is not built here")
+
+    def numpy_passes(*args: Any) -> None:
+        raise AssertionError("numpy's passes taken")
+
+    monkeypatch.setattr(_stats, "_numpy_stats", numpy_passes)
+    tensor = make()
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -997,13 +1018,15 @@ class ScaleChildInPlace(nn.Module):
         return out
 
 
-def test_a_tensor_returned_again_unchanged_is_summarised_once_and_one_changed_in_place_again():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_tensor_returned_again_unchanged_is_summarised_once_and_one_changed_in_place_again(mode):
     """A container returning its child's output shares the child's statistics (the same tensor, unchanged); a
-    tensor changed in place since it was summarised gets its new values."""
+    tensor changed in place since it was summarised gets its new values (an inference tensor, which has no version
+    counter, is summarised at every level)."""
     torch.manual_seed(7)
     model = nn.Sequential(ScaleChildInPlace(), nn.Sequential(nn.Identity(), nn.Identity()))
     x = torch.randn(3, 4)
-    with capture_spans(model) as captured, torch.no_grad():
+    with capture_spans(model) as captured, mode():
         out = model(x)
         child = captured.span("0.child").attributes
         scaled = captured.span("0").attributes
