@@ -833,6 +833,23 @@ def test_an_encoder_layers_forward_with_attentions_tuple_output_is_resolved_by_t
     assert "torchtrace.output.0.mean" in compiled[1]
 
 
+def test_a_forward_of_large_tensors_only_has_no_table_and_takes_the_compiled_loop():
+    """Every output summarised in the hook (no small tensor, so no statistics table): the compiled loop reads the
+    dicts' values alone, to what the Python path makes."""
+    if _dispatch._output_call_values is None:
+        pytest.skip("torchtrace._native is not built here")
+    model = nn.Sequential(nn.Linear(64, 100), nn.ReLU())
+    with torchtrace.instrument(model, exporter="none") as handle, torch.inference_mode():
+        handle._recorder._resolve = None
+        with WORKER._condition:
+            model(torch.randn(64, 64))
+            (forward,) = handle._dispatcher.buffer.take_all()
+        compiled = _dispatch._compiled_output_attributes(forward, handle._dispatcher.modules)
+        python = _dispatch._flat_output_attributes(forward, handle._dispatcher.modules)
+    assert forward.stat_table is None
+    assert compiled is not None and compiled == python
+
+
 def table_row_forward(layouts: list[tuple[str, ...] | dict[str, tuple[str, ...]]]) -> tuple[Any, list]:
     """A raw forward of len(layouts) calls of modules 0, 1, 0, 1, ..., call i's summaries as ``layouts[i]`` says: a
     tuple of stats keys for one bare tensor output, or {tensor name: stats keys} for a tuple's tensors ("" the bare
