@@ -27,11 +27,13 @@ collections per minute (target 0 in steady state). Targets are reported, not ass
 
 Models: "linear8" = 8 x Linear(48, 48), batch 4 (small, fast forwards); "mlp64" = 64 x (Linear(32, 32), ReLU),
 batch 1 (129 calls per forward, more than the collector's young generation holds: overhead.py's cheap model);
-"encoder" = 2 x TransformerEncoderLayer(128, nhead=4, dim_feedforward=256, batch_first=True), batch 1, seq 32. All
-eval, torch.inference_mode, torch's fused fast path off for every variant (hooks on the layer turn it off: the same
-math and the same calls for all). torch.set_num_threads(1) everywhere.
+"encoder" = 2 x TransformerEncoderLayer(128, nhead=4, dim_feedforward=256, batch_first=True), batch 1, seq 32;
+"bert" (not run unless named; needs transformers) = a 2-layer BertModel built from its config (hidden 128, 4 heads,
+intermediate 256), batch 1, seq 32: 45 calls a forward, most returning tuples or model outputs. All eval,
+torch.inference_mode, torch's fused fast path off for every variant (hooks on the layer turn it off: the same math
+and the same calls for all). torch.set_num_threads(1) everywhere.
 
-Run: python benchmarks/latency.py [--duration S] [--quick] [--models linear8,mlp64,encoder]
+Run: python benchmarks/latency.py [--duration S] [--quick] [--models linear8,mlp64,encoder[,bert]]
 --duration is the timed inference per variant and model (default 60 s). The last line printed is one JSON object:
 {"linear8": {"variants": {name: {"p50_ms", "p99_ms", "max_ms", "p99_over_p50", "forwards", "gen2",
 "gen2_total_ms", "gen2_max_ms"}}, "p99_ratio", "floor_p99_ratio", "p99_over_floor", "extra_gen2_per_min"}, ...,
@@ -78,10 +80,21 @@ def mlp64() -> tuple[nn.Module, torch.Tensor]:
     return model.eval(), x
 
 
+def bert() -> tuple[nn.Module, torch.Tensor]:
+    try:
+        from transformers import BertConfig, BertModel
+    except ImportError as error:  # a test extra, not a dependency of torchtrace
+        raise SystemExit("the bert model needs transformers: pip install -e '.[test]'") from error
+    config = BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                        vocab_size=1000)  # fmt: skip
+    return BertModel(config).eval(), torch.randint(0, 1000, (1, 32))
+
+
 MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "linear8": linear8,
     "mlp64": mlp64,
     "encoder": encoder,
+    "bert": bert,
 }
 
 
@@ -208,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slice", type=float, default=2.0, help="seconds per turn")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before timing, per process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s per variant")
-    parser.add_argument("--models", default="linear8,mlp64,encoder", help="comma-separated: linear8, mlp64, encoder")
+    parser.add_argument(
+        "--models", default="linear8,mlp64,encoder", help="comma-separated: linear8, mlp64, encoder, bert"
+    )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -110,6 +110,16 @@ def test_latency_quick_reports_percentiles_and_full_collections_per_variant() ->
     assert "extra full collections per minute" in stdout
 
 
+def test_latency_runs_a_real_transformers_model() -> None:
+    """The "bert" model (a BertModel from a small config, transformers being a test dependency: tuples and model
+    outputs at most of its calls) runs in every variant and is reported like the others."""
+    report, stdout = run_benchmark("latency.py", "--quick", "--models", "bert")
+    variants = report["bert"]["variants"]
+    assert set(variants) == {"untraced", "empty_hooks", "traced", "traced_gc_freeze"}
+    assert all(values["forwards"] > 0 for values in variants.values()), variants
+    assert math.isfinite(report["bert"]["p99_over_floor"]) and "bert     p99 traced" in stdout
+
+
 def test_serving_quick_reports_rates_and_memory() -> None:
     report, stdout = run_benchmark("serving.py", "--quick", timeout=300)
     rate, memory = report["rate"], report["memory"]
