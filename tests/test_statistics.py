@@ -161,15 +161,18 @@ def test_a_forwards_small_tensors_whose_reduction_fails_say_so_and_keep_shape_dt
     error as its ``stats_error`` and keeps what the hook read itself; the next forward is summarised again."""
     emits = nn.ModuleList(Emit(torch.randn(16) + i) for i in range(8))
     model = nn.Sequential(*emits)  # each Emit ignores its input
-    reduce = _stats._stat_rows
+    reduce, compiled = _stats._stat_rows, _stats._table_rows
 
-    def fails(values, columns):
+    def fails(*args):
         raise MemoryError("no room for the rows")
 
     with capture_spans(model) as captured:
         monkeypatch.setattr(_stats, "_stat_rows", fails)
+        if compiled is not None:  # the one compiled call of a forward's rows of one size
+            monkeypatch.setattr(_stats, "_table_rows", fails)
         model(torch.zeros(1))
         monkeypatch.setattr(_stats, "_stat_rows", reduce)
+        monkeypatch.setattr(_stats, "_table_rows", compiled)
         model(torch.zeros(1))
         failed, summarised = captured.spans_named("3")
     assert failed.attributes["torchtrace.output.stats_error"] == "MemoryError: no room for the rows"
