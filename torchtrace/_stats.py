@@ -106,6 +106,8 @@ class StatComputer:
         self._forget_recent()
         all_finite, self._all_finite = self._all_finite, True
         staged = [staging for staging in self._staging.values() if staging.count]
+        if not (staged or self._copies or self._rows):  # nothing copied (statistics off, large tensors only)
+            return [], all_finite, None
         if len(staged) == 1 and not self._copies and (table := self._one_staging_table(staged[0])) is not None:
             finite = True
             staged[0].count, staged[0].filled = 0, []
