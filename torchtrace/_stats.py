@@ -108,16 +108,13 @@ class StatComputer:
         staged = [staging for staging in self._staging.values() if staging.count]
         if not (staged or self._copies or self._rows):  # nothing copied (statistics off, large tensors only)
             return [], all_finite, None
-        if len(staged) == 1 and not self._copies and (table := self._one_staging_table(staged[0])) is not None:
-            finite = True
-            staged[0].count, staged[0].filled = 0, []
-        else:
-            groups = _size_groups(self._copies, self._filled)
+        groups: list = [(staging, staging.filled) for staging in staged]
+        if self._copies:
+            groups += _size_groups(self._copies, self._filled)
             self._copies, self._filled = [], []
-            for staging in staged:
-                groups.append((staging.values[: staging.count], staging.filled))
-                staging.count, staging.filled = 0, []
-            table, finite = self._table_of(groups) if groups else (None, True)
+        table, finite = self._table_of(groups) if groups else (None, True)
+        for staging in staged:
+            staging.count, staging.filled = 0, []
         all_finite = finite and all_finite
         if any(staging.values.nbytes > _MAX_STAGING_BYTES for staging in staged):  # only a used one grows
             self._staging.clear()  # a forward with very many small tensors: its rows are not kept for the next
@@ -130,41 +127,35 @@ class StatComputer:
             device_rows.seal()
         return rows, False, table  # read once on the host
 
-    def _one_staging_table(self, staging: _Staging) -> StatTable | None:
-        """The usual CPU forward's table: its small tensors all of one dtype and size, reduced by one compiled call
-        straight from the staging rows (``_table_of``'s groups and checks cost ~4 us a forward, 2026-11-26). None
-        without the compiled module, or where a row is not finite: ``_table_of`` then takes numpy's passes."""
-        if _table_rows is None:
-            return None
-        values = np.empty((staging.count, len(self._columns)))
-        try:
-            done = _table_rows(staging.address, staging.count, staging.size, staging.double, self._codes,
-                               values.ctypes.data)  # fmt: skip
-        except Exception:  # a statistic must never break the user's forward: the general path reports it
-            return None
-        if not done:
-            return None
-        for row, stats in enumerate(staging.filled):
-            stats["_row"] = row  # last: resolve puts the row's values in its place
-        return StatTable(values, self._columns)
-
-    def _table_of(self, groups: list[tuple[np.ndarray, list[dict]]]) -> tuple[StatTable | None, bool]:
-        """The forward's small tensors reduced group by group into one table, each stats dict given its row (None
-        if every group failed); and whether no row holds NaN or Inf."""
+    def _table_of(self, groups: list[tuple[_Staging | np.ndarray, list[dict]]]) -> tuple[StatTable | None, bool]:
+        """The forward's small tensors reduced group by group (a staging's rows, or other copies of one size) into
+        one table, each stats dict given its row (None if every group failed); and whether no row holds NaN or Inf.
+        A staging's rows go straight into the table in one compiled call where its rows are finite (the general
+        path's slicing and checks cost ~4 us a forward, 2026-11-26), else through ``_stat_rows``."""
         values = np.empty((sum(len(filled) for _, filled in groups), len(self._columns)))
+        address = values.ctypes.data if _table_rows is not None else 0
         first, all_finite = 0, True
-        for copies, filled in groups:
+        for rows, filled in groups:
             try:
-                values[first : first + len(filled)], finite = _stat_rows(copies, self._columns)
+                if type(rows) is not _Staging or not self._staged_rows(rows, address + first * values.strides[0]):
+                    rows = rows.values[: rows.count] if type(rows) is _Staging else rows
+                    values[first : first + len(filled)], finite = _stat_rows(rows, self._columns)
+                    all_finite = finite and all_finite
             except Exception as error:  # a statistic must never break the user's forward
                 for stats in filled:
                     stats["stats_error"] = error_text(error)
                 continue
-            all_finite = finite and all_finite
             for row, stats in enumerate(filled, first):
                 stats["_row"] = row  # last: resolve puts the row's values in its place
             first += len(filled)
         return (StatTable(values, self._columns) if first else None), all_finite
+
+    def _staged_rows(self, staging: _Staging, destination: int) -> bool:
+        """A staging's rows reduced by the compiled pass straight into the table's memory at ``destination``; False
+        (nothing reliable written) without the compiled module or where a row is not finite."""
+        return _table_rows is not None and _table_rows(
+            staging.address, staging.count, staging.size, staging.double, self._codes, destination
+        )
 
     def _device_rows(self, device: torch.device) -> StatRows:
         if self._rows_for is not None:
