@@ -381,17 +381,17 @@ typedef struct {
     PyObject *stats; /* held */
     Py_ssize_t row;  /* -1: a dict of values, no row */
     Py_ssize_t size; /* the dict's, as counted (a finalizer run meanwhile could change the dict) */
-} RowSummary;
+} OutputSummary;
 
 typedef struct {
-    RowSummary *items;
+    OutputSummary *items;
     Py_ssize_t count, capacity;
-} RowSummaries;
+} OutputSummaries;
 
 /* Appends a summary: a table row (a non-empty dict whose last item is "_row": an int index into the table) or a
    dict of values (a large tensor's, summarised in the hook; not one still on a device: "_pending"): 1; 0 if it is
    neither; -1 on an error. */
-static int add_summary(RowSummaries *summaries, PyObject *name, PyObject *stats, Py_ssize_t rows_in_table) {
+static int add_summary(OutputSummaries *summaries, PyObject *name, PyObject *stats, Py_ssize_t rows_in_table) {
     if (!PyDict_Check(stats) || PyDict_GET_SIZE(stats) == 0) return 0;
     Py_ssize_t i = 0, row = -1;
     PyObject *last_key = NULL, *last = NULL;
@@ -413,7 +413,7 @@ static int add_summary(RowSummaries *summaries, PyObject *name, PyObject *stats,
     }
     if (summaries->count == summaries->capacity) {
         Py_ssize_t capacity = summaries->capacity * 2 + 16;
-        RowSummary *items = PyMem_Realloc(summaries->items, sizeof(RowSummary) * (size_t)capacity);
+        OutputSummary *items = PyMem_Realloc(summaries->items, sizeof(OutputSummary) * (size_t)capacity);
         if (items == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -422,7 +422,7 @@ static int add_summary(RowSummaries *summaries, PyObject *name, PyObject *stats,
         summaries->capacity = capacity;
     }
     /* held: a collection while the values are made may run finalizers */
-    summaries->items[summaries->count++] = (RowSummary){Py_XNewRef(name), Py_NewRef(stats), row,
+    summaries->items[summaries->count++] = (OutputSummary){Py_XNewRef(name), Py_NewRef(stats), row,
                                                         PyDict_GET_SIZE(stats)};
     return 1;
 }
@@ -438,7 +438,7 @@ static int same_keys(PyObject *a, PyObject *b) {
 }
 
 /* Whether two calls' summaries (``count`` each) have the same names and the same stats keys: 1, 0, or -1. */
-static int same_layout(const RowSummary *a, const RowSummary *b, Py_ssize_t count) {
+static int same_layout(const OutputSummary *a, const OutputSummary *b, Py_ssize_t count) {
     for (Py_ssize_t k = 0; k < count; k++) {
         if ((a[k].name == NULL) != (b[k].name == NULL) || !same_keys(a[k].stats, b[k].stats)) return 0;
         if (a[k].name != NULL && a[k].name != b[k].name) {
@@ -449,14 +449,14 @@ static int same_layout(const RowSummary *a, const RowSummary *b, Py_ssize_t coun
     return 1;
 }
 
-static int add_run(PyObject *runs, Py_ssize_t count, const RowSummary *summaries, Py_ssize_t n_summaries) {
+static int add_run(PyObject *runs, Py_ssize_t count, const OutputSummary *summaries, Py_ssize_t n_summaries) {
     PyObject *layout = PyTuple_New(n_summaries);
     if (layout == NULL) return -1;
     for (Py_ssize_t k = 0; k < n_summaries; k++) {
         PyObject *keys = PyDict_Keys(summaries[k].stats);
         PyObject *key_tuple = keys != NULL ? PyList_AsTuple(keys) : NULL;
         Py_XDECREF(keys);
-        /* "N" steals both, also when the other is NULL (an error set: then no entry) */
+        /* "O": the name borrowed (None for the bare output), "N": the keys tuple taken */
         PyObject *entry = key_tuple != NULL ? Py_BuildValue("(ON)", summaries[k].name != NULL ? summaries[k].name
                                                                                                : Py_None, key_tuple)
                                             : NULL;
@@ -498,7 +498,7 @@ static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_
     const char *counts = PyBytes_AS_STRING(args[7]);
     Py_ssize_t width = table.shape[1], rows_in_table = table.shape[0];
     Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0;
-    RowSummaries summaries = {NULL, 0, 0};
+    OutputSummaries summaries = {NULL, 0, 0};
     Py_ssize_t *first_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1)); /* call -> its first summary */
     PyObject *values = NULL, *runs = NULL, *result = NULL;
     if (first_of == NULL) {
