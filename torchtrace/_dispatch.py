@@ -108,6 +108,29 @@ def _stat_items(
             _tensor_items(keys, values, prefix, name, stats, table)
 
 
+def _gradient_items(keys: list[str], values: list, prefix: str, summaries: dict[str, dict]) -> None:
+    """``_stat_items`` of a backward span's gradient summaries, whose stats dicts are the values themselves (read on
+    the host: no table row) in the usual case: their keys are looked up once a summary, without its layers of calls
+    (~0.5 us a summary, two a span); anything else (a marker, statistics still on a device) takes ``_stat_items``."""
+    for name, stats in summaries.items():
+        keys_of_stats = _gradient_keys.get((prefix, name, *stats))
+        if keys_of_stats is None:
+            if type(name) is not str or "_pending" in stats or "_row" in stats:
+                _stat_items(keys, values, prefix, {name: stats})
+                continue
+            if len(_gradient_keys) > 10_000:  # gradients with ever-new names: stay bounded
+                _gradient_keys.clear()
+            keys_of_stats = _gradient_keys[(prefix, name, *stats)] = _keys_of(
+                _prefixed_keys, (prefix, name, *stats), prefix, name, stats, None
+            )
+        keys += keys_of_stats
+        values += stats.values()
+
+
+# (prefix, gradient name, its stats keys) -> attribute keys, for the host-read value dicts of ``_gradient_items``
+_gradient_keys: dict[tuple, tuple[str, ...]] = {}
+
+
 def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, table: StatTable | None) -> None:
     keys: list[str] = []
     values: list = []
@@ -564,42 +587,56 @@ def _backward_columns(
 ) -> list:
     """[the step's backward span, then each forward's module backward spans as columns], or [] without any."""
     offset = record.clock_offset_ns
-    starts: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_output stats, user's value)
-    ends: dict[tuple, tuple[int, dict, Any]] = {}  # (forward, position) -> (time, grad_input stats, user's value)
-    for key, event, time_ns, grads, mark, value in record.backward_events:
-        if key[0] not in batches:
-            continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
-        time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
-        if event == BACKWARD_START:
-            starts.setdefault(key, (time_ns + offset, grads, value))
-        else:
-            ends[key] = (time_ns + offset, grads, value)
-    if not (starts or ends):
-        return []
-    # per forward: position -> [start, end, grad_outputs, grad_inputs, output value, input value]
+    # per forward: position -> [start, end, grad_outputs, grad_inputs, output value, input value]; the first start
+    # and the last end of a call count, a missing one is the other
     spans_of: dict[RawForward, dict[int, list]] = {}
-    for key in starts.keys() | ends.keys():
-        start, grad_outputs, output_value = starts.get(key) or (ends[key][0], None, None)
-        end, grad_inputs, input_value = ends.get(key) or (start, None, None)
-        spans_of.setdefault(key[0], {})[key[1]] = [start, end, grad_outputs, grad_inputs, output_value, input_value]
-    backward = phase(
-        "backward",
-        min(span[0] for spans in spans_of.values() for span in spans.values()),
-        max(span[1] for spans in spans_of.values() for span in spans.values()),
-    )
+    for (forward, position), event, time_ns, grads, mark, value in record.backward_events:
+        spans = spans_of.get(forward)
+        if spans is None:
+            if forward not in batches:
+                continue  # a forward of an earlier step, backpropagated late: it belongs to no traced step
+            spans = spans_of[forward] = {}
+        if mark is not None:
+            time_ns = on_step_clock(mark, time_ns)  # CUDA: device time
+        time_ns += offset
+        span = spans.get(position)
+        if event == BACKWARD_START:
+            if span is None:
+                spans[position] = [time_ns, None, grads, None, value, None]
+            elif span[0] is None:
+                span[0], span[2], span[4] = time_ns, grads, value
+        elif span is None:
+            spans[position] = [None, time_ns, None, grads, None, value]
+        else:
+            span[1], span[3], span[5] = time_ns, grads, value
+    if not spans_of:
+        return []
+    first = last = None
+    for spans in spans_of.values():
+        for span in spans.values():
+            if span[0] is None:
+                span[0] = span[1]
+            elif span[1] is None:
+                span[1] = span[0]
+            if first is None or span[0] < first:
+                first = span[0]
+            if last is None or span[1] > last:
+                last = span[1]
+    backward = phase("backward", first, last)
     columns = [
         _backward_batch(forward, batches[forward], spans_of[forward], record, backward.span_id)
         for forward in batches
         if forward in spans_of
     ]
-    _mark_first_nonfinite(
-        (
-            (batch.end_ns[position], (batch, position), grads[0], grads[1])
-            for batch, grads_of in columns
-            for position, grads in enumerate(grads_of)
-        ),
-        "grad_input",
-    )
+    if not record.grads_finite:  # a NaN or Inf (or a gradient not read on the host): who produced it
+        _mark_first_nonfinite(
+            (
+                (batch.end_ns[position], (batch, position), grads[0], grads[1])
+                for batch, grads_of in columns
+                for position, grads in enumerate(grads_of)
+            ),
+            "grad_input",
+        )
     return [backward, *(batch for batch, _ in columns)]
 
 
@@ -613,25 +650,27 @@ def _backward_batch(
     depth, parent_of = forward.depth, forward.parent
     ancestor_of: dict[int, int] = {}
     for position in sorted(spans, key=lambda p: -depth[p]):
-        span = spans[position]
         ancestor = parent_of[position]
         while ancestor >= 0 and ancestor not in spans:
             ancestor = parent_of[ancestor]
         ancestor_of[position] = ancestor
         if ancestor >= 0:
-            holder = spans[ancestor]
-            holder[0] = min(holder[0], span[0])
-            holder[1] = max(holder[1], span[1])
+            span, holder = spans[position], spans[ancestor]
+            if span[0] < holder[0]:
+                holder[0] = span[0]
+            if span[1] > holder[1]:
+                holder[1] = span[1]
     # by start, an ancestor (which starts no later than its descendants) before them
     order = sorted(spans, key=lambda p: (spans[p][0], depth[p]))
     index_of = {position: index for index, position in enumerate(order)}
     modules = forward.modules
     batch = CallBatch(modules, record.trace_id, backward_id, False, 1, None, forward.thread_id, kind="backward")
+    ordered = [spans[position] for position in order]
     batch.module = [forward.module[position] for position in order]
     batch.parent = [index_of[ancestor_of[p]] if ancestor_of[p] >= 0 else -1 for p in order]
     batch.depth = [depth[position] for position in order]
-    batch.start_ns = array("q", [spans[position][0] for position in order])
-    batch.end_ns = array("q", [spans[position][1] for position in order])
+    batch.start_ns = array("q", [span[0] for span in ordered])
+    batch.end_ns = array("q", [span[1] for span in ordered])
     batch.span_id = _span_ids(len(order))
     batch.hi = len(order)
     param_stats = record.param_stats  # (raw forward, position) -> parameter norms
@@ -639,17 +678,20 @@ def _backward_batch(
     keys: list[str] = []  # every span's attributes, flat (as CallBatch.flat_attributes()): no dict a span
     values: list = []
     grads = []
-    for index, position in enumerate(order):
-        _, _, grad_outputs, grad_inputs, output_value, input_value = spans[position]
+    for index, (position, span) in enumerate(zip(order, ordered)):
+        _, _, grad_outputs, grad_inputs, output_value, input_value = span
         info = modules[batch.module[index]]
         before = len(keys)
         keys += _CALL_KEYS
         values += (info.path, info.type_name)
-        _stat_items(keys, values, GRAD_OUTPUT_PREFIX, grad_outputs)
-        _stat_items(keys, values, GRAD_INPUT_PREFIX, grad_inputs)
-        for name, value in param_stats.get((raw, position), {}).items():
-            keys.append(name)
-            values.append(resolve(value)["norm"] if isinstance(value, dict) else value)  # dict: on a device
+        if grad_outputs:
+            _gradient_items(keys, values, GRAD_OUTPUT_PREFIX, grad_outputs)
+        if grad_inputs:
+            _gradient_items(keys, values, GRAD_INPUT_PREFIX, grad_inputs)
+        if param_stats:
+            for name, value in param_stats.get((raw, position), {}).items():
+                keys.append(name)
+                values.append(resolve(value)["norm"] if isinstance(value, dict) else value)  # dict: on a device
         counts.append(len(keys) - before)
         grads.append((grad_inputs, grad_outputs))
         if output_value is not None or input_value is not None:
