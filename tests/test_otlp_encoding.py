@@ -249,6 +249,23 @@ def test_same_request_as_the_sdk_encoder():
     assert ours == sdk  # resource, scope, schema urls too
 
 
+def test_a_handful_of_spans_and_a_batch_are_written_alike(monkeypatch):
+    """A training step's own few spans have their ids, times, floats and shapes written slot by slot in Python; a
+    larger batch all at once with numpy: both give the SDK's request."""
+    from torchtrace import _otlp_encoding
+
+    writers: list[str] = []
+    for name in ("_fill", "_fill_few"):
+        writer = getattr(_otlp_encoding, name)
+        monkeypatch.setattr(_otlp_encoding, name, lambda *a, _w=writer, _n=name: (writers.append(_n), _w(*a))[1])
+    few = [call for call in sample_calls() if call.error is None]  # (the SDK adds an attribute to error events)
+    many = few * 3
+    for calls, writer in ((few, "_fill_few"), (many, "_fill")):
+        writers.clear()
+        assert decode(encode_export_request(calls, RESOURCE, *SCOPE)) == sdk_request(calls)
+        assert writers == [writer]
+
+
 def test_fast_and_slow_paths_encode_alike():
     """Unusual attribute values (numpy scalars) take the per-span path; the bytes decode the same as the SDK's."""
     np = pytest.importorskip("numpy")

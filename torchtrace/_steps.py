@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from torchtrace._stats import (
 
 MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step
 
+_BARE_OUTPUT = ("0",)  # the output names of a call that returned one tensor
 GRAD_STATS = frozenset({"mean", "abs_max", "norm", "nan_count", "inf_count"})
 NORM_ONLY = frozenset({"norm"})
 BACKWARD_START, BACKWARD_END = 0, 1
@@ -152,17 +153,25 @@ class StepTracker:
         """
         if not torch.is_grad_enabled():
             return
-        outputs = _named_outputs(output)
-        if not outputs:
-            return
+        if type(output) is torch.Tensor:  # the usual layer's
+            if not output.requires_grad:
+                return
+            outputs, names = None, _BARE_OUTPUT
+        else:
+            outputs = _named_outputs(output)
+            if not outputs:
+                return
+            names = [name for name, _ in outputs]
         if timer is not None:
             self.timer = timer
         # One hook per tensor, each firing once: a leaf (a parameter, a leaf input) outlives this graph, and its
         # hook would fire again in a later backward (gradient accumulation, a second loss) and stretch this span.
         # The first gradient to arrive starts the span; each output's gradient is summarised under its forward
         # name, and an output that got none is called with None (or not at all) and left out.
-        watch = _BackwardWatch(self, call, [name for name, _ in outputs], timer)
-        if len(outputs) == 1:
+        watch = _BackwardWatch(self, call, names, timer)
+        if outputs is None:
+            self._gradient_hook(output).callbacks.append(watch.received_only)
+        elif len(outputs) == 1:
             self._gradient_hook(outputs[0][1]).callbacks.append(watch.received_only)
         else:
             for name, tensor in outputs:
@@ -348,7 +357,7 @@ class _BackwardWatch:
 
     __slots__ = ("steps", "events", "call", "names", "timer", "grad_outputs", "started", "ended")
 
-    def __init__(self, steps: StepTracker, call: tuple, names: list[str], timer: EventTimer | None) -> None:
+    def __init__(self, steps: StepTracker, call: tuple, names: Sequence[str], timer: EventTimer | None) -> None:
         self.steps = steps
         self.events = steps.events  # the step of the forward, whenever its backward runs
         self.call = call  # (forward, position)
