@@ -195,10 +195,10 @@ class StatComputer:
                 try:
                     if staging is not None:  # a small tensor: a row of the forward's table
                         staging.add(tensor, stats)
-                    elif not plain_float_stats(tensor, self.wanted, stats):  # a large one: the compiled pass
-                        return self._compute_in_full(tensor)
-                    elif stats.get("nan_count") or stats.get("inf_count"):
-                        self._all_finite = False
+                    else:  # a large one of a kind the compiled pass took (checked when its head was kept)
+                        one_pass_stats(tensor, tensor.numel(), self.wanted, stats)
+                        if stats.get("nan_count") or stats.get("inf_count"):
+                            self._all_finite = False
                 except Exception as error:  # a statistic must never break the user's forward
                     stats["stats_error"] = error_text(error)
                 return stats
@@ -551,24 +551,35 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     copied contiguous first: numpy's passes copy it too (flattening), and then take 2-10x as long (2026-11-26: an
     expanded 64 x 256 gradient 51 -> 5 us, a transposed one 28 -> 14 us).
     """
+    if _one_pass is None or type(x) is not torch.Tensor:
+        return False
     dtype = x.dtype
-    if not (
-        _one_pass is not None
-        and (dtype is torch.float32 or dtype is torch.float64)
-        and type(x) is torch.Tensor
-        and not reduced_on_device(x)
-        and not (x.is_neg() or x.is_nested)
-    ):
+    if not ((dtype is torch.float32 or dtype is torch.float64) and x.is_cpu) or x.is_neg() or x.is_nested:
         return False
     n = x.numel()
     if not n:
         return False
     if not x.is_contiguous():
         x = x.detach().contiguous()
-    names = numeric_columns(wanted)
-    if not _one_pass(x.data_ptr(), n, dtype is torch.float64, _column_codes(names), names, stats):
-        _numpy_stats(x.detach(), n, wanted, stats)  # NaN, Inf, or float32 squares past its range
+    one_pass_stats(x, n, wanted, stats)
     return True
+
+
+def one_pass_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """The compiled pass of ``plain_float_stats`` over a tensor known to take it (a plain contiguous float32 /
+    float64 CPU tensor of ``n`` values): for a hook that already checked its kind."""
+    names, codes = _COLUMNS_AND_CODES.get(wanted) or _columns_and_codes(wanted)
+    if not _one_pass(x.data_ptr(), n, x.dtype is torch.float64, codes, names, stats):
+        _numpy_stats(x.detach(), n, wanted, stats)  # NaN, Inf, or float32 squares past its range
+
+
+def _columns_and_codes(wanted: frozenset) -> tuple[tuple[str, ...], bytes]:
+    names = numeric_columns(wanted)
+    pair = _COLUMNS_AND_CODES[wanted] = (names, _column_codes(names))
+    return pair
+
+
+_COLUMNS_AND_CODES: dict[frozenset, tuple[tuple[str, ...], bytes]] = {}  # wanted -> its columns, the pass's codes
 
 
 def numeric_columns(wanted: frozenset) -> tuple[str, ...]:
