@@ -649,7 +649,15 @@ def _torch_call_frame() -> Any:
 
 
 def called_from_compiled_code() -> bool:
-    """Whether torch.compile'd code called this model: a torch._dynamo frame above torch's module call."""
+    """Whether torch.compile'd code called this model: a torch._dynamo frame above torch's module call. Where
+    dynamo has not converted a frame in this process (its counters say), none can be: no walk up the stack (~2 us
+    on every traced forward of a model that is never compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:  # dynamo never loaded
+        return False
+    counters = getattr(utils, "counters", None)
+    if counters is not None and not counters["frames"]["total"]:
+        return False
     frame = sys._getframe(4)  # past this check, _begin_forward, the hook, and torch.compiler.disable's wrapper
     for _ in range(24):
         if frame is None:
