@@ -554,7 +554,7 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     if _one_pass is None or type(x) is not torch.Tensor:
         return False
     dtype = x.dtype
-    if not ((dtype is torch.float32 or dtype is torch.float64) and x.is_cpu) or x.is_neg() or x.is_nested:
+    if not (dtype is torch.float32 or dtype is torch.float64) or reduced_on_device(x) or x.is_neg() or x.is_nested:
         return False
     n = x.numel()
     if not n:
