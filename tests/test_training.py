@@ -664,35 +664,3 @@ def test_a_tensor_subclass_output_gets_its_backward_span_through_its_own_registe
         captured.handle.step()
         assert Tagged.registered >= 1
         assert captured.span("1 backward").end_time <= captured.span("0 backward").start_time
-
-
-@pytest.fixture
-def worker_asleep(monkeypatch):
-    """The worker's periodic resolution made an hour long: whatever reaches the records meanwhile was delivered by
-    the training thread itself."""
-    from torchtrace import _worker
-
-    monkeypatch.setattr(_worker, "RESOLVE_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(_worker, "_IDLE_RESOLVE_INTERVAL_S", 3600.0)
-
-
-def test_a_step_is_resolved_and_kept_at_step_on_the_training_thread(worker_asleep):
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
-    with torchtrace.instrument(model, exporter="none", backward=True, export_interval_ms=600_000) as handle:
-        model(torch.randn(2, 4)).sum().backward()
-        handle.step()
-        assert handle.buffer.pending_calls == 0 and len(handle.buffer) == 0  # nothing left for the worker
-        kinds = {(call.name, call.kind) for call in handle.records}
-        assert {("train_step", "step"), ("backward", "phase"), ("0", "forward"), ("2 backward", "backward")} <= kinds
-
-
-def test_a_step_with_a_nonfinite_callback_is_left_to_the_worker(worker_asleep):
-    verdicts = []
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
-    with torchtrace.instrument(
-        model, exporter="none", backward=True, export_interval_ms=600_000, on_nonfinite=verdicts.append
-    ) as handle:
-        model(torch.randn(2, 4)).sum().backward()
-        handle.step()
-        assert handle.buffer.pending_calls > 0  # the callback is called off the training thread
-        assert any(call.kind == "step" for call in handle.records)  # reading the records drains it

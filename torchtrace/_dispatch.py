@@ -811,50 +811,20 @@ class Dispatcher:
         next drain; True then. False: the hooks buffer it for the worker."""
         if not self._at_forward_end or type(item) is not CallBatch or item.sparse:
             return False
+        calls = len(item)
         with self.deliver_lock:  # guarded: a SIGTERM landing meanwhile (its flush needs the lock) is handled after
             if self._behind or len(self.buffer):  # what waits for the worker goes first: forwards stay in order
                 return False
-            self._deliver_now(item, [item], bounded=True)
+            self._deliver(self._in_process, item)
+            if not self.exporters:
+                self._resolved += calls
+            elif self._unexported_calls + calls <= self.buffer.max_calls:
+                self._unexported.append(item)
+                self._unexported_calls += calls
+                self._resolved += calls
+            else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
+                self.buffer.drop(calls, FULL)
         return True
-
-    @_signals.guarded
-    def deliver_at_step_end(self, record: StepRecord, calls: int) -> bool:
-        """Called at ``step()`` on the training thread: a step with nothing left on a device is resolved there and
-        goes on as a forward at its end does (``deliver_at_forward_end``); True then. False: the handle buffers it
-        for the worker (device work running, an ``on_nonfinite`` callback, which is called on the worker, or
-        something already waiting there). The worker's share of a step, done on its own thread, made the training
-        thread wait for the GIL around its torch ops, and a synchronised rank that waits holds up the others at the
-        next all-reduce (2-rank job, ten pairs: 1.2065x -> 1.200x a plain step, lower in 8; 2026-11-26). ``calls``:
-        its module spans, as the buffer counts them; where the exporters' queue has no room for them the buffer
-        decides, as before."""
-        if not self._at_forward_end or record.device is not None or self.on_nonfinite is not None:
-            return False
-        with self.deliver_lock:
-            if self._behind or len(self.buffer):
-                return False
-            if self.exporters and self._unexported_calls + calls > self.buffer.max_calls:
-                return False
-            try:
-                segments = resolve_step(record, self.modules)
-            except Exception:  # never the user's step's error: the worker tries again, and logs what fails
-                return False
-            resolved = Calls(segments)
-            self._deliver_now(resolved, resolved.segments, bounded=False)  # its room is checked above
-        return True
-
-    def _deliver_now(self, calls: Sequence[ModuleCall], segments: list, bounded: bool) -> None:
-        """What the model's thread resolved: to the in-process sinks now, to the exporters at their next drain
-        (``bounded``: as the buffer is, else dropped and counted). Under ``deliver_lock``."""
-        count = len(calls)
-        self._deliver(self._in_process, calls)
-        if not self.exporters:
-            self._resolved += count
-        elif not bounded or self._unexported_calls + count <= self.buffer.max_calls:
-            self._unexported.extend(segments)
-            self._unexported_calls += count
-            self._resolved += count
-        else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
-            self.buffer.drop(count, FULL)
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the

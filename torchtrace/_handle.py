@@ -244,11 +244,9 @@ class TraceHandle:
         return self._steps.number if self._steps is not None else None
 
     def _deliver_step(self, record: StepRecord | None) -> None:
-        if record is None:
-            return
-        # module spans, forward and backward (two grad events each): the step and phase spans are not counted
-        calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
-        if not self._dispatcher.deliver_at_step_end(record, calls):
+        if record is not None:
+            # module spans, forward and backward (two grad events each): the step and phase spans are not counted
+            calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
             self.buffer.put(record, calls)
 
     def __enter__(self) -> TraceHandle:
