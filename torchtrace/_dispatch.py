@@ -110,25 +110,20 @@ def _stat_items(
 
 def _gradient_items(keys: list[str], values: list, prefix: str, summaries: dict[str, dict]) -> None:
     """``_stat_items`` of a backward span's gradient summaries, whose stats dicts are the values themselves (read on
-    the host: no table row) in the usual case: their keys are looked up once a summary, without its layers of calls
-    (~0.5 us a summary, two a span); anything else (a marker, statistics still on a device) takes ``_stat_items``."""
+    the host: no table row) in the usual case: their keys come straight from ``_keys_of``'s cache, without its
+    layers of calls (~0.5 us a summary, two a span); anything else (a marker, statistics still on a device) takes
+    ``_stat_items``."""
     for name, stats in summaries.items():
-        keys_of_stats = _gradient_keys.get((prefix, name, *stats))
-        if keys_of_stats is None:
+        cache_key = (prefix, name, *stats)
+        cached = _prefixed_keys.get(cache_key)
+        if cached is None or cached[1] is not None:  # not made yet, or made for a table row
             if type(name) is not str or "_pending" in stats or "_row" in stats:
                 _stat_items(keys, values, prefix, {name: stats})
                 continue
-            if len(_gradient_keys) > 10_000:  # gradients with ever-new names: stay bounded
-                _gradient_keys.clear()
-            keys_of_stats = _gradient_keys[(prefix, name, *stats)] = _keys_of(
-                _prefixed_keys, (prefix, name, *stats), prefix, name, stats, None
-            )
-        keys += keys_of_stats
+            keys += _keys_of(_prefixed_keys, cache_key, prefix, name, stats, None)
+        else:
+            keys += cached[0]
         values += stats.values()
-
-
-# (prefix, gradient name, its stats keys) -> attribute keys, for the host-read value dicts of ``_gradient_items``
-_gradient_keys: dict[tuple, tuple[str, ...]] = {}
 
 
 def _tensor_attributes(attributes: dict, prefix: str, name: str, stats: dict, table: StatTable | None) -> None:

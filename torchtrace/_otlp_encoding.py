@@ -61,6 +61,8 @@ _U64 = (1 << 64) - 1
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _PACK_D = struct.Struct("<d").pack
 _PACK_Q = struct.Struct("<Q").pack
+_PACK_D_INTO = struct.Struct("<d").pack_into
+_PACK_Q_INTO = struct.Struct("<Q").pack_into
 _SPAN_KIND_INTERNAL = b"\x30\x01"  # Span.kind = SPAN_KIND_INTERNAL
 _FLAGS_TAG = b"\x85\x01"  # Span.flags, field 16, fixed32
 _FLAG_HAS_IS_REMOTE, _FLAG_IS_REMOTE = 0x100, 0x200
@@ -329,13 +331,21 @@ def _encode_span_row(call: ModuleCall, trace_state: str | None, limits: _Limits 
     """Slow path: one span, all values written here (errors, odd attribute types, spans over the limits)."""
     t = _build(call, call.name, trace_state, frozenset(), limits)
     row = bytearray(t.row)
-    row[t.tid : t.tid + 16] = call.trace_id.to_bytes(16, "big")
-    row[t.sid : t.sid + 8] = call.span_id.to_bytes(8, "big")
-    if t.pid >= 0:
-        row[t.pid : t.pid + 8] = call.parent_span_id.to_bytes(8, "big")
-    struct.pack_into("<Q", row, t.start, call.start_ns)
-    struct.pack_into("<Q", row, t.start + 9, call.end_ns)
+    _write_ids_and_times(row, 0, t, call)
     return bytes(row)
+
+
+def _write_ids_and_times(out: bytearray, base: int, t: _Template, call: ModuleCall) -> None:
+    """A span's trace id, span id, parent id and times into its template's slots (the row at ``base``)."""
+    at = base + t.tid
+    out[at : at + 16] = call.trace_id.to_bytes(16, "big")
+    at = base + t.sid
+    out[at : at + 8] = call.span_id.to_bytes(8, "big")
+    if t.pid >= 0:
+        at = base + t.pid
+        out[at : at + 8] = call.parent_span_id.to_bytes(8, "big")
+    _PACK_Q_INTO(out, base + t.start, call.start_ns)
+    _PACK_Q_INTO(out, base + t.start + 9, call.end_ns)
 
 
 class _Shape:
@@ -530,8 +540,6 @@ def _fill(
 # Up to this many template-encoded spans (a training step's own: its root, phases and all-reduce buckets) are
 # written slot by slot in Python: numpy's ~15 array operations per batch cost ~20 us whatever its size.
 _FEW_SPANS = 8
-_pack_double = struct.Struct("<d").pack_into
-_pack_time = struct.Struct("<Q").pack_into
 
 
 def _fill_few(
@@ -539,19 +547,10 @@ def _fill_few(
 ) -> None:
     """``_fill`` for a handful of spans: the same slots written in place (the checks of ``_slots_fit`` done)."""
     for call, base, template, values, shapes in zip(calls, starts, temps, floats, dims):
-        at = base + template.tid
-        out[at : at + 16] = call.trace_id.to_bytes(16, "big")
-        at = base + template.sid
-        out[at : at + 8] = call.span_id.to_bytes(8, "big")
-        if template.pid >= 0:
-            at = base + template.pid
-            out[at : at + 8] = call.parent_span_id.to_bytes(8, "big")
-        at = base + template.start
-        _pack_time(out, at, call.start_ns)
-        _pack_time(out, at + 9, call.end_ns)
+        _write_ids_and_times(out, base, template, call)
         if template.n_doubles:
             for offset, value in zip(template.doubles.tolist(), values):
-                _pack_double(out, base + offset, value)
+                _PACK_D_INTO(out, base + offset, value)
         if template.n_dims:
             for offset, dim in zip(template.dims.tolist(), chain.from_iterable(shapes)):
                 at = base + offset  # a 5-byte varint: 7 bits a byte, the continuation bit on all but the last

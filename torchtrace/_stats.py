@@ -91,8 +91,7 @@ class StatComputer:
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
-        self._columns = numeric_columns(self.wanted)  # of the forward's StatTable
-        self._codes = _column_codes(self._columns)  # the compiled pass's
+        self._columns, self._codes = _wanted_columns(self.wanted)  # of the forward's StatTable; the pass's codes
         # (dtype, shape, layout) of a plain CPU tensor -> (its stats before the values, its staging rows if it is
         # small, else None: the compiled pass): what every tensor of that kind gets, decided once, so the next one
         # costs a lookup and a copy
@@ -568,29 +567,26 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
 def one_pass_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
     """The compiled pass of ``plain_float_stats`` over a tensor known to take it (a plain contiguous float32 /
     float64 CPU tensor of ``n`` values): for a hook that already checked its kind."""
-    names, codes = _COLUMNS_AND_CODES.get(wanted) or _columns_and_codes(wanted)
+    names, codes = _wanted_columns(wanted)
     if not _one_pass(x.data_ptr(), n, x.dtype is torch.float64, codes, names, stats):
         _numpy_stats(x.detach(), n, wanted, stats)  # NaN, Inf, or float32 squares past its range
 
 
-def _columns_and_codes(wanted: frozenset) -> tuple[tuple[str, ...], bytes]:
-    names = numeric_columns(wanted)
-    pair = _COLUMNS_AND_CODES[wanted] = (names, _column_codes(names))
+def numeric_columns(wanted: frozenset) -> tuple[str, ...]:
+    """The numeric statistics of ``wanted``, in the order spans and tables show them (``_NUMERIC``)."""
+    return _wanted_columns(wanted)[0]
+
+
+def _wanted_columns(wanted: frozenset) -> tuple[tuple[str, ...], bytes]:
+    """``numeric_columns(wanted)`` and their codes for the compiled passes, made once per set."""
+    pair = _WANTED_COLUMNS.get(wanted)
+    if pair is None:
+        names = tuple(name for name in _NUMERIC if name in wanted)
+        pair = _WANTED_COLUMNS[wanted] = (names, _column_codes(names))
     return pair
 
 
-_COLUMNS_AND_CODES: dict[frozenset, tuple[tuple[str, ...], bytes]] = {}  # wanted -> its columns, the pass's codes
-
-
-def numeric_columns(wanted: frozenset) -> tuple[str, ...]:
-    """The numeric statistics of ``wanted``, in the order spans and tables show them (``_NUMERIC``)."""
-    names = _WANTED_COLUMNS.get(wanted)
-    if names is None:
-        names = _WANTED_COLUMNS[wanted] = tuple(name for name in _NUMERIC if name in wanted)
-    return names
-
-
-_WANTED_COLUMNS: dict[frozenset, tuple[str, ...]] = {}  # a set of wanted statistics -> numeric_columns(it)
+_WANTED_COLUMNS: dict[frozenset, tuple[tuple[str, ...], bytes]] = {}  # a set of wanted statistics -> _wanted_columns
 
 
 def _numpy_stats(x: torch.Tensor, n: int, wanted: frozenset, stats: dict[str, Any]) -> None:
