@@ -243,16 +243,17 @@ static int nine_stats(const void *address, int64_t first, int64_t n, int is_doub
     return passes;
 }
 
-/* stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: the statistics of each of `rows`
-   contiguous rows of n values at address (a forward's small tensors of one size, one row each) into a rows x
-   len(columns) table of doubles at out_address; `columns` (bytes) picks from mean, std, min, max, abs_max, norm,
+/* stat_rows(address, rows, n, is_float64, columns, out, out_row) -> bool: the statistics of each of `rows`
+   contiguous rows of n values at address (a forward's small tensors of one size, one row each) into rows out_row..
+   of `out`, a writable C-contiguous table of doubles len(columns) wide (a numpy array: taken as a buffer, which
+   costs a tenth of asking numpy for its address); `columns` (bytes) picks from mean, std, min, max, abs_max, norm,
    nan_count, inf_count, zero_fraction (0-8), in its order. The std takes the exact second pass where the mean
    carries half of the sum of squares or more, as the numpy path does. False (the table unfinished) when a row's
    sum of squares is not finite, or for float32 past float32's range: the caller's numpy passes then count NaN and
    Inf as torch does. */
 static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 6, "stat_rows(address, rows, n, is_float64, columns, out_address)")) return NULL;
+    if (!takes(nargs, 7, "stat_rows(address, rows, n, is_float64, columns, out, out_row)")) return NULL;
     void *address = PyLong_AsVoidPtr(args[0]);
     long long rows = PyLong_AsLongLong(args[1]);
     long long n = PyLong_AsLongLong(args[2]);
@@ -260,10 +261,10 @@ static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
     char *columns;
     Py_ssize_t width;
     if (PyBytes_AsStringAndSize(args[4], &columns, &width) < 0) return NULL;
-    double *out = (double *)PyLong_AsVoidPtr(args[5]);
+    long long out_row = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (address == NULL || out == NULL || rows < 0 || n < 1) {
-        PyErr_SetString(PyExc_ValueError, "stat_rows needs non-null addresses and at least one value a row");
+    if (address == NULL || rows < 0 || n < 1 || out_row < 0) {
+        PyErr_SetString(PyExc_ValueError, "stat_rows needs a non-null address and at least one value a row");
         return NULL;
     }
     for (Py_ssize_t j = 0; j < width; j++) {
@@ -272,13 +273,22 @@ static PyObject *stat_rows(PyObject *module, PyObject *const *args, Py_ssize_t n
             return NULL;
         }
     }
-    int exact_std = memchr(columns, 1, (size_t)width) != NULL;
-    for (long long row = 0; row < rows; row++) {
-        double values[9];
-        if (!nine_stats(address, row * n, (int64_t)n, is_double, exact_std, values)) Py_RETURN_FALSE;
-        for (Py_ssize_t j = 0; j < width; j++) out[row * width + j] = values[(int)columns[j]];
+    Py_buffer table;
+    if (PyObject_GetBuffer(args[5], &table, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (table.itemsize != 8 || (out_row + rows) * width * 8 > table.len) {
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_ValueError, "stat_rows: `out` is a table of doubles with room for the rows");
+        return NULL;
     }
-    Py_RETURN_TRUE;
+    double *out = (double *)table.buf + out_row * width;
+    int exact_std = memchr(columns, 1, (size_t)width) != NULL, finite = 1;
+    for (long long row = 0; row < rows && finite; row++) {
+        double values[9];
+        finite = nine_stats(address, row * n, (int64_t)n, is_double, exact_std, values) != 0;
+        for (Py_ssize_t j = 0; finite && j < width; j++) out[row * width + j] = values[(int)columns[j]];
+    }
+    PyBuffer_Release(&table);
+    return PyBool_FromLong(finite);
 }
 
 /* float_stats(address, n, is_float64, columns, names, stats) -> passes: the statistics of a large contiguous CPU
@@ -888,7 +898,7 @@ static PyMethodDef methods[] = {
     {"float_stats", (PyCFunction)(void (*)(void))float_stats, METH_FASTCALL,
      "float_stats(address, n, is_float64, columns, names, stats) -> passes (0: not finite)"},
     {"stat_rows", (PyCFunction)(void (*)(void))stat_rows, METH_FASTCALL,
-     "stat_rows(address, rows, n, is_float64, columns, out_address) -> bool: each row's statistics as a table"},
+     "stat_rows(address, rows, n, is_float64, columns, out, out_row) -> bool: each row's statistics as a table"},
     {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL, "copy(destination, source, nbytes) -> None"},
     {"output_call_values", (PyCFunction)(void (*)(void))output_call_values, METH_FASTCALL,
      "output_call_values(module_of, output_stats, extras, outputs_slot, paths, types, table, counts) -> (values, runs) "
