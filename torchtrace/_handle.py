@@ -90,7 +90,7 @@ class TraceHandle:
         for index, (module, info) in enumerate(selected):
             # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
             if info.path and can_wrap(module):
-                self._hook_handles.append(wrap_forward(module, self._recorder.traced_forward(index)))
+                self._hook_handles.append(wrap_forward(module, *self._recorder.traced_forward(index)))
                 continue
             pre = self._recorder.forward_pre_hook(index)
             self._hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))

@@ -28,6 +28,7 @@ from torchtrace._config import Options
 from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, StatTable, find_tensors
+from torchtrace._traced_forward import native_traced_call
 
 _UNKNOWN = object()
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
@@ -236,10 +237,13 @@ class HookRecorder:
         # model still gets its outermost span: region-level tracing, announced once by warn_region_level.
         return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
 
-    def traced_forward(self, index: int):
-        """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``). Inside a traced forward it
-        records the call itself, in one Python call; outside one (the module called on its own, or the model's root
-        not selected) it runs the hook functions, which begin and end forwards."""
+    def traced_forward(self, index: int) -> tuple[Callable[..., Any], tuple | None]:
+        """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``) and its context: called as
+        ``body(context, module_ref, function, *args, **kwargs)``. Inside a traced forward it records the call
+        itself, in one call; outside one (the module called on its own, or the model's root not selected) it runs
+        the hook functions, which begin and end forwards. With the compiled module (and a torch whose dynamo takes
+        a stand-in for it, see ``_traced_forward``) the body is ``_native.traced_call``, which records the common
+        call in C and hands the rest to the Python body in its context; else the Python body (context None)."""
         local = self._local
         perf_counter_ns = time.perf_counter_ns
         input_work = self._input_work
@@ -249,7 +253,7 @@ class HookRecorder:
         output_stats = self._output_stats if output_work == (self._output_stats,) else None
         pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
 
-        def call(module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+        def call(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
             module = module_ref()
             if _dynamo_compiling() or _compiler._is_compiling_flag:
                 return function(module, *args, **kwargs)
@@ -279,14 +283,7 @@ class HookRecorder:
             try:
                 output = function(module, *args, **kwargs)
             except BaseException as error:
-                end = perf_counter_ns()
-                _pop_to(state, forward, position, end)
-                ends[position] = end
-                forward.set_extra(position, ERROR, _call_error(error))
-                if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels
-                    forward.set_extra(position, END_EVENT, state.timer.mark())
-                if output_work:
-                    _run_work(output_work, OUTPUTS, forward, position, module, args, None)
+                call_failed(state, forward, position, perf_counter_ns(), error, module, args, output_work)
                 raise
             end = perf_counter_ns()
             if stack and stack[-1] == position and state.forward is forward:
@@ -308,7 +305,12 @@ class HookRecorder:
                 _run_work(output_work, OUTPUTS, forward, position, module, args, output)
             return output
 
-        return call
+        native = native_traced_call()
+        if native is None or input_work:
+            return call, None
+        context = (index, local, call, torch.Tensor, output_stats, output_work, _run_work, call_failed, _pop_to,
+                   _note_error, _dynamo_compiling, _compiler, perf_counter_ns, OUTPUTS)  # fmt: skip
+        return native, context
 
     def forward_post_hook(self, index: int):
         local = self._local
@@ -558,6 +560,27 @@ def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, 
         raise
     post(module, args, output)
     return output
+
+
+def call_failed(
+    state: _ThreadState,
+    forward: RawForward,
+    position: int,
+    end: int,
+    error: BaseException,
+    module: Any,
+    args: tuple,
+    output_work: tuple,
+) -> None:
+    """A traced call raised at ``end``: it ends there with the error (an interrupt: "interrupted"), its output's
+    features see no output; the caller re-raises the error."""
+    _pop_to(state, forward, position, end)
+    forward.end[position] = end
+    forward.set_extra(position, ERROR, _call_error(error))
+    if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels
+        forward.set_extra(position, END_EVENT, state.timer.mark())
+    if output_work:
+        _run_work(output_work, OUTPUTS, forward, position, module, args, None)
 
 
 def _pop_to(state: _ThreadState, forward: RawForward, position: int, end: int) -> None:

@@ -894,6 +894,226 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(id)", result, (double)milliseconds);
 }
 
+/* traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward inside a traced forward
+   (``HookRecorder.traced_forward``'s Python body, for the common call), in C: no Python frame and no bytecode per
+   call (the Python body cost ~1 us a call inside a forward, most of a call's cost without statistics, 2026-11-26).
+   It records the call (module index, parent, start, end appended to the forward's columns, the call pushed on and
+   popped off the thread's stack), calls the module's own forward, and summarises a tensor output with the thread's
+   StatComputer. Anything else goes to Python: the whole call to the body (context[SLOW]) where the forward is not
+   traced here (no thread state, no open forward, a skipped forward, a device timer, dynamo or export compiling),
+   and the rare parts (a call that raised, a stack left unbalanced, an output that is no tensor, a statistic that
+   failed) to the helpers the body uses itself. `context` (a tuple, read by index: ``_hooks.native_context``):
+   index, the recorder's thread-local, the Python body, torch.Tensor, the stats-only output work (None: the output
+   work tuple runs through run_work), the output work, run_work, call_failed, pop_to, note_error,
+   torch.compiler.is_dynamo_compiling, torch.compiler, time.perf_counter_ns, the OUTPUTS slot. */
+enum {
+    CONTEXT_INDEX, CONTEXT_LOCAL, CONTEXT_SLOW, CONTEXT_TENSOR, CONTEXT_OUTPUT_STATS, CONTEXT_OUTPUT_WORK,
+    CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_IS_COMPILING, CONTEXT_COMPILER,
+    CONTEXT_CLOCK, CONTEXT_OUTPUTS_SLOT, CONTEXT_SIZE
+};
+
+static PyObject *zero, *str_state, *str_stack, *str_skip_depth, *str_timer, *str_forward, *str_module, *str_parent,
+    *str_start, *str_end, *str_stats, *str_output_stats, *str_is_compiling_flag;
+
+/* getattr(owner, name) as a new reference that must be a list (NULL without an exception: not one) */
+static PyObject *list_attribute(PyObject *owner, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(owner, name);
+    if (value != NULL && !PyList_CheckExact(value)) Py_CLEAR(value);
+    return value;
+}
+
+/* The exception being raised, taken (normalized, its traceback attached): the caller restores it with
+   restore_raised. */
+typedef struct {
+    PyObject *type, *value, *traceback; /* before 3.12 the three; since, the exception in value alone */
+} Raised;
+
+static void take_raised(Raised *raised) {
+#if PY_VERSION_HEX >= 0x030C0000
+    raised->type = raised->traceback = NULL;
+    raised->value = PyErr_GetRaisedException();
+#else
+    PyErr_Fetch(&raised->type, &raised->value, &raised->traceback);
+    PyErr_NormalizeException(&raised->type, &raised->value, &raised->traceback);
+    if (raised->traceback != NULL && raised->value != NULL) PyException_SetTraceback(raised->value, raised->traceback);
+#endif
+}
+
+static void restore_raised(Raised *raised) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(raised->value);
+#else
+    PyErr_Restore(raised->type, raised->value, raised->traceback);
+#endif
+}
+
+/* A feature failed on the call's output: Exception -> note_error(forward, position, OUTPUTS, error), 0; anything
+   else (KeyboardInterrupt) stays raised, -1. */
+static int note_output_error(PyObject *context, PyObject *forward, PyObject *position) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    Raised raised;
+    take_raised(&raised);
+    PyObject *noted = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_NOTE_ERROR), forward, position,
+                                                   PyTuple_GET_ITEM(context, CONTEXT_OUTPUTS_SLOT), raised.value, NULL);
+    Py_XDECREF(raised.type);
+    Py_XDECREF(raised.value);
+    Py_XDECREF(raised.traceback);
+    if (noted == NULL) return -1;
+    Py_DECREF(noted);
+    return 0;
+}
+
+/* 1: record this call here; 0: hand it to the Python body; -1: an exception */
+static int traced_here(PyObject *context, PyObject **state) {
+    PyObject *compiling = PyObject_CallNoArgs(PyTuple_GET_ITEM(context, CONTEXT_IS_COMPILING));
+    if (compiling == NULL) return -1;
+    int is_compiling = PyObject_IsTrue(compiling);
+    Py_DECREF(compiling);
+    if (is_compiling) return is_compiling < 0 ? -1 : 0;
+    PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_COMPILER), str_is_compiling_flag);
+    if (flag == NULL) return -1;
+    int exporting = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    if (exporting) return exporting < 0 ? -1 : 0;
+    *state = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_LOCAL), str_state);
+    if (*state == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();  /* no state on this thread yet: the body makes it */
+        return 0;
+    }
+    PyObject *skip_depth = PyObject_GetAttr(*state, str_skip_depth);
+    PyObject *timer = skip_depth != NULL ? PyObject_GetAttr(*state, str_timer) : NULL;
+    int here = timer != NULL && timer == Py_None && PyLong_CheckExact(skip_depth) && PyLong_AsLong(skip_depth) == 0;
+    Py_XDECREF(skip_depth);
+    Py_XDECREF(timer);
+    if (PyErr_Occurred()) here = -1;
+    if (here != 1) Py_CLEAR(*state);
+    return here;
+}
+
+static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    (void)self;
+    if (nargs < 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != CONTEXT_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "traced_call(context, module_ref, function, *args, **kwargs)");
+        return NULL;
+    }
+    PyObject *context = args[0], *function = args[2], *state = NULL;
+    int here = traced_here(context, &state);
+    if (here <= 0) return here < 0 ? NULL : PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
+    PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *modules = NULL, *parents = NULL,
+             *starts = NULL, *ends = NULL, *module = NULL, *position = NULL, *output = NULL, *user_args = NULL;
+    Py_ssize_t at = -1;
+    if (stack == NULL || PyList_GET_SIZE(stack) == 0 || (forward = PyObject_GetAttr(state, str_forward)) == NULL ||
+        (modules = list_attribute(forward, str_module)) == NULL ||
+        (parents = list_attribute(forward, str_parent)) == NULL ||
+        (starts = list_attribute(forward, str_start)) == NULL || (ends = list_attribute(forward, str_end)) == NULL) {
+        if (!PyErr_Occurred()) output = PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
+        goto done;
+    }
+    if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
+    at = PyList_GET_SIZE(starts);
+    if ((position = PyLong_FromSsize_t(at)) == NULL) goto done;
+    if (PyList_Append(modules, PyTuple_GET_ITEM(context, CONTEXT_INDEX)) < 0 ||
+        PyList_Append(parents, PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1)) < 0 ||
+        PyList_Append(starts, zero) < 0 || PyList_Append(ends, Py_None) < 0 || PyList_Append(stack, position) < 0)
+        goto done;
+    PyObject *clock = PyTuple_GET_ITEM(context, CONTEXT_CLOCK), *start = PyObject_CallNoArgs(clock);
+    if (start == NULL || PyList_SetItem(starts, at, start) < 0) goto done; /* last: the span times the module */
+
+    /* the module's forward: (module, *args, **kwargs) */
+    Py_ssize_t n_keywords = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0, total = nargs - 2 + n_keywords;
+    PyObject *small[16], **call_args = total <= 16 ? small : PyMem_Malloc(sizeof(PyObject *) * (size_t)total);
+    if (call_args == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    call_args[0] = module;
+    for (Py_ssize_t i = 1; i < total; i++) call_args[i] = args[i + 2];
+    output = PyObject_Vectorcall(function, call_args, (size_t)(nargs - 3 + 1), kwnames);
+    if (call_args != small) PyMem_Free(call_args);
+
+    if (output == NULL) { /* the call raised: ended now, then the body's own handling (call_failed), re-raised */
+        Raised raised;
+        take_raised(&raised);
+        PyObject *end = PyObject_CallNoArgs(clock);
+        user_args = end != NULL ? PyTuple_New(nargs - 3) : NULL;
+        for (Py_ssize_t i = 3; user_args != NULL && i < nargs; i++) PyTuple_SET_ITEM(user_args, i - 3, Py_NewRef(args[i]));
+        PyObject *handled = user_args != NULL ? PyObject_CallFunctionObjArgs(
+            PyTuple_GET_ITEM(context, CONTEXT_CALL_FAILED), state, forward, position, end, raised.value, module,
+            user_args, PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), NULL) : NULL;
+        Py_XDECREF(end);
+        if (handled == NULL) PyErr_WriteUnraisable(function); /* the call's own exception is the one to raise */
+        Py_XDECREF(handled);
+        restore_raised(&raised);
+        goto done;
+    }
+    PyObject *end = PyObject_CallNoArgs(clock);
+    if (end == NULL) goto failed;
+    Py_ssize_t depth = PyList_GET_SIZE(stack);
+    PyObject *current = depth ? PyObject_GetAttr(state, str_forward) : NULL;
+    Py_XDECREF(current); /* only its identity is compared */
+    if (depth && current == forward && PyList_GET_ITEM(stack, depth - 1) == position) {
+        if (PyList_SetSlice(stack, depth - 1, depth, NULL) < 0) goto failed_end;
+    } else {
+        if (PyErr_Occurred()) goto failed_end;
+        PyObject *popped = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_POP_TO), state, forward,
+                                                        position, end, NULL);
+        if (popped == NULL) goto failed_end;
+        Py_DECREF(popped);
+    }
+    if (PyList_SetItem(ends, at, end) < 0) goto failed; /* stolen */
+
+    PyObject *output_stats = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_STATS);
+    PyObject *output_work = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), *result = NULL;
+    if (output_stats != Py_None) {
+        PyObject *tensor = PyTuple_GET_ITEM(context, CONTEXT_TENSOR);
+        int is_tensor = Py_TYPE(output) == (PyTypeObject *)tensor ? 1 : PyObject_IsInstance(output, tensor);
+        if (is_tensor < 0) goto failed;
+        if (is_tensor) {
+            PyObject *computer = PyObject_GetAttr(state, str_stats);
+            PyObject *stats = computer != NULL ? PyObject_CallOneArg(computer, output) : NULL;
+            Py_XDECREF(computer);
+            PyObject *column = stats != NULL ? PyObject_GetAttr(forward, str_output_stats) : NULL;
+            int stored = column != NULL ? PyObject_SetItem(column, position, stats) : -1;
+            Py_XDECREF(stats);
+            Py_XDECREF(column);
+            if (stored < 0 && note_output_error(context, forward, position) < 0) goto failed;
+            goto done;
+        }
+    } else if (PyTuple_CheckExact(output_work) && PyTuple_GET_SIZE(output_work) == 0) {
+        goto done;
+    }
+    if ((user_args = PyTuple_New(nargs - 3)) == NULL) goto failed;
+    for (Py_ssize_t i = 3; i < nargs; i++) PyTuple_SET_ITEM(user_args, i - 3, Py_NewRef(args[i]));
+    if (output_stats != Py_None) { /* the output is no tensor: its tensors found and summarised in Python */
+        result = PyObject_CallFunctionObjArgs(output_stats, forward, position, module, user_args, output, NULL);
+        if (result == NULL && note_output_error(context, forward, position) < 0) goto failed;
+    } else {
+        result = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_RUN_WORK), output_work,
+                                              PyTuple_GET_ITEM(context, CONTEXT_OUTPUTS_SLOT), forward, position,
+                                              module, user_args, output, NULL);
+        if (result == NULL) goto failed;
+    }
+    Py_XDECREF(result);
+    goto done;
+failed_end:
+    Py_DECREF(end);
+failed:
+    Py_CLEAR(output);
+done:
+    Py_XDECREF(user_args);
+    Py_XDECREF(position);
+    Py_XDECREF(module);
+    Py_XDECREF(ends);
+    Py_XDECREF(starts);
+    Py_XDECREF(parents);
+    Py_XDECREF(modules);
+    Py_XDECREF(forward);
+    Py_XDECREF(stack);
+    Py_XDECREF(state);
+    return output;
+}
+
 static PyMethodDef methods[] = {
     {"float_stats", (PyCFunction)(void (*)(void))float_stats, METH_FASTCALL,
      "float_stats(address, n, is_float64, columns, names, stats) -> passes (0: not finite)"},
@@ -920,9 +1140,20 @@ static PyMethodDef methods[] = {
      "same types (lengths: tuples or lists of those lengths)"},
     {"untracked", (PyCFunction)(void (*)(void))untracked, METH_FASTCALL,
      "untracked(t) -> t: a tuple of atomic items no longer tracked by the garbage collector"},
+    {"traced_call", (PyCFunction)(void (*)(void))traced_call, METH_FASTCALL | METH_KEYWORDS,
+     "traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward, recorded"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject **strings[] = {&str_state, &str_stack, &str_skip_depth, &str_timer, &str_forward, &str_module,
+                            &str_parent, &str_start, &str_end, &str_stats, &str_output_stats, &str_is_compiling_flag};
+    const char *names[] = {"state", "stack", "skip_depth", "timer", "forward", "module", "parent", "start", "end",
+                           "stats", "output_stats", "_is_compiling_flag"};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if ((*strings[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+    if ((zero = PyLong_FromLong(0)) == NULL) return NULL;
+    return PyModule_Create(&module);
+}

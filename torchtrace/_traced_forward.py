@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -18,25 +19,28 @@ from typing import Any
 
 import torch
 
+_logger = logging.getLogger("torchtrace")
+
 
 class TracedForward(functools.partial):
-    """``module.forward`` while traced: ``call(module_ref, function, *args, **kwargs)``, where ``function`` is the
-    forward of the module's class (called with the module first) and ``module_ref`` a weak reference (no reference
-    cycle: a model dropped is freed at once, as an untraced one is)."""
+    """``module.forward`` while traced: ``body(context, module_ref, function, *args, **kwargs)``, where ``function``
+    is the forward of the module's class (called with the module first), ``module_ref`` a weak reference (no
+    reference cycle: a model dropped is freed at once, as an untraced one is) and ``context`` what the body needs
+    (see ``HookRecorder.traced_forward``)."""
 
     __slots__ = ()
 
     @property
     def __signature__(self) -> inspect.Signature:  # the module's own: HF's Trainer and generate() read it
-        module, function = self.args[0](), self.args[1]
+        module, function = self.args[1](), self.args[2]
         return inspect.signature(function if module is None else function.__get__(module))
 
     def __deepcopy__(self, memo: dict) -> TracedForward:
         # copy.deepcopy(model) copies instance attributes: the copy's forward must run the copy (traced, as torch's
         # deep-copied hooks trace it), not the original
-        module = self.args[0]()
+        module = self.args[1]()
         copy = memo.get(id(module)) if module is not None else None
-        return self if copy is None else type(self)(self.func, weakref.ref(copy), self.args[1])
+        return self if copy is None else type(self)(self.func, self.args[0], weakref.ref(copy), self.args[2])
 
 
 class ForwardHandle:
@@ -50,7 +54,7 @@ class ForwardHandle:
         self._traced = traced
 
     def remove(self) -> None:
-        module = self._traced.args[0]()
+        module = self._traced.args[1]()
         if module is not None and module.__dict__.get("forward") is self._traced:
             del module.__dict__["forward"]
 
@@ -66,8 +70,37 @@ def can_wrap(module: torch.nn.Module) -> bool:
     )
 
 
-def wrap_forward(module: torch.nn.Module, call: Callable[..., Any]) -> ForwardHandle:
-    """Makes ``call`` the module's forward (see ``HookRecorder.traced_forward``); ``can_wrap(module)`` must hold."""
-    traced = TracedForward(call, weakref.ref(module), inspect.getattr_static(type(module), "forward"))
+def wrap_forward(module: torch.nn.Module, body: Callable[..., Any], context: Any) -> ForwardHandle:
+    """Makes ``body`` with its ``context`` the module's forward (see ``HookRecorder.traced_forward``);
+    ``can_wrap(module)`` must hold."""
+    traced = TracedForward(body, context, weakref.ref(module), inspect.getattr_static(type(module), "forward"))
     module.__dict__["forward"] = traced  # not nn.Module.__setattr__: a plain attribute, set without its checks
     return ForwardHandle(traced)
+
+
+def native_traced_call() -> Callable[..., Any] | None:
+    """``_native.traced_call`` (a traced call recorded in C) where it is built and dynamo takes a stand-in for it
+    (``torch.compiler.substitute_in_graph``, torch >= 2.5): inside a compiled region the stand-in calls the module's
+    forward alone, as the Python body does there, and folds away with it. Else None: the Python body."""
+    global _in_graph
+    if _in_graph is None:
+        _in_graph = False
+        substitute = getattr(torch.compiler, "substitute_in_graph", None)
+        if _traced_call is not None and substitute is not None:
+            try:
+                substitute(_traced_call, skip_signature_check=True)(_traced_call_in_graph)
+                _in_graph = True
+            except Exception as error:  # a torch whose dynamo refuses it: the Python body, which dynamo traces
+                _logger.debug("torchtrace: the compiled traced call is not used: %s", error)
+    return _traced_call if _in_graph else None
+
+
+def _traced_call_in_graph(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
+    return function(module_ref(), *args, **kwargs)
+
+
+try:
+    from torchtrace._native import traced_call as _traced_call
+except ImportError:  # not built: the Python body
+    _traced_call = None
+_in_graph: bool | None = None  # whether dynamo took the stand-in (asked once, at the first instrument())

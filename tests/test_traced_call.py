@@ -1,0 +1,134 @@
+"""A traced call is recorded in C where ``torchtrace._native`` is built (``_native.traced_call``), else by the Python
+body it hands every uncommon case to: both record the same calls with the same attributes, raise the model's own
+exceptions unchanged, and leave the model's outputs alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchtrace
+from torchtrace import _stats, _traced_forward
+
+ERROR = ValueError("the model's own error")
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ERROR
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.norm = nn.LayerNorm(8)
+        self.ff = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        attended, _ = self.attn(x, x, x, need_weights=False)  # keywords in, a tuple out
+        return self.ff(self.norm(x + attended)) * scale
+
+
+class Model(nn.Module):
+    """Nested calls, keyword arguments, tuple and dict outputs, a call that raises and is handled by its caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.fails = Fails()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        try:
+            self.fails(x)
+        except ValueError:
+            pass
+        return {"logits": self.head(x), "hidden": x}
+
+
+@pytest.fixture(params=["compiled", "python"])
+def body(request, monkeypatch):
+    """Which body records the calls: the compiled one (skipped where it is not built, or dynamo takes no stand-in for
+    it), or the Python one."""
+    if request.param == "compiled" and _traced_forward.native_traced_call() is None:
+        pytest.skip("torchtrace._native.traced_call is not used here")
+    if request.param == "python":
+        monkeypatch.setattr(_traced_forward, "_traced_call", None)
+    return request.param
+
+
+def model_and_input() -> tuple[Model, torch.Tensor]:
+    torch.manual_seed(0)
+    return Model().eval(), torch.randn(2, 5, 8)
+
+
+def recorded(stats: bool = True) -> list[tuple]:
+    """The calls of two forwards as (name, depth, parent's name, error, attributes)."""
+    model, x = model_and_input()
+    expected = model(x)
+    with torchtrace.instrument(model, exporter="none", stats=stats) as handle:
+        for _ in range(2):
+            output = model(x)
+            assert all(torch.equal(output[key], expected[key]) for key in expected)  # tracing changes nothing
+        calls = handle.records
+    names = {call.span_id: call.name for call in calls}
+    return [(call.name, call.depth, names.get(call.parent_span_id), repr(call.error), call.attributes) for call in calls]
+
+
+@pytest.mark.parametrize("stats", [True, False], ids=["statistics", "spans"])
+def test_both_bodies_record_the_same_calls(stats, monkeypatch):
+    if _traced_forward.native_traced_call() is None:
+        pytest.skip("torchtrace._native.traced_call is not used here")
+    compiled = recorded(stats)
+    monkeypatch.setattr(_traced_forward, "_traced_call", None)
+    assert compiled == recorded(stats)
+    assert [(name, depth, parent) for name, depth, parent, _, _ in compiled[:4]] == [
+        ("Model", 0, None),
+        ("blocks.0", 1, "Model"),
+        ("blocks.0.attn", 2, "blocks.0"),
+        ("blocks.0.norm", 2, "blocks.0"),
+    ]
+    failed = [call for call in compiled if call[0] == "fails"]
+    assert len(failed) == 2 and all(error == repr(ERROR) for _, _, _, error, _ in failed)
+    ff = next(attributes for name, _, _, _, attributes in compiled if name == "blocks.0.ff.2")
+    assert ({"torchtrace.output.mean", "torchtrace.output.zero_fraction"} <= set(ff)) == stats
+
+
+def test_the_body_in_use(body):
+    model = nn.Linear(2, 2)
+    outer = nn.Sequential(model)
+    with torchtrace.instrument(outer, exporter="none"):
+        assert (model.forward.func is _traced_forward._traced_call) == (body == "compiled")
+
+
+def test_a_call_that_raises_raises_the_models_own_exception_with_its_traceback(body):
+    model = nn.Sequential(nn.Linear(8, 8), Fails())
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with pytest.raises(ValueError) as caught:
+            model(torch.randn(2, 8))
+        assert caught.value is ERROR
+        assert caught.traceback[-1].name == "forward" and "raise ERROR" in str(caught.traceback[-1].statement)
+        assert [(call.name, call.error) for call in handle.records] == [
+            ("Sequential", ERROR),
+            ("0", None),
+            ("1", ERROR),
+        ]
+
+
+def test_a_statistic_that_fails_costs_only_itself(body, monkeypatch):
+    def fails(self, tensor):
+        raise RuntimeError("no statistics today")
+
+    model, x = model_and_input()
+    expected = model(x)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        monkeypatch.setattr(_stats.StatComputer, "__call__", fails)
+        output = model(x)
+        assert all(torch.equal(output[key], expected[key]) for key in expected)
+        linear = next(call for call in handle.records if call.name == "blocks.0.ff.0")
+    assert linear.attributes["torchtrace.output.stats_error"] == "RuntimeError: no statistics today"
+    assert linear.error is None
