@@ -1,5 +1,5 @@
-/* The compiled helpers of the statistics' hot path (torchtrace._native; optional: without them torchtrace takes
-   numpy's passes and ctypes.memmove, the same values, slower).
+/* The compiled helpers of the hot path (torchtrace._native; optional: without them torchtrace takes its Python
+   body, numpy's passes and ctypes.memmove, the same values, slower).
 
    float_stats: the statistics of a large CPU float tensor from one pass over its values (sum, sum of squares, min,
    max, non-zero count), written straight into its stats dict (no Python arithmetic, no tuple). numpy and torch
@@ -17,7 +17,10 @@
    a table (128 rows of 32 floats: 11 us, the call included, where numpy's vectorised passes and its column
    arithmetic take 64, 2026-11-25).
 
-   copy: a small tensor's bytes into its staging row (39 ns a call where ctypes.memmove takes 279, 2026-11-25). */
+   copy: a small tensor's bytes into its staging row (39 ns a call where ctypes.memmove takes 279, 2026-11-25).
+
+   traced_call: a traced module's forward inside a traced forward, recorded without a Python frame (the hooks' hot
+   path; the Python body in _hooks keeps every uncommon case). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
