@@ -45,6 +45,7 @@ class Net(nn.Module):
 
 
 CALLS = 5  # Net, encoder, encoder.0, encoder.1, head
+TORCH_MODULE_CALL = torch.nn.Module.__call__
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_the_instrumentor_is_registered_for_opentelemetry_instrument() -> None:
 def test_every_model_is_traced_from_its_first_call_on(instrumentor) -> None:
     instrumentor.instrument(exporter="none")
     model = Net()
-    model(torch.randn(3, 4))  # the first call: instrumented by the global hook, and traced
+    model(torch.randn(3, 4))  # the first call: instrumented before torch runs it, and traced
     model(torch.randn(3, 4))
     (handle,) = instrumentor.handles
     assert handle.model is model
@@ -73,6 +74,49 @@ def test_every_model_is_traced_from_its_first_call_on(instrumentor) -> None:
     roots = [record for record in records if record.depth == 0]
     assert [record.path for record in roots] == ["", ""]
     assert {record.trace_id for record in records if record.depth > 0} == {root.trace_id for root in roots}
+
+
+def test_a_traced_models_calls_keep_torchs_fast_path_under_the_instrumentor(instrumentor) -> None:
+    """No global hook (which would send every module call of the process down nn.Module's slow path): the
+    instrumentor wraps ``nn.Module.__call__``, and puts torch's back at ``uninstrument()``."""
+    instrumentor.instrument(exporter="none")
+    model = Net()
+    model(torch.randn(3, 4))
+    assert torch.nn.Module.__call__ is not TORCH_MODULE_CALL
+    module_globals = torch.nn.modules.module
+    assert not (module_globals._global_forward_pre_hooks or module_globals._global_forward_hooks)
+    assert not (model.head._forward_pre_hooks or model.head._forward_hooks)  # traced through its forward
+    instrumentor.uninstrument()
+    assert torch.nn.Module.__call__ is TORCH_MODULE_CALL
+
+
+class Recursive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, offset: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        return self(self.layer(x) + offset, offset=offset, depth=depth - 1) if depth else x
+
+
+def test_a_models_first_call_is_traced_whole_with_its_keyword_inputs(instrumentor) -> None:
+    """The model is instrumented before torch runs its first call: a recursive model's first call is one forward
+    like the next (nothing closed as interrupted), and its keyword inputs are summarised."""
+    instrumentor.instrument(exporter="none", inputs=True)
+    model = Recursive()
+    x, offset = torch.randn(3, 4), torch.full((4,), 2.0)
+    model(x, offset=offset, depth=2)
+    model(x, offset=offset, depth=2)
+    (handle,) = instrumentor.handles
+    first, second = handle.records[:5], handle.records[5:]
+    assert [(call.path, call.depth, call.error) for call in first] == [
+        ("", 0, None), ("layer", 1, None), ("", 1, None), ("layer", 2, None), ("", 2, None)
+    ]  # fmt: skip
+    assert [(call.path, call.depth, call.error) for call in second] == [
+        (call.path, call.depth, call.error) for call in first
+    ]
+    assert first[0].attributes["torchtrace.input.0.shape"] == (3, 4)
+    assert first[0].attributes["torchtrace.input.offset.mean"] == 2.0
 
 
 def test_submodules_and_helpers_are_traced_with_their_model_not_on_their_own(instrumentor) -> None:
@@ -167,7 +211,7 @@ def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor
     assert set(spans) == {"request", "Net", "encoder", "encoder.0", "encoder.1", "head"}
     assert spans["Net"].parent.span_id == request.get_span_context().span_id
     assert traced_modules(model) == []
-    assert not torch.nn.modules.module._global_forward_pre_hooks
+    assert torch.nn.Module.__call__ is TORCH_MODULE_CALL
     assert not _handle._live_handles
     model(torch.randn(2, 4))  # no longer traced
     assert len(exporter.get_finished_spans()) == 1 + CALLS
