@@ -309,7 +309,7 @@ class HookRecorder:
         if native is None or input_work:
             return call, None
         context = (index, local, call, torch.Tensor, output_stats, output_work, _run_work, call_failed, _pop_to,
-                   _note_error, _dynamo_compiling, _compiler, perf_counter_ns, OUTPUTS)  # fmt: skip
+                   _note_error, _compiler, perf_counter_ns, OUTPUTS)  # fmt: skip
         return native, context
 
     def forward_post_hook(self, index: int):

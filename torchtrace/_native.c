@@ -907,12 +907,12 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
    and the rare parts (a call that raised, a stack left unbalanced, an output that is no tensor, a statistic that
    failed) to the helpers the body uses itself. `context` (a tuple, read by index: ``_hooks.native_context``):
    index, the recorder's thread-local, the Python body, torch.Tensor, the stats-only output work (None: the output
-   work tuple runs through run_work), the output work, run_work, call_failed, pop_to, note_error,
-   torch.compiler.is_dynamo_compiling, torch.compiler, time.perf_counter_ns, the OUTPUTS slot. */
+   work tuple runs through run_work), the output work, run_work, call_failed, pop_to, note_error, torch.compiler,
+   time.perf_counter_ns, the OUTPUTS slot. */
 enum {
     CONTEXT_INDEX, CONTEXT_LOCAL, CONTEXT_SLOW, CONTEXT_TENSOR, CONTEXT_OUTPUT_STATS, CONTEXT_OUTPUT_WORK,
-    CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_IS_COMPILING, CONTEXT_COMPILER,
-    CONTEXT_CLOCK, CONTEXT_OUTPUTS_SLOT, CONTEXT_SIZE
+    CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_COMPILER, CONTEXT_CLOCK,
+    CONTEXT_OUTPUTS_SLOT, CONTEXT_SIZE
 };
 
 static PyObject *zero, *str_state, *str_stack, *str_skip_depth, *str_timer, *str_forward, *str_module, *str_parent,
@@ -968,11 +968,9 @@ static int note_output_error(PyObject *context, PyObject *forward, PyObject *pos
 
 /* 1: record this call here; 0: hand it to the Python body; -1: an exception */
 static int traced_here(PyObject *context, PyObject **state) {
-    PyObject *compiling = PyObject_CallNoArgs(PyTuple_GET_ITEM(context, CONTEXT_IS_COMPILING));
-    if (compiling == NULL) return -1;
-    int is_compiling = PyObject_IsTrue(compiling);
-    Py_DECREF(compiling);
-    if (is_compiling) return is_compiling < 0 ? -1 : 0;
+    /* Dynamo never runs this function while it compiles (it inlines the stand-in registered for it, see
+       _traced_forward.native_traced_call): no is_dynamo_compiling() here. torch.export's non-strict tracing runs
+       Python as it is, with this flag set. */
     PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_COMPILER), str_is_compiling_flag);
     if (flag == NULL) return -1;
     int exporting = PyObject_IsTrue(flag);
