@@ -35,6 +35,9 @@ class TracedForward(functools.partial):
         module, function = self.args[1](), self.args[2]
         return inspect.signature(function if module is None else function.__get__(module))
 
+    def __repr__(self) -> str:  # not partial's, which would print the body's whole context
+        return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
+
     def __deepcopy__(self, memo: dict) -> TracedForward:
         # copy.deepcopy(model) copies instance attributes: the copy's forward must run the copy (traced, as torch's
         # deep-copied hooks trace it), not the original
