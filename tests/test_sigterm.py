@@ -28,6 +28,7 @@ from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401
 
 import torchtrace
 from torchtrace import _signals
+from torchtrace._trace_file import TraceFile
 
 ROOT = Path(__file__).resolve().parent.parent
 SPANS_PER_FORWARD = 4  # Sequential + 3 children
@@ -214,7 +215,10 @@ def test_a_torchrun_job_stopped_by_sigterm_delivers_every_rank(tmp_path: Path) -
         assert _forwards(spans) in (count, count + 1), (rank, err[-2000:])
 
 
-def test_sigkill_leaves_no_torn_line(tmp_path: Path) -> None:
+def test_sigkill_leaves_whole_lines_and_the_next_writer_keeps_a_cut_line_apart(tmp_path: Path) -> None:
+    """A write of more than a page can be cut short by SIGKILL (the kernel stops between pages), so the line being
+    written may end the file as a fragment; every line before it is whole, and the next writer starts on a new line,
+    so no good line is ever glued to the fragment."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP.format(setup=INSTRUMENT))
     trace_file, count_file = tmp_path / "traces.jsonl", tmp_path / "count"
@@ -224,8 +228,18 @@ def test_sigkill_leaves_no_torn_line(tmp_path: Path) -> None:
     assert wait_until(lambda: _count(count_file) >= 300, timeout=120)
     process.kill()
     assert process.wait(timeout=30) == -signal.SIGKILL
-    assert trace_file.read_text().endswith("\n")
-    assert 0 < _forwards(_file_spans(trace_file)) <= _count(count_file) + 1  # every line parses
+    *whole, fragment = trace_file.read_bytes().split(b"\n")
+    spans = [
+        span
+        for line in whole
+        for resource in json.loads(line)["resourceSpans"]  # every whole line parses
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+    assert 0 < _forwards(spans) <= _count(count_file) + 1
+    TraceFile(trace_file).append(b'{"resourceSpans": []}\n')  # the next process's first line
+    kept = [*whole, fragment] if fragment else whole  # a fragment stays a line of its own
+    assert trace_file.read_bytes().split(b"\n") == [*kept, b'{"resourceSpans": []}', b""]
 
 
 # --- in this process: installed at the first instrument(), restored at the last remove() ------------------------

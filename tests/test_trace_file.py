@@ -19,7 +19,7 @@ import torch
 import torchtrace
 from torchtrace._exporters import EncodedSpans, JsonFileSender, check_endpoint, default_resource
 from torchtrace._otlp_json import encode_otlp_json
-from torchtrace._trace_file import rotated_paths
+from torchtrace._trace_file import TraceFile, rotated_paths
 
 SPANS_PER_FORWARD = 4
 
@@ -338,3 +338,12 @@ def test_the_sdk_file_exporter_warns_once_per_burst(tiny_fs: Path, caplog: pytes
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("torchtrace")]
     assert len(messages) == 2 and "file export failed" in messages[0] and "recovered" in messages[1]
     assert span_names(tiny_fs / "app.jsonl") == [spans[0].name]
+
+
+def test_a_file_left_ending_mid_line_gets_the_next_line_on_a_line_of_its_own(tmp_path: Path) -> None:
+    """What a process killed inside a write leaves (the kernel stops a write of more than a page at a fatal signal):
+    the next writer keeps the fragment a line apart, never gluing a good line to it."""
+    path = tmp_path / "traces.jsonl"
+    path.write_bytes(b'{"resourceSpans": []}\n{"resourceSp')
+    TraceFile(path).append(b'{"resourceSpans": [1]}\n')
+    assert path.read_bytes().split(b"\n") == [b'{"resourceSpans": []}', b'{"resourceSp', b'{"resourceSpans": [1]}', b""]
