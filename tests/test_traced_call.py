@@ -33,18 +33,39 @@ class Block(nn.Module):
         return self.ff(self.norm(x + attended)) * scale
 
 
+class Recursive(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        return self(self.layer(x), depth - 1) if depth else x
+
+
+class Many(nn.Module):
+    """More arguments than the compiled call keeps on its stack (16)."""
+
+    def forward(self, *xs: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        return torch.stack(xs).sum(0) * weight
+
+
 class Model(nn.Module):
-    """Nested calls, keyword arguments, tuple and dict outputs, a call that raises and is handled by its caller."""
+    """Nested calls, keyword arguments, tuple and dict outputs, a call that raises and is handled by its caller, a
+    module that calls itself, a call with many arguments."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList([Block(), Block()])
         self.fails = Fails()
+        self.recursive = Recursive()
+        self.many = Many()
         self.head = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         for block in self.blocks:
             x = block(x, scale=0.5)
+        x = self.recursive(x)
+        x = self.many(*([x] * 20), weight=0.05)
         with contextlib.suppress(ValueError):  # the caller handles its child's error
             self.fails(x)
         return {"logits": self.head(x), "hidden": x}
@@ -94,6 +115,11 @@ def test_both_bodies_record_the_same_calls(stats, monkeypatch):
         ("blocks.0.attn", 2, "blocks.0"),
         ("blocks.0.norm", 2, "blocks.0"),
     ]
+    assert [(name, depth, parent) for name, depth, parent, _, _ in compiled if name.startswith("recursive")] == [
+        ("recursive", 1, "Model"), ("recursive.layer", 2, "recursive"), ("recursive", 2, "recursive"),
+        ("recursive.layer", 3, "recursive"), ("recursive", 3, "recursive"),
+    ] * 2  # fmt: skip
+    assert [name for name, *_ in compiled].count("many") == 2
     failed = [call for call in compiled if call[0] == "fails"]
     assert len(failed) == 2 and all(error == repr(ERROR) for _, _, _, error, _ in failed)
     ff = next(attributes for name, _, _, _, attributes in compiled if name == "blocks.0.ff.2")
