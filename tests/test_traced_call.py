@@ -8,10 +8,12 @@ import contextlib
 
 import pytest
 import torch
+from test_device import Kernel, device_clock  # noqa: F401 - device_clock: a fixture
 from torch import nn
 
 import torchtrace
 from torchtrace import _stats, _traced_forward
+from torchtrace.testing import capture_spans
 
 ERROR = ValueError("the model's own error")
 
@@ -160,3 +162,13 @@ def test_a_statistic_that_fails_costs_only_itself(body, monkeypatch):
         linear = next(call for call in handle.records if call.name == "blocks.0.ff.0")
     assert linear.attributes["torchtrace.output.stats_error"] == "RuntimeError: no statistics today"
     assert linear.error is None
+
+
+def test_both_bodies_time_a_forward_on_a_device_by_its_events(body, device_clock):  # noqa: F811 - the fixture
+    """A forward on a (simulated) CUDA device: each call's span lasts what its events measured, not the host's
+    clock."""
+    model = nn.Sequential(Kernel(device_clock, 2.0), Kernel(device_clock, 3.0))
+    with capture_spans(model) as captured:
+        model(torch.zeros(2))
+        durations = [(span.end_time - span.start_time) / 1e6 for span in captured.spans()]
+    assert sorted(durations) == pytest.approx([2.0, 3.0, 5.0])

@@ -252,6 +252,7 @@ class HookRecorder:
         # two calls (~0.15 us a call); anything else through the work itself
         output_stats = self._output_stats if output_work == (self._output_stats,) else None
         pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
+        mark_start = self._mark_start
 
         def call(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
             module = module_ref()
@@ -277,8 +278,8 @@ class HookRecorder:
                 _run_work(input_work, INPUTS, forward, position, module, args, kwargs)
             stack.append(position)
             timer = state.timer
-            if timer is not None and self._on_timer_device(index, module, args, timer):
-                forward.set_extra(position, START_EVENT, timer.mark())
+            if timer is not None:
+                mark_start(index, module, args, timer, forward, position)
             starts[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
             try:
                 output = function(module, *args, **kwargs)
@@ -291,8 +292,8 @@ class HookRecorder:
             else:
                 _pop_to(state, forward, position, end)
             ends[position] = end
-            if timer is not None and forward.extra(position, START_EVENT) is not None:
-                forward.set_extra(position, END_EVENT, state.timer.mark())
+            if timer is not None:
+                mark_end(state, forward, position)
             if output_stats is not None:
                 try:
                     if isinstance(output, torch.Tensor):
@@ -309,7 +310,7 @@ class HookRecorder:
         if native is None or input_work:
             return call, None
         context = (index, local, call, torch.Tensor, output_stats, output_work, _run_work, call_failed, _pop_to,
-                   _note_error, _compiler, perf_counter_ns, OUTPUTS)  # fmt: skip
+                   _note_error, _compiler, perf_counter_ns, OUTPUTS, mark_start, mark_end)  # fmt: skip
         return native, context
 
     def forward_post_hook(self, index: int):
@@ -364,6 +365,13 @@ class HookRecorder:
         return torch.compiler.disable(post_hook) if self.modules[index].path == "" else post_hook
 
     # -- per forward ---------------------------------------------------------------------------------------------
+
+    def _mark_start(
+        self, index: int, module: torch.nn.Module, args: tuple, timer: Any, forward: RawForward, position: int
+    ) -> None:
+        """A timed call's start event, where the call runs on the timer's device (``mark_end`` closes it)."""
+        if self._on_timer_device(index, module, args, timer):
+            forward.set_extra(position, START_EVENT, timer.mark())
 
     def _on_timer_device(self, index: int, module: torch.nn.Module, args: tuple, timer: Any) -> bool:
         """Whether this call runs where the forward's timer records (a model split over GPUs has calls elsewhere:
@@ -562,6 +570,12 @@ def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, 
     return output
 
 
+def mark_end(state: _ThreadState, forward: RawForward, position: int) -> None:
+    """A timed call's end event, after its work was launched and before its statistics' kernels (not its work)."""
+    if forward.extra(position, START_EVENT) is not None:
+        forward.set_extra(position, END_EVENT, state.timer.mark())
+
+
 def call_failed(
     state: _ThreadState,
     forward: RawForward,
@@ -577,8 +591,7 @@ def call_failed(
     _pop_to(state, forward, position, end)
     forward.end[position] = end
     forward.set_extra(position, ERROR, _call_error(error))
-    if forward.extra(position, START_EVENT) is not None:  # before the statistics' kernels
-        forward.set_extra(position, END_EVENT, state.timer.mark())
+    mark_end(state, forward, position)
     if output_work:
         _run_work(output_work, OUTPUTS, forward, position, module, args, None)
 

@@ -903,16 +903,16 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
    It records the call (module index, parent, start, end appended to the forward's columns, the call pushed on and
    popped off the thread's stack), calls the module's own forward, and summarises a tensor output with the thread's
    StatComputer. Anything else goes to Python: the whole call to the body (context[SLOW]) where the forward is not
-   traced here (no thread state, no open forward, a skipped forward, a device timer, dynamo or export compiling),
-   and the rare parts (a call that raised, a stack left unbalanced, an output that is no tensor, a statistic that
-   failed) to the helpers the body uses itself. `context` (a tuple, read by index: ``_hooks.native_context``):
+   traced here (no thread state, no open forward, a skipped forward, torch.export compiling), and the other parts
+   (a CUDA forward's timing events, a call that raised, a stack left unbalanced, an output that is no tensor, a
+   statistic that failed) to the helpers the body uses itself. `context` (a tuple, read by index: ``_hooks.native_context``):
    index, the recorder's thread-local, the Python body, torch.Tensor, the stats-only output work (None: the output
    work tuple runs through run_work), the output work, run_work, call_failed, pop_to, note_error, torch.compiler,
-   time.perf_counter_ns, the OUTPUTS slot. */
+   time.perf_counter_ns, the OUTPUTS slot, mark_start and mark_end (a CUDA forward's timing events, in Python). */
 enum {
     CONTEXT_INDEX, CONTEXT_LOCAL, CONTEXT_SLOW, CONTEXT_TENSOR, CONTEXT_OUTPUT_STATS, CONTEXT_OUTPUT_WORK,
     CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_COMPILER, CONTEXT_CLOCK,
-    CONTEXT_OUTPUTS_SLOT, CONTEXT_SIZE
+    CONTEXT_OUTPUTS_SLOT, CONTEXT_MARK_START, CONTEXT_MARK_END, CONTEXT_SIZE
 };
 
 static PyObject *zero, *str_state, *str_stack, *str_skip_depth, *str_timer, *str_forward, *str_module, *str_parent,
@@ -966,8 +966,15 @@ static int note_output_error(PyObject *context, PyObject *forward, PyObject *pos
     return 0;
 }
 
-/* 1: record this call here; 0: hand it to the Python body; -1: an exception */
-static int traced_here(PyObject *context, PyObject **state) {
+/* the call's own positional arguments (after context, module_ref and function), as a tuple */
+static PyObject *user_arguments(PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *tuple = PyTuple_New(nargs - 3);
+    for (Py_ssize_t i = 3; tuple != NULL && i < nargs; i++) PyTuple_SET_ITEM(tuple, i - 3, Py_NewRef(args[i]));
+    return tuple;
+}
+
+/* 1: record this call here (*state and *timer: new references); 0: hand it to the Python body; -1: an exception */
+static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
     /* Dynamo never runs this function while it compiles (it inlines the stand-in registered for it, see
        _traced_forward.native_traced_call): no is_dynamo_compiling() here. torch.export's non-strict tracing runs
        Python as it is, with this flag set. */
@@ -983,12 +990,14 @@ static int traced_here(PyObject *context, PyObject **state) {
         return 0;
     }
     PyObject *skip_depth = PyObject_GetAttr(*state, str_skip_depth);
-    PyObject *timer = skip_depth != NULL ? PyObject_GetAttr(*state, str_timer) : NULL;
-    int here = timer != NULL && timer == Py_None && PyLong_CheckExact(skip_depth) && PyLong_AsLong(skip_depth) == 0;
+    *timer = skip_depth != NULL ? PyObject_GetAttr(*state, str_timer) : NULL;
+    int here = *timer != NULL && PyLong_CheckExact(skip_depth) && PyLong_AsLong(skip_depth) == 0;
     Py_XDECREF(skip_depth);
-    Py_XDECREF(timer);
     if (PyErr_Occurred()) here = -1;
-    if (here != 1) Py_CLEAR(*state);
+    if (here != 1) {
+        Py_CLEAR(*state);
+        Py_CLEAR(*timer);
+    }
     return here;
 }
 
@@ -998,8 +1007,8 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "traced_call(context, module_ref, function, *args, **kwargs)");
         return NULL;
     }
-    PyObject *context = args[0], *function = args[2], *state = NULL;
-    int here = traced_here(context, &state);
+    PyObject *context = args[0], *function = args[2], *state = NULL, *timer = NULL;
+    int here = traced_here(context, &state, &timer);
     if (here <= 0) return here < 0 ? NULL : PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
     PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *modules = NULL, *parents = NULL,
              *starts = NULL, *ends = NULL, *module = NULL, *position = NULL, *output = NULL, *user_args = NULL;
@@ -1018,6 +1027,14 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyList_Append(parents, PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1)) < 0 ||
         PyList_Append(starts, zero) < 0 || PyList_Append(ends, Py_None) < 0 || PyList_Append(stack, position) < 0)
         goto done;
+    if (timer != Py_None) { /* a CUDA forward: the call's start event, where it runs on the timer's device */
+        if ((user_args = user_arguments(args, nargs)) == NULL) goto done;
+        PyObject *marked = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_START),
+                                                        PyTuple_GET_ITEM(context, CONTEXT_INDEX), module, user_args,
+                                                        timer, forward, position, NULL);
+        if (marked == NULL) goto done;
+        Py_DECREF(marked);
+    }
     PyObject *clock = PyTuple_GET_ITEM(context, CONTEXT_CLOCK), *start = PyObject_CallNoArgs(clock);
     if (start == NULL || PyList_SetItem(starts, at, start) < 0) goto done; /* last: the span times the module */
 
@@ -1037,8 +1054,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         Raised raised;
         take_raised(&raised);
         PyObject *end = PyObject_CallNoArgs(clock);
-        user_args = end != NULL ? PyTuple_New(nargs - 3) : NULL;
-        for (Py_ssize_t i = 3; user_args != NULL && i < nargs; i++) PyTuple_SET_ITEM(user_args, i - 3, Py_NewRef(args[i]));
+        if (end != NULL && user_args == NULL) user_args = user_arguments(args, nargs);
         PyObject *handled = user_args != NULL ? PyObject_CallFunctionObjArgs(
             PyTuple_GET_ITEM(context, CONTEXT_CALL_FAILED), state, forward, position, end, raised.value, module,
             user_args, PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), NULL) : NULL;
@@ -1063,6 +1079,12 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_DECREF(popped);
     }
     if (PyList_SetItem(ends, at, end) < 0) goto failed; /* stolen */
+    if (timer != Py_None) { /* its end event: before the statistics' kernels, which are not the module's work */
+        PyObject *marked = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_END), state, forward,
+                                                        position, NULL);
+        if (marked == NULL) goto failed;
+        Py_DECREF(marked);
+    }
 
     PyObject *output_stats = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_STATS);
     PyObject *output_work = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), *result = NULL;
@@ -1084,8 +1106,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     } else if (PyTuple_CheckExact(output_work) && PyTuple_GET_SIZE(output_work) == 0) {
         goto done;
     }
-    if ((user_args = PyTuple_New(nargs - 3)) == NULL) goto failed;
-    for (Py_ssize_t i = 3; i < nargs; i++) PyTuple_SET_ITEM(user_args, i - 3, Py_NewRef(args[i]));
+    if (user_args == NULL && (user_args = user_arguments(args, nargs)) == NULL) goto failed;
     if (output_stats != Py_None) { /* the output is no tensor: its tensors found and summarised in Python */
         result = PyObject_CallFunctionObjArgs(output_stats, forward, position, module, user_args, output, NULL);
         if (result == NULL && note_output_error(context, forward, position) < 0) goto failed;
@@ -1111,6 +1132,7 @@ done:
     Py_XDECREF(modules);
     Py_XDECREF(forward);
     Py_XDECREF(stack);
+    Py_XDECREF(timer);
     Py_XDECREF(state);
     return output;
 }
