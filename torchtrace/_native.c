@@ -905,10 +905,11 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
    StatComputer. Anything else goes to Python: the whole call to the body (context[SLOW]) where the forward is not
    traced here (no thread state, no open forward, a skipped forward, torch.export compiling), and the other parts
    (a CUDA forward's timing events, a call that raised, a stack left unbalanced, an output that is no tensor, a
-   statistic that failed) to the helpers the body uses itself. `context` (a tuple, read by index: ``_hooks.native_context``):
-   index, the recorder's thread-local, the Python body, torch.Tensor, the stats-only output work (None: the output
-   work tuple runs through run_work), the output work, run_work, call_failed, pop_to, note_error, torch.compiler,
-   time.perf_counter_ns, the OUTPUTS slot, mark_start and mark_end (a CUDA forward's timing events, in Python). */
+   statistic that failed) to the helpers the body uses itself. `context` (a tuple, read by index; made by
+   ``HookRecorder.traced_forward``): index, the recorder's thread-local, the Python body, torch.Tensor, the
+   stats-only output work (None: the output work tuple runs through run_work), the output work, run_work,
+   call_failed, pop_to, note_error, torch.compiler, time.perf_counter_ns, the OUTPUTS slot, mark_start and mark_end
+   (a CUDA forward's timing events, in Python). */
 enum {
     CONTEXT_INDEX, CONTEXT_LOCAL, CONTEXT_SLOW, CONTEXT_TENSOR, CONTEXT_OUTPUT_STATS, CONTEXT_OUTPUT_WORK,
     CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_COMPILER, CONTEXT_CLOCK,
@@ -1001,6 +1002,11 @@ static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
     return here;
 }
 
+/* the whole call to the Python body, which takes every case this file does not */
+static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    return PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
+}
+
 static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)self;
     if (nargs < 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != CONTEXT_SIZE) {
@@ -1009,7 +1015,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     PyObject *context = args[0], *function = args[2], *state = NULL, *timer = NULL;
     int here = traced_here(context, &state, &timer);
-    if (here <= 0) return here < 0 ? NULL : PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
+    if (here <= 0) return here < 0 ? NULL : hand_over(context, args, nargs, kwnames);
     PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *modules = NULL, *parents = NULL,
              *starts = NULL, *ends = NULL, *module = NULL, *position = NULL, *output = NULL, *user_args = NULL;
     Py_ssize_t at = -1;
@@ -1017,7 +1023,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         (modules = list_attribute(forward, str_module)) == NULL ||
         (parents = list_attribute(forward, str_parent)) == NULL ||
         (starts = list_attribute(forward, str_start)) == NULL || (ends = list_attribute(forward, str_end)) == NULL) {
-        if (!PyErr_Occurred()) output = PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
+        if (!PyErr_Occurred()) output = hand_over(context, args, nargs, kwnames);
         goto done;
     }
     if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
@@ -1054,8 +1060,8 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         Raised raised;
         take_raised(&raised);
         PyObject *end = PyObject_CallNoArgs(clock);
-        if (end != NULL && user_args == NULL) user_args = user_arguments(args, nargs);
-        PyObject *handled = user_args != NULL ? PyObject_CallFunctionObjArgs(
+        int ready = end != NULL && (user_args != NULL || (user_args = user_arguments(args, nargs)) != NULL);
+        PyObject *handled = ready ? PyObject_CallFunctionObjArgs(
             PyTuple_GET_ITEM(context, CONTEXT_CALL_FAILED), state, forward, position, end, raised.value, module,
             user_args, PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), NULL) : NULL;
         Py_XDECREF(end);
