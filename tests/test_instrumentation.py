@@ -211,6 +211,7 @@ def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor
     assert set(spans) == {"request", "Net", "encoder", "encoder.0", "encoder.1", "head"}
     assert spans["Net"].parent.span_id == request.get_span_context().span_id
     assert traced_modules(model) == []
+    assert not torch.nn.modules.module._global_forward_pre_hooks
     assert torch.nn.Module.__call__ is TORCH_MODULE_CALL
     assert not _handle._live_handles
     model(torch.randn(2, 4))  # no longer traced

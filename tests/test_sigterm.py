@@ -68,7 +68,11 @@ def _count(path: Path) -> int:
 def _file_spans(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    lines = path.read_text().splitlines()
+    return _line_spans(path.read_text().splitlines())
+
+
+def _line_spans(lines: list) -> list[dict]:
+    """The spans of OTLP JSON lines, each of which must parse."""
     return [
         span
         for line in lines
@@ -229,14 +233,7 @@ def test_sigkill_leaves_whole_lines_and_the_next_writer_keeps_a_cut_line_apart(t
     process.kill()
     assert process.wait(timeout=30) == -signal.SIGKILL
     *whole, fragment = trace_file.read_bytes().split(b"\n")
-    spans = [
-        span
-        for line in whole
-        for resource in json.loads(line)["resourceSpans"]  # every whole line parses
-        for scope in resource["scopeSpans"]
-        for span in scope["spans"]
-    ]
-    assert 0 < _forwards(spans) <= _count(count_file) + 1
+    assert 0 < _forwards(_line_spans(whole)) <= _count(count_file) + 1  # every whole line parses
     TraceFile(trace_file).append(b'{"resourceSpans": []}\n')  # the next process's first line
     kept = [*whole, fragment] if fragment else whole  # a fragment stays a line of its own
     assert trace_file.read_bytes().split(b"\n") == [*kept, b'{"resourceSpans": []}', b""]
