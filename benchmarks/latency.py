@@ -28,6 +28,8 @@ collections per minute (target 0 in steady state). Targets are reported, not ass
 Models: "linear8" = 8 x Linear(48, 48), batch 4 (small, fast forwards); "mlp64" = 64 x (Linear(32, 32), ReLU),
 batch 1 (129 calls per forward, more than the collector's young generation holds: overhead.py's cheap model);
 "encoder" = 2 x TransformerEncoderLayer(128, nhead=4, dim_feedforward=256, batch_first=True), batch 1, seq 32;
+"encoder6" (not run unless named) = overhead.py's encoder: 6 x TransformerEncoderLayer(256, nhead=8,
+batch_first=True), batch 8, seq 64 (a forward of milliseconds, where the calls' own cost is not microseconds);
 "bert" (not run unless named; needs transformers) = a 2-layer BertModel built from its config (hidden 128, 4 heads,
 intermediate 256), batch 1, seq 32: 45 calls a forward, most returning tuples or model outputs. All eval,
 torch.inference_mode, torch's fused fast path off for every variant (hooks on the layer turn it off: the same math
@@ -59,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
-from overhead import cheap_model, make_empty_hooks  # noqa: E402
+from overhead import cheap_model, encoder_model, make_empty_hooks  # noqa: E402
 
 import torchtrace  # noqa: E402
 
@@ -80,6 +82,11 @@ def mlp64() -> tuple[nn.Module, torch.Tensor]:
     return model.eval(), x
 
 
+def encoder6() -> tuple[nn.Module, torch.Tensor]:
+    model, x, _ = encoder_model()
+    return model, x
+
+
 def bert() -> tuple[nn.Module, torch.Tensor]:
     try:
         from transformers import BertConfig, BertModel
@@ -94,6 +101,7 @@ MODELS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "linear8": linear8,
     "mlp64": mlp64,
     "encoder": encoder,
+    "encoder6": encoder6,
     "bert": bert,
 }
 
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds before timing, per process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 s per variant")
     parser.add_argument(
-        "--models", default="linear8,mlp64,encoder", help="comma-separated: linear8, mlp64, encoder, bert"
+        "--models", default="linear8,mlp64,encoder", help="comma-separated: linear8, mlp64, encoder, encoder6, bert"
     )
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
