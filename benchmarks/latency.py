@@ -177,6 +177,7 @@ def child(model_name: str, variant: str, warmup_s: float) -> None:
     }
     if handle is not None:
         handle.remove()
+    gc.unfreeze()  # objects left frozen are never freed at exit: Triton's bindings then print pages of "leaked"
     print(json.dumps(report), flush=True)
 
 
