@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from torchtrace._trace_files import Span, TraceFileError, TraceReader, replaced_when_complete
+from torchtrace._trace_files import Span, TraceReader, file_command, replaced_when_complete
 
 __all__ = ["write_perfetto", "perfetto_command"]
 
@@ -164,13 +163,13 @@ def write_perfetto(reader: TraceReader, output: str | os.PathLike[str]) -> int:
 
 def perfetto_command(traces: Sequence[str], output: str) -> int:
     """``torchtrace perfetto``: returns the exit status; messages on stderr."""
-    try:
+
+    def convert() -> tuple[TraceReader, str]:
         reader = TraceReader(traces)
         spans = write_perfetto(reader, output)
-    except (TraceFileError, OSError) as error:
-        print(f"torchtrace perfetto: error: {error}", file=sys.stderr)
-        return 1
-    if reader.bad_lines:
-        print(f"torchtrace perfetto: warning: {reader.problems()}", file=sys.stderr)
-    print(f"{spans} spans from {len(reader.parts)} file(s) written to {output} (open it in https://ui.perfetto.dev)")
-    return 0
+        return (
+            reader,
+            f"{spans} spans from {len(reader.parts)} file(s) written to {output} (open it in https://ui.perfetto.dev)",
+        )
+
+    return file_command("perfetto", convert)

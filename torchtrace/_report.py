@@ -18,14 +18,13 @@ import html
 import json
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchtrace._trace_files import Span, TraceFileError, TraceReader, replaced_when_complete, summary_from_spans
+from torchtrace._trace_files import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
 
 __all__ = ["write_report", "report_command"]
 
@@ -342,12 +341,9 @@ def write_report(
 
 def report_command(traces: Sequence[str], output: str) -> int:
     """``torchtrace report``: returns the exit status; messages on stderr."""
-    try:
+
+    def write() -> tuple[TraceReader, str]:
         reader = write_report(traces, output)
-    except (TraceFileError, OSError) as error:
-        print(f"torchtrace report: error: {error}", file=sys.stderr)
-        return 1
-    if reader.bad_lines:
-        print(f"torchtrace report: warning: {reader.problems()}", file=sys.stderr)
-    print(f"report of {reader.spans} spans from {len(reader.parts)} file(s) written to {output}")
-    return 0
+        return reader, f"report of {reader.spans} spans from {len(reader.parts)} file(s) written to {output}"
+
+    return file_command("report", write)

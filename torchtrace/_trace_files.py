@@ -15,7 +15,7 @@ import glob
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,7 +37,15 @@ def replaced_when_complete(output: str | os.PathLike[str]) -> Iterator[Path]:
         partial.unlink(missing_ok=True)
 
 
-__all__ = ["Span", "TraceFileError", "TraceReader", "summary_command", "summary_from_spans", "trace_parts"]
+__all__ = [
+    "Span",
+    "TraceFileError",
+    "TraceReader",
+    "file_command",
+    "summary_command",
+    "summary_from_spans",
+    "trace_parts",
+]
 
 _SCOPE = "torchtrace"  # instrumentation scope of torchtrace's spans
 _PATH_KEY = "torchtrace.module.path"
@@ -322,17 +330,29 @@ def summary_from_spans(spans: Iterable[Span]) -> SummarySink:
     return sink
 
 
+def file_command(name: str, action: Callable[[], tuple[TraceReader, str]]) -> int:
+    """``torchtrace <name>`` over trace files: ``action`` reads them and returns its reader and the line to print.
+    Returns the exit status: 1 where the files cannot be read (the error on stderr); lines that could not be read
+    are a warning there."""
+    try:
+        reader, message = action()
+    except (TraceFileError, OSError) as error:
+        print(f"torchtrace {name}: error: {error}", file=sys.stderr)
+        return 1
+    if reader.bad_lines:
+        print(f"torchtrace {name}: warning: {reader.problems()}", file=sys.stderr)
+    print(message)
+    return 0
+
+
 def summary_command(traces: Sequence[str], limit: int | None) -> int:
     """``torchtrace summary``: returns the exit status; messages on stderr."""
-    try:
+
+    def summarise() -> tuple[TraceReader, str]:
         reader = TraceReader(traces)
         sink = summary_from_spans(reader)
         if not reader.torchtrace_spans:
             raise reader.nothing_read("torchtrace spans")
-    except (TraceFileError, OSError) as error:
-        print(f"torchtrace summary: error: {error}", file=sys.stderr)
-        return 1
-    if reader.bad_lines:
-        print(f"torchtrace summary: warning: {reader.problems()}", file=sys.stderr)
-    print(sink.table(limit))
-    return 0
+        return reader, sink.table(limit)
+
+    return file_command("summary", summarise)
