@@ -172,3 +172,26 @@ def test_both_bodies_time_a_forward_on_a_device_by_its_events(body, device_clock
         model(torch.zeros(2))
         durations = [(span.end_time - span.start_time) / 1e6 for span in captured.spans()]
     assert sorted(durations) == pytest.approx([2.0, 3.0, 5.0])
+
+
+class DropsItsLayer(nn.Module):
+    """Keeps its layer's forward, then lets go of the layer: untraced, the bound method keeps the layer alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kept = self.layer.forward
+        del self.layer  # its last reference: a traced forward holds its module weakly
+        return kept(x)
+
+
+def test_a_forward_kept_after_its_module_is_freed_says_so(body):
+    untraced = DropsItsLayer()
+    assert untraced(torch.ones(1, 2)).shape == (1, 2)
+    model = DropsItsLayer()
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with pytest.raises(ReferenceError, match=r"Linear\.forward was called after its module was freed"):
+            model(torch.ones(1, 2))  # inside the traced forward: the compiled call hands it to the body
+        assert [(call.name, call.error is not None) for call in handle.records] == [("DropsItsLayer", True)]

@@ -1027,6 +1027,10 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
+    if (module == Py_None) { /* the module was freed (its forward kept): the body says so */
+        output = hand_over(context, args, nargs, kwnames);
+        goto done;
+    }
     at = PyList_GET_SIZE(starts);
     if ((position = PyLong_FromSsize_t(at)) == NULL) goto done;
     if (PyList_Append(modules, PyTuple_GET_ITEM(context, CONTEXT_INDEX)) < 0 ||
