@@ -75,4 +75,5 @@ def test_flush_is_true_when_everything_arrived(otlp_env, otlp_http_receiver, tmp
     with torchtrace.instrument(model, exporter="file", trace_file=str(trace_file)) as handle:
         model(torch.ones(1, 4))
         assert handle.flush() is True
-    assert sum(len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for line in trace_file.open()) == 2
+    lines = trace_file.read_text().splitlines()
+    assert sum(len(json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]) for line in lines) == 2

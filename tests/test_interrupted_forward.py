@@ -97,7 +97,9 @@ def test_an_interrupted_forward_is_delivered_at_remove(tmp_path):
     _interrupt(model)
     handle.remove()
     spans = [
-        span for line in trace_file.open() for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        span
+        for line in trace_file.read_text().splitlines()
+        for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
     ]
     assert sorted(span["name"] for span in spans) == ["0", "1", "Sequential"]
     assert sum(span.get("status", {}).get("code") == 2 for span in spans) == 2
@@ -132,7 +134,9 @@ def test_an_interrupted_forward_is_delivered_at_exit(tmp_path):
     assert result.returncode == 0, result.stderr
     interrupted_ns = int(result.stdout.split()[1])
     spans = [
-        span for line in trace_file.open() for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        span
+        for line in trace_file.read_text().splitlines()
+        for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
     ]
     assert sorted(span["name"] for span in spans) == ["0", "1", "Sequential"]
     root = next(span for span in spans if span["name"] == "Sequential")
