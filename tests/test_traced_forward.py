@@ -50,6 +50,25 @@ def test_a_deep_copy_of_a_traced_model_computes_with_its_own_parameters_and_is_t
     assert len(handle.records) == 8
 
 
+def test_a_traced_models_state_dict_saves_and_loads_and_the_whole_module_pickles_once_removed(tmp_path):
+    model, other = mlp(), mlp()
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(-2)
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        torch.save(other.state_dict(), tmp_path / "other.pt")
+        model.load_state_dict(torch.load(tmp_path / "other.pt"))  # into the traced model: its forwards read them
+        assert torch.equal(model(x), other(x))
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+        assert [record.path for record in handle.records] == ["", "0", "1", "2"]
+    assert torch.equal(torch.load(tmp_path / "model.pt")["0.weight"], other[0].weight)
+    torch.save(model, tmp_path / "whole.pt")  # the module itself: once remove() took the hooks and forwards out
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert "forward" not in loaded[0].__dict__ and not loaded._forward_pre_hooks and not loaded._forward_hooks
+    assert torch.equal(loaded(x), other(x))
+
+
 def test_a_model_dropped_without_remove_is_freed_at_once():
     model = mlp()
     handle = torchtrace.instrument(model, exporter="none")
