@@ -3,9 +3,12 @@
 Three questions, answered on one CUDA device in one run:
 
 1. Overhead. Variants, each on its own copy of the model, timed round-robin (the starting variant rotates every
-   round): `none` (no hooks), `torchtrace` (a span per module call, every statistic on every module's output,
-   CUDA-event timing, the embedded file exporter), `torchtrace_torch_ops` (the same, statistics reduced by torch
-   ops instead of the fused Triton kernel) and `torchtrace_sampled` (stats_sample=65536). One timed repetition =
+   round): `none` (no hooks), `empty_hooks` (a no-op forward pre-hook and hook on every module: the floor of any
+   hook-based tracer, as in overhead.py), `torchtrace` (a span per module call, every statistic on every module's
+   output, CUDA-event timing, the embedded file exporter), `torchtrace_spans` (the same without statistics: what
+   the statistics cost), `torchtrace_spans_host_clock` (spans without statistics or CUDA events: what the events
+   cost), `torchtrace_torch_ops` (every statistic, reduced by torch ops instead of the fused Triton kernel) and
+   `torchtrace_sampled` (stats_sample=65536). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
    and export are in the window. Targets: <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. All
    variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on, torchtrace
@@ -47,6 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torchtrace  # noqa: E402
 from torchtrace import _device, _worker  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import make_empty_hooks  # noqa: E402
+
 CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
@@ -80,7 +86,15 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
     fastpath.before = lambda: torch.backends.mha.set_fastpath_enabled(True)
     fastpath.after = lambda: torch.backends.mha.set_fastpath_enabled(False)
     variants.append(fastpath)
-    names = ["torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"]
+    empty = make_empty_hooks(copy.deepcopy(base))  # overhead.py's floor, the same no-op hooks
+    variants.append(Variant("empty_hooks", empty.model, close=empty.close))
+    names = [
+        "torchtrace",
+        "torchtrace_spans",
+        "torchtrace_spans_host_clock",
+        "torchtrace_torch_ops",
+        "torchtrace_sampled",
+    ]
     if WORKER_AT_FLUSH:
         names.append("torchtrace_worker_at_flush")
     for name in names:
@@ -90,6 +104,8 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             exporter="file",
             trace_file=os.path.join(trace_dir, f"{name}.jsonl"),
             print_summary=False,
+            stats=not name.startswith("torchtrace_spans"),
+            cuda_events=name != "torchtrace_spans_host_clock",
             stats_sample=SAMPLE if name == "torchtrace_sampled" else None,
         )
         variant = Variant(
@@ -147,6 +163,8 @@ def overhead(base: nn.Module, batch: int, seq: int, forwards: int, repeats: int)
         # host time per forward until the loop ended: above ms_per_forward's device share, the host is the bound
         "host_ms_per_forward": {name: round(statistics.median(values) * 1e3, 4) for name, values in host.items()},
         "x_none": {name: round(value / none, 4) for name, value in medians.items()},
+        # against the floor of any hook-based tracer: where x_none["empty_hooks"] is above the target, none can meet it
+        "x_empty_hooks": {name: round(value / medians["empty_hooks"], 4) for name, value in medians.items()},
         "iqr_pct": {name: round(_iqr(values) / statistics.median(values) * 100, 1) for name, values in samples.items()},
     }
 

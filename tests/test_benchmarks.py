@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -59,6 +60,56 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     assert "torch.get_num_threads() = 1 (set by --threads)" in stdout
 
 
+GPU_VARIANTS = [
+    "none",
+    "none_fastpath",
+    "empty_hooks",
+    "torchtrace",
+    "torchtrace_spans",
+    "torchtrace_spans_host_clock",
+    "torchtrace_torch_ops",
+    "torchtrace_sampled",
+]
+
+
+def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monkeypatch) -> None:
+    """gpu.py's variants, built on a small CPU model (the GPU run has minutes, not time to find a typo): each
+    computes what the model does, the statistics variants record statistics and the spans variants do not."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu)  # its dataclass looks its module up there
+    monkeypatch.setattr(sys, "path", list(sys.path))  # it puts benchmarks/ on the path
+    spec.loader.exec_module(gpu)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    expected = base(x)
+    variants = gpu.make_variants(base, str(tmp_path))
+    try:
+        assert [variant.name for variant in variants] == GPU_VARIANTS
+        for variant in variants:
+            variant.before()
+            try:
+                with torch.inference_mode():
+                    assert torch.equal(variant.model(x), expected), variant.name
+                variant.flush()
+            finally:
+                variant.after()
+        assert len(variants[2].model._forward_hooks) == 1 and len(variants[2].model[0]._forward_pre_hooks) == 1
+    finally:
+        for variant in variants:
+            variant.close()
+    attributes = {}
+    for name in GPU_VARIANTS[3:]:
+        (line,) = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+        spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        attributes[name] = {attribute["key"] for span in spans for attribute in span["attributes"]}
+    for name in ("torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"):
+        assert "torchtrace.output.mean" in attributes[name], name
+    for name in ("torchtrace_spans", "torchtrace_spans_host_clock"):
+        assert "torchtrace.output.mean" not in attributes[name], name
+
+
 def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> None:
     report = run_benchmark("gpu.py", "--quick", timeout=600)[0]["gpu"]
     if not torch.cuda.is_available():
@@ -66,13 +117,7 @@ def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> Non
         return
     assert [(config["batch"], config["seq"]) for config in report["configs"]] == [(16, 512), (1, 128)]
     for config in report["configs"]:
-        assert set(config["x_none"]) == {
-            "none",
-            "none_fastpath",
-            "torchtrace",
-            "torchtrace_torch_ops",
-            "torchtrace_sampled",
-        }
+        assert set(config["x_none"]) == set(config["x_empty_hooks"]) == set(GPU_VARIANTS)
     assert (
         set(report["timing_with_stats"]["modules"])
         == set(report["timing"]["modules"])
