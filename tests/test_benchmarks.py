@@ -85,6 +85,7 @@ def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monk
     x = torch.randn(2, 4)
     expected = base(x)
     variants = gpu.make_variants(base, str(tmp_path))
+    fastpath = torch.backends.mha.get_fastpath_enabled()  # none_fastpath's before / after set it for the process
     try:
         assert [variant.name for variant in variants] == GPU_VARIANTS
         for variant in variants:
@@ -99,6 +100,7 @@ def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monk
     finally:
         for variant in variants:
             variant.close()
+        torch.backends.mha.set_fastpath_enabled(fastpath)
     attributes = {}
     for name in GPU_VARIANTS[3:]:
         (line,) = (tmp_path / f"{name}.jsonl").read_text().splitlines()
