@@ -257,7 +257,7 @@ class HookRecorder:
         def call(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
             module = module_ref()
             if module is None:
-                raise freed_module_error(function)
+                raise _freed_module_error(function)
             if _dynamo_compiling() or _compiler._is_compiling_flag:
                 return function(module, *args, **kwargs)
             try:
@@ -559,12 +559,12 @@ class HookRecorder:
         return captured
 
 
-def freed_module_error(function: Any) -> ReferenceError:
+def _freed_module_error(function: Any) -> ReferenceError:
     """A traced forward kept (``f = module.forward``) and called after its module was freed: it holds the module weakly
     (a model dropped is freed at once), where an untraced bound method keeps it alive."""
     return ReferenceError(
-        f"torchtrace: {function.__qualname__} was called after its module was freed: a traced module's forward "
-        "holds the module weakly: keep a reference to the module itself"
+        f"torchtrace: {function.__qualname__} was called after its module was freed (a traced module's forward "
+        "holds its module weakly): keep a reference to the module itself"
     )
 
 
