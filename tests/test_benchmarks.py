@@ -152,7 +152,7 @@ def test_latency_quick_reports_percentiles_and_full_collections_per_variant() ->
         assert values["forwards"] > 0, name
         assert 0 < values["p50_ms"] <= values["p99_ms"] <= values["max_ms"], (name, values)
         assert isinstance(values["gen2"], int) and values["gen2_total_ms"] >= values["gen2_max_ms"] >= 0, name
-    for ratio in ("p99_ratio", "floor_p99_ratio", "p99_over_floor"):
+    for ratio in ("p99_ratio", "floor_p99_ratio", "p99_over_floor", "tail_shape_ratio"):
         assert math.isfinite(report["linear8"][ratio]), ratio
     assert "extra full collections per minute" in stdout
 
