@@ -347,9 +347,8 @@ class HookRecorder:
                 forward.interrupt(position, end)
                 position = stack.pop()
             forward.end[position] = end
-            timer = state.timer  # before the statistics' kernels: they are not the module's work
-            if timer is not None and forward.extra(position, START_EVENT) is not None:
-                forward.set_extra(position, END_EVENT, timer.mark())
+            if state.timer is not None:
+                mark_end(state, forward, position)
             if output is None:
                 # always_call hooks run from torch's `except Exception:` block: the exception is still current.
                 # One the caller was already handling before the call (pre hook) is not this call's error.
@@ -437,8 +436,7 @@ class HookRecorder:
         end = max(max(filter(None, forward.end), default=0), max(forward.start))
         for position in state.stack:
             forward.interrupt(position, end)
-        if forward.extra(0, START_EVENT) is not None:  # the forward's events are read once this one completes
-            forward.set_extra(0, END_EVENT, state.timer.mark())
+        mark_end(state, forward, 0)  # the forward's events are read once its end event completes
         state.stack.clear()
         self._end_forward(state)
 
