@@ -31,42 +31,84 @@ def test_a_traced_forward_has_the_modules_own_signature():
         assert inspect.signature(model[0].forward) == expected  # what HF's Trainer and generate() read
 
 
-def test_a_deep_copy_of_a_traced_model_computes_with_its_own_parameters_and_is_traced():
+def negated_twice(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-2)
+    return model
+
+
+def test_a_deep_copy_of_a_traced_model_computes_with_its_own_parameters_untraced():
     model = mlp()
     x = torch.randn(3, 4)
     with torchtrace.instrument(model, exporter="none") as handle:
-        twin = copy.deepcopy(model)  # e.g. an EMA copy made while the model is traced
-        with torch.no_grad():
-            for parameter in twin.parameters():
-                parameter.mul_(-2)
-        untraced = mlp()
-        with torch.no_grad():
-            for parameter in untraced.parameters():
-                parameter.mul_(-2)
-        assert torch.equal(twin(x), untraced(x))
+        twin = negated_twice(copy.deepcopy(model))  # e.g. an EMA copy made while the model is traced
+        assert torch.equal(twin(x), negated_twice(mlp())(x))
         assert torch.equal(model(x), mlp()(x))  # the original is untouched by the copy
-        assert [record.path for record in handle.records] == ["", "0", "1", "2"] * 2  # both traced, as hooks are
-    assert torch.equal(twin(x), untraced(x))  # after remove() the copy still computes, untraced
-    assert len(handle.records) == 8
+        assert [record.path for record in handle.records] == ["", "0", "1", "2"]  # the original's forward alone
+        assert traced_modules(twin) == [] and not twin._forward_hooks and not twin._forward_pre_hooks
+        assert torchtrace.instrument(twin, exporter="none").remove() is None  # a model of its own to trace
 
 
-def test_a_traced_models_state_dict_saves_and_loads_and_the_whole_module_pickles_once_removed(tmp_path):
-    model, other = mlp(), mlp()
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.mul_(-2)
+def test_a_shallow_copy_of_a_traced_module_runs_as_itself():
+    """copy.copy shares the parameters, not the plain attributes: the copy's own `training` flag decides."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5)).eval()
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        dropout = copy.copy(model[1]).train()
+        hidden = model[0](x)
+        assert torch.equal(model[1](hidden), hidden)  # the traced original, in eval: no dropout
+        torch.manual_seed(1)
+        dropped = dropout(hidden)
+        torch.manual_seed(1)
+        assert torch.equal(dropped, nn.functional.dropout(hidden, 0.5, training=True))  # the copy trains
+        assert (dropped == 0).any()
+        assert "forward" not in dropout.__dict__ and "__getstate__" not in dropout.__dict__
+        assert [record.path for record in handle.records] == ["0", "1"]  # the copy's call is not the model's
+
+
+def test_a_traced_model_saves_whole_and_loads_untraced_and_stays_traced(tmp_path):
+    """torch.save(model) (the module object, not its state dict) as a checkpoint in a traced training job."""
+    model, other = mlp(), negated_twice(mlp())
     x = torch.randn(3, 4)
     with torchtrace.instrument(model, exporter="none") as handle:
         torch.save(other.state_dict(), tmp_path / "other.pt")
         model.load_state_dict(torch.load(tmp_path / "other.pt"))  # into the traced model: its forwards read them
         assert torch.equal(model(x), other(x))
         torch.save(model.state_dict(), tmp_path / "model.pt")
-        assert [record.path for record in handle.records] == ["", "0", "1", "2"]
+        torch.save(model, tmp_path / "whole.pt")
+        model(x)
+        assert [record.path for record in handle.records] == ["", "0", "1", "2"] * 2  # still traced after saving
     assert torch.equal(torch.load(tmp_path / "model.pt")["0.weight"], other[0].weight)
-    torch.save(model, tmp_path / "whole.pt")  # the module itself: once remove() took the hooks and forwards out
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
-    assert "forward" not in loaded[0].__dict__ and not loaded._forward_pre_hooks and not loaded._forward_hooks
+    assert traced_modules(loaded) == [] and not loaded._forward_pre_hooks and not loaded._forward_hooks
+    assert all("__getstate__" not in module.__dict__ for module in loaded.modules())
     assert torch.equal(loaded(x), other(x))
+    torch.save(model, tmp_path / "removed.pt")  # and after remove(), as any module
+    assert torch.equal(torch.load(tmp_path / "removed.pt", weights_only=False)(x), other(x))
+    assert all("__getstate__" not in module.__dict__ for module in model.modules())
+
+
+def test_a_parametrized_module_deep_copies_its_own_instance_dict_and_the_copy_is_traced_as_itself():
+    """torch's parametrized modules deep-copy their __dict__ (not __getstate__, which refuses to pickle): the copy
+    keeps torchtrace's forward, which then runs the copy, as torch's deep-copied hooks would."""
+
+    class Doubled(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * 2
+
+    model = mlp()
+    nn.utils.parametrize.register_parametrization(model[0], "weight", Doubled())
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin[0].parametrizations.weight.original.mul_(-1)
+        expected = nn.functional.linear(x, -2 * model[0].parametrizations.weight.original, model[0].bias)
+        assert torch.equal(twin[0](x), expected)  # the copy's weight, not the original's
+        assert twin[0].__getstate__.module_ref() is twin[0]
+        assert [record.path for record in handle.records] == ["0"]
 
 
 def test_a_model_dropped_without_remove_is_freed_at_once():

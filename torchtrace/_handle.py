@@ -31,6 +31,7 @@ from torchtrace._span_builder import SdkSpanSink
 from torchtrace._steps import StepRecord, StepTracker
 from torchtrace._summary import SummarySink
 from torchtrace._traced_forward import can_wrap, wrap_forward
+from torchtrace._untraced_state import untraced_state
 from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -90,12 +91,19 @@ class TraceHandle:
         for index, (module, info) in enumerate(selected):
             # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
             if info.path and can_wrap(module):
-                self._hook_handles.append(wrap_forward(module, *self._recorder.traced_forward(index)))
-                continue
-            pre = self._recorder.forward_pre_hook(index)
-            self._hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
-            post = self._recorder.forward_post_hook(index)
-            self._hook_handles.append(module.register_forward_hook(post, always_call=True))
+                added = [wrap_forward(module, *self._recorder.traced_forward(index))]
+                hook_ids: frozenset[int] = frozenset()
+            else:
+                pre = self._recorder.forward_pre_hook(index)
+                post = self._recorder.forward_post_hook(index)
+                added = [module.register_forward_pre_hook(pre, with_kwargs=with_kwargs),
+                         module.register_forward_hook(post, always_call=True)]  # fmt: skip
+                hook_ids = frozenset(handle.id for handle in added)
+            self._hook_handles += added
+            # pickled or copied (torch.save(model), copy.copy, copy.deepcopy), the module is itself untraced
+            state = untraced_state(module, hook_ids)
+            if state is not None:
+                self._hook_handles.append(state)
         self._model_ref = weakref.ref(model)
         self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
         self._removed = False
@@ -191,7 +199,7 @@ class TraceHandle:
             handle.remove()
         self._hook_handles.clear()
         self._optimizer_hooks.clear()
-        self._recorder.enabled = False  # a deep copy of the model keeps our forwards and hooks: they trace nothing now
+        self._recorder.enabled = False  # a copy that kept our forward (see TracedForward.__deepcopy__) traces nothing
         self._recorder.close_interrupted()
         if self._steps is not None:
             model = self._model_ref()

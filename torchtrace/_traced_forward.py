@@ -39,8 +39,9 @@ class TracedForward(functools.partial):
         return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
 
     def __deepcopy__(self, memo: dict) -> TracedForward:
-        # copy.deepcopy(model) copies instance attributes: the copy's forward must run the copy (traced, as torch's
-        # deep-copied hooks trace it), not the original
+        # A traced module deep-copies untraced (its __getstate__ leaves this out: see _untraced_state), unless its
+        # class deep-copies its instance dict itself (torch's parametrized modules): then the copy's forward must
+        # run the copy, not the original (traced, as torch's deep-copied hooks trace it)
         module = self.args[1]()
         copy = memo.get(id(module)) if module is not None else None
         return self if copy is None else type(self)(self.func, self.args[0], weakref.ref(copy), self.args[2])
