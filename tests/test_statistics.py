@@ -1008,6 +1008,38 @@ def test_a_jagged_nested_tensors_ragged_dimension_is_minus_one_in_its_shape():
 # -- statistics are taken when the module returns ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jacrev"])
+@pytest.mark.parametrize("width", [8, 3000])  # a small tensor's row; a large one's pass
+def test_under_torch_func_transforms_the_statistics_are_of_the_values_the_transform_computes_on(transform, width):
+    """A module run inside vmap / grad / jacrev (per-sample gradients, model ensembles) returns tensors that wrap the
+    values the transform computes on: those are summarised (under vmap the whole batch: the shape says so)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, width), nn.Tanh())
+    x = torch.randn(3, 4)
+    seen: list[torch.Tensor] = []  # the values each transform's call computes on, as torch's functorch gives them
+
+    def unwrapped(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        while torch._C._functorch.is_functorch_wrapped_tensor(output):
+            output = torch._C._functorch.get_unwrapped(output)
+        seen.append(output)
+
+    model[1].register_forward_hook(unwrapped)
+    run = {
+        "vmap": lambda: torch.func.vmap(model)(x),
+        "grad": lambda: torch.func.grad(lambda inputs: model(inputs).sum())(x),
+        "jacrev": lambda: torch.func.jacrev(model)(x[0]),
+    }[transform]
+    expected = run()
+    with capture_spans(model) as captured:
+        run()  # twice: the second call of a kind takes the staged path
+        assert torch.equal(run(), expected)
+    for span in captured.spans_named("1")[-2:]:
+        got = {key.removeprefix("torchtrace.output."): value for key, value in span.attributes.items()}
+        assert "stats_error" not in got
+        assert_stats_match(got, seen[-1])
+    assert tuple(seen[-1].shape) == {"vmap": (3, width), "grad": (3, width), "jacrev": (width,)}[transform]
+
+
 def test_an_in_place_op_after_a_module_does_not_change_its_recorded_statistics():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True))

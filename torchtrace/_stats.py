@@ -197,7 +197,10 @@ class StatComputer:
                     if stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False
             except Exception as error:  # a statistic must never break the user's forward
-                stats["stats_error"] = error_text(error)
+                if _in_transform(tensor):  # its values have no memory of their own: the values the transform runs on
+                    stats = self._compute_in_full(tensor)
+                else:
+                    stats["stats_error"] = error_text(error)
         else:
             stats = self._compute_in_full(tensor)
         if not inference:
@@ -215,6 +218,8 @@ class StatComputer:
         self._last_stats = self._previous_stats = {}
 
     def _compute_in_full(self, tensor: torch.Tensor) -> dict[str, Any]:
+        if _in_transform(tensor):
+            tensor = _transformed_values(tensor)
         stats: dict[str, Any] = {}
         if self._shape:
             # a jagged nested tensor's ragged dimension is symbolic: -1 there, as an int-array attribute must be
@@ -273,6 +278,21 @@ class StatComputer:
             _logger.debug("torchtrace: statistics failed for a %s tensor: %s", dtype, error)
             stats["stats_error"] = error_text(error)
         return stats
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+_in_transform: Callable[[torch.Tensor], bool] = (
+    _functorch.is_functorch_wrapped_tensor if _functorch is not None else lambda tensor: False
+)
+
+
+def _transformed_values(tensor: torch.Tensor) -> torch.Tensor:
+    """What a tensor inside ``torch.func`` transforms (vmap, grad, jacrev...) wraps, unwrapped down to a tensor with
+    memory of its own: the values the transforms compute on (under vmap, every batch entry: its shape has the batch
+    dimension)."""
+    while _in_transform(tensor):
+        tensor = _functorch.get_unwrapped(tensor)
+    return tensor
 
 
 _COPIED_AS_IS = frozenset((torch.float32, torch.float64))  # numpy reads them as they are (see _as_real_float)
