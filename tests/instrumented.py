@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchtrace._copies import _EntryOfModule
 from torchtrace._traced_forward import TracedForward
-from torchtrace._untraced_state import UntracedState
 
 
 def traced_modules(model: nn.Module) -> list[str]:
     """Paths of the modules that carry a forward hook (any: torch's own call path then changes), a traced forward or
-    torchtrace's ``__getstate__``."""
+    another entry of torchtrace's in its instance dict (``_copies``)."""
     return [
         path
         for path, module in model.named_modules()
@@ -20,5 +20,5 @@ def traced_modules(model: nn.Module) -> list[str]:
         or module._forward_hooks_always_called
         or module._forward_pre_hooks_with_kwargs
         or isinstance(module.__dict__.get("forward"), TracedForward)
-        or isinstance(module.__dict__.get("__getstate__"), UntracedState)
+        or any(isinstance(entry, _EntryOfModule) for entry in module.__dict__.values())
     ]

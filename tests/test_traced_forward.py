@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import importlib
 import inspect
+import threading
 import weakref
 
 import torch
@@ -31,11 +33,15 @@ def test_a_traced_forward_has_the_modules_own_signature():
         assert inspect.signature(model[0].forward) == expected  # what HF's Trainer and generate() read
 
 
-def negated_twice(model: nn.Module) -> nn.Module:
+def negated_times(model: nn.Module, factor: float) -> nn.Module:
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.mul_(-2)
+            parameter.mul_(-factor)
     return model
+
+
+def negated_twice(model: nn.Module) -> nn.Module:
+    return negated_times(model, 2)
 
 
 def test_a_deep_copy_of_a_traced_model_computes_with_its_own_parameters_untraced():
@@ -88,6 +94,34 @@ def test_a_traced_model_saves_whole_and_loads_untraced_and_stays_traced(tmp_path
     torch.save(model, tmp_path / "removed.pt")  # and after remove(), as any module
     assert torch.equal(torch.load(tmp_path / "removed.pt", weights_only=False)(x), other(x))
     assert all("__getstate__" not in module.__dict__ for module in model.modules())
+
+
+def test_data_parallels_replicas_each_run_their_own_parameters_traced(monkeypatch):
+    """nn.DataParallel copies each module's instance dict into a replica per GPU at every forward: a replica's traced
+    forward runs the replica (the original's would compute with GPU 0's weights on another GPU's input). torch's own
+    replicate() here, its CUDA broadcast swapped for per-replica CPU copies (this machine has no GPUs)."""
+    replicate_module = importlib.import_module("torch.nn.parallel.replicate")  # the package's name is the function
+
+    def broadcast(tensors, devices, detach=False):  # replica j's parameters: the original's times -(j + 1)
+        return [[(tensor * -(j + 1)).detach() for tensor in tensors] for j in range(len(devices))]
+
+    monkeypatch.setattr(replicate_module, "_broadcast_coalesced_reshape", broadcast)
+    model = mlp()
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        replicas = replicate_module.replicate(model, [0, 1])
+        outputs: dict[int, torch.Tensor] = {}
+        threads = [threading.Thread(target=lambda j=j: outputs.update({j: replicas[j](x)})) for j in range(2)]
+        for thread in threads:  # one thread per replica, as DataParallel's parallel_apply runs them
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for j, output in outputs.items():
+            assert torch.equal(output, negated_times(mlp(), j + 1)(x))
+        assert torch.equal(model(x), mlp()(x))  # the original keeps its own
+        assert sorted(record.path for record in handle.records) == sorted(["", "0", "1", "2"] * 3)
+        assert all(traced_modules(replica) for replica in replicas)  # its hooks and forwards trace it
+    assert traced_modules(model) == []
 
 
 def test_a_parametrized_module_deep_copies_its_own_instance_dict_and_the_copy_is_traced_as_itself():

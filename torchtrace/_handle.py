@@ -20,6 +20,7 @@ from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
 from torchtrace._config import ENV_METRICS, Options, StatFunction, _env, resolve_options
+from torchtrace._copies import follow_copies
 from torchtrace._dispatch import Dispatcher, first_nonfinite, resolve_forward
 from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
@@ -31,7 +32,6 @@ from torchtrace._span_builder import SdkSpanSink
 from torchtrace._steps import StepRecord, StepTracker
 from torchtrace._summary import SummarySink
 from torchtrace._traced_forward import can_wrap, wrap_forward
-from torchtrace._untraced_state import untraced_state
 from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -99,11 +99,8 @@ class TraceHandle:
                 added = [module.register_forward_pre_hook(pre, with_kwargs=with_kwargs),
                          module.register_forward_hook(post, always_call=True)]  # fmt: skip
                 hook_ids = frozenset(handle.id for handle in added)
-            self._hook_handles += added
-            # pickled or copied (torch.save(model), copy.copy, copy.deepcopy), the module is itself untraced
-            state = untraced_state(module, hook_ids)
-            if state is not None:
-                self._hook_handles.append(state)
+            # its copies run themselves: pickled or copied untraced, DataParallel's replicas traced
+            self._hook_handles += [*added, follow_copies(module, hook_ids)]
         self._model_ref = weakref.ref(model)
         self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
         self._removed = False

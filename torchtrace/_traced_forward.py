@@ -44,7 +44,11 @@ class TracedForward(functools.partial):
         # run the copy, not the original (traced, as torch's deep-copied hooks trace it)
         module = self.args[1]()
         copy = memo.get(id(module)) if module is not None else None
-        return self if copy is None else type(self)(self.func, self.args[0], weakref.ref(copy), self.args[2])
+        return self if copy is None else self.running(copy)
+
+    def running(self, module: torch.nn.Module) -> TracedForward:
+        """This traced forward for another module of the same class (a copy of this one's)."""
+        return type(self)(self.func, self.args[0], weakref.ref(module), self.args[2])
 
 
 class ForwardHandle:
