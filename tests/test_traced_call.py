@@ -5,6 +5,7 @@ exceptions unchanged, and leave the model's outputs alone."""
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -195,3 +196,32 @@ def test_a_forward_kept_after_its_module_is_freed_says_so(body):
         with pytest.raises(ReferenceError, match=r"Linear\.forward was called after its module was freed"):
             model(torch.ones(1, 2))  # inside the traced forward: the compiled call hands it to the body
         assert [(call.name, call.error is not None) for call in handle.records] == [("DropsItsLayer", True)]
+
+
+class Scaled(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+@pytest.mark.parametrize("replacement", ["function", "staticmethod", "callable"])
+def test_a_class_forward_replaced_after_instrument_is_the_one_that_runs(body, replacement):
+    """A library patching the class (an attention kernel swapped in; mock.patch.object in a test) after the model was
+    traced: the traced module runs the class's forward as it is now, as an untraced module would, still traced."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 3))
+    x = torch.randn(2, 4)
+
+    def zeros(*args: torch.Tensor) -> torch.Tensor:  # a method's (self, x) or a static (x)
+        return torch.zeros(args[-1].shape[0], 3)
+
+    patched = {"function": zeros, "staticmethod": staticmethod(zeros), "callable": mock.Mock(side_effect=zeros)}
+    with mock.patch.object(Scaled, "forward", patched[replacement]):
+        expected = model(x)
+    assert torch.equal(expected, torch.zeros(2, 3))
+    unpatched = model(x)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with mock.patch.object(Scaled, "forward", patched[replacement]):
+            assert torch.equal(model(x), expected)  # nested in the traced forward
+            assert torch.equal(model[1](x), expected)  # on its own
+        assert torch.equal(model(x), unpatched)  # and back again
+        assert [call.path for call in handle.records] == ["", "0", "1", "1", "", "0", "1"]

@@ -28,7 +28,7 @@ from torchtrace._config import Options
 from torchtrace._device import DeviceWork, event_timer
 from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, StatTable, find_tensors
-from torchtrace._traced_forward import native_traced_call
+from torchtrace._traced_forward import class_forward, native_traced_call
 
 _UNKNOWN = object()
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
@@ -258,6 +258,8 @@ class HookRecorder:
             module = module_ref()
             if module is None:
                 raise _freed_module_error(function)
+            if type(module).forward is not function:  # the class's forward was replaced since: call that one
+                function = class_forward(module)
             if _dynamo_compiling() or _compiler._is_compiling_flag:
                 return function(module, *args, **kwargs)
             try:

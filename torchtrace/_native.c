@@ -903,7 +903,8 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
    It records the call (module index, parent, start, end appended to the forward's columns, the call pushed on and
    popped off the thread's stack), calls the module's own forward, and summarises a tensor output with the thread's
    StatComputer. Anything else goes to Python: the whole call to the body (context[SLOW]) where the forward is not
-   traced here (no thread state, no open forward, a skipped forward, torch.export compiling), and the other parts
+   traced here (no thread state, no open forward, a skipped forward, torch.export compiling, the module freed, its
+   class's forward no longer `function`), and the other parts
    (a CUDA forward's timing events, a call that raised, a stack left unbalanced, an output that is no tensor, a
    statistic that failed) to the helpers the body uses itself. `context` (a tuple, read by index; made by
    ``HookRecorder.traced_forward``): index, the recorder's thread-local, the Python body, torch.Tensor, the
@@ -1027,7 +1028,9 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
-    if (module == Py_None) { /* the module was freed (its forward kept): the body says so */
+    /* the module was freed (its forward kept): the body says so; its class's forward replaced since it was traced
+       (a library patching the class, mock.patch.object): the body calls that one */
+    if (module == Py_None || _PyType_Lookup(Py_TYPE(module), str_forward) != function) {
         output = hand_over(context, args, nargs, kwnames);
         goto done;
     }

@@ -86,6 +86,16 @@ def wrap_forward(module: torch.nn.Module, body: Callable[..., Any], context: Any
     return ForwardHandle(traced)
 
 
+def class_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """What ``module.forward`` calls without ours, taking the module first: its class's forward as it is now, which a
+    library (or ``mock.patch.object``) may have replaced since the module was traced."""
+    forward = inspect.getattr_static(type(module), "forward")
+    if isinstance(forward, types.FunctionType):
+        return forward
+    bound = forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
+    return lambda _module, *args, **kwargs: bound(*args, **kwargs)
+
+
 def native_traced_call() -> Callable[..., Any] | None:
     """``_native.traced_call`` (a traced call recorded in C) where it is built and dynamo takes a stand-in for it
     (``torch.compiler.substitute_in_graph``, torch >= 2.5): inside a compiled region the stand-in calls the module's
