@@ -39,7 +39,7 @@ class TracedForward(functools.partial):
         return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
 
     def __deepcopy__(self, memo: dict) -> TracedForward:
-        # A traced module deep-copies untraced (its __getstate__ leaves this out: see _untraced_state), unless its
+        # A traced module deep-copies untraced (its __getstate__ leaves this out: see _copies), unless its
         # class deep-copies its instance dict itself (torch's parametrized modules): then the copy's forward must
         # run the copy, not the original (traced, as torch's deep-copied hooks trace it)
         module = self.args[1]()
