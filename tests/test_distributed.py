@@ -340,3 +340,79 @@ def test_tracing_a_ddp_job_leaves_its_training_bit_for_bit_unchanged(tmp_path):
     for result in results:
         assert result["equal"], result
         assert len(result["buckets"]) >= 2, result  # the all-reduces did run through the timed hook
+
+
+TENSOR_PARALLEL_JOB = r"""
+import json, os, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+import torchtrace
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(8, 8192))  # a small output's row, a large one's pass
+parallelize_module(model, mesh, {"0": ColwiseParallel(use_local_output=False)})
+parallelize_module(model, mesh, {"2": ColwiseParallel(use_local_output=False)})
+handle = torchtrace.instrument(model, exporter="none", max_depth=1)
+if rank == 1:
+    handle.disable()  # this rank traces nothing (sampled out): the other's statistics must not wait for it
+x = torch.randn(4, 8)
+hidden = model[1](model[0](x))
+output = model[2](hidden.to_local())
+handle.flush()
+got = {call.path: {key.rsplit(".", 1)[-1]: value for key, value in call.attributes.items()} for call in handle.records}
+local = {"0": model[0](x).to_local(), "2": output.to_local()}
+expected = {path: {"shape": list(tensor.shape), "mean": tensor.double().mean().item(),
+                   "norm": torch.linalg.vector_norm(tensor.double()).item()} for path, tensor in local.items()}
+handle.remove()
+
+# training, every rank traced: gradients and FSDP2 / TP parameters are DTensors too
+from torch.distributed.tensor.parallel import RowwiseParallel
+
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True, optimizer=optimizer) as handle:
+    model(x).sum().backward()
+    optimizer.step()
+    handle.flush()
+    training = {call.name: call.attributes for call in handle.records if call.name.endswith("backward")}
+print("RESULT " + json.dumps({"rank": rank, "types": [type(output).__name__], "got": got, "expected": expected,
+                              "training": training}, default=list), flush=True)
+dist.barrier()
+os._exit(0)  # see USER_COMM_HOOK_JOB
+"""
+
+
+def test_a_dtensors_statistics_are_of_the_local_shard_and_run_no_collective(tmp_path):
+    """Tensor parallelism: a module's DTensor output is summarised by this rank's shard (the DTensor's own reductions
+    would be collectives, run inside a hook: a rank that does not trace the call never joins them, and both hang)."""
+    script = tmp_path / "job.py"
+    script.write_text(TENSOR_PARALLEL_JOB)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+               str(script)]  # fmt: skip
+    output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    results = sorted(map(json.loads, re.findall(r"RESULT (\{.*?\})\n", output)), key=lambda result: result["rank"])
+    assert [result["rank"] for result in results] == [0, 1], output[-3000:]
+    traced = results[0]
+    assert traced["types"] == ["DTensor"]
+    assert results[1]["got"] == {}
+    for path, expected in traced["expected"].items():
+        got = traced["got"][path]
+        assert "stats_error" not in got, got
+        assert list(got["shape"]) == expected["shape"] == [4, 8 if path == "0" else 4096]
+        assert got["mean"] == pytest.approx(expected["mean"], rel=1e-5, abs=1e-7)
+        assert got["norm"] == pytest.approx(expected["norm"], rel=1e-5)
+    for result in results:  # backward statistics and parameter norms, of each rank's shards
+        training = result["training"]
+        assert {"0 backward", "2 backward"} <= set(training), training
+        assert not [key for attributes in training.values() for key in attributes if key.endswith("stats_error")]
+        assert training["0 backward"]["torchtrace.param_grad.norm"] > 0
+        assert training["2 backward"]["torchtrace.grad_input.0.norm"] > 0

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import logging
 import math
+import sys
 from collections.abc import Callable, Container, Iterable, Mapping
 from typing import Any
 
@@ -197,7 +198,7 @@ class StatComputer:
                     if stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False
             except Exception as error:  # a statistic must never break the user's forward
-                if _in_transform(tensor):  # its values have no memory of their own: the values the transform runs on
+                if _in_transform(tensor):  # its values have no memory of their own: see local_values
                     stats = self._compute_in_full(tensor)
                 else:
                     stats["stats_error"] = error_text(error)
@@ -218,8 +219,8 @@ class StatComputer:
         self._last_stats = self._previous_stats = {}
 
     def _compute_in_full(self, tensor: torch.Tensor) -> dict[str, Any]:
-        if _in_transform(tensor):
-            tensor = _transformed_values(tensor)
+        if type(tensor) is not torch.Tensor or _in_transform(tensor):
+            tensor = local_values(tensor)
         stats: dict[str, Any] = {}
         if self._shape:
             # a jagged nested tensor's ragged dimension is symbolic: -1 there, as an int-array attribute must be
@@ -286,13 +287,24 @@ _in_transform: Callable[[torch.Tensor], bool] = (
 )
 
 
-def _transformed_values(tensor: torch.Tensor) -> torch.Tensor:
-    """What a tensor inside ``torch.func`` transforms (vmap, grad, jacrev...) wraps, unwrapped down to a tensor with
-    memory of its own: the values the transforms compute on (under vmap, every batch entry: its shape has the batch
-    dimension)."""
-    while _in_transform(tensor):
-        tensor = _functorch.get_unwrapped(tensor)
-    return tensor
+def local_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in this process's memory that holds what ``tensor`` stands for, summarised in its place: inside
+    ``torch.func`` transforms (vmap, grad, jacrev...) the values the transforms compute on (under vmap, every batch
+    entry: its shape has the batch dimension); a DTensor's (tensor / sequence parallelism, FSDP2) this rank's local
+    shard, its shape the shard's: reducing the DTensor itself would run collectives inside a hook, which hang where
+    another rank does not trace the same call. Anything else: itself."""
+    while True:
+        if _in_transform(tensor):
+            tensor = _functorch.get_unwrapped(tensor)
+        elif _is_dtensor(tensor):
+            tensor = tensor._local_tensor  # to_local() without its autograd node
+        else:
+            return tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")  # only where DTensors can exist: never imported for it
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 _COPIED_AS_IS = frozenset((torch.float32, torch.float64))  # numpy reads them as they are (see _as_real_float)

@@ -32,6 +32,7 @@ from torchtrace._schedule import StepSchedule
 from torchtrace._stats import (
     device_stats,
     find_tensors,
+    local_values,
     plain_float_stats,
     reduce_now,
     reduced_on_device,
@@ -253,7 +254,7 @@ class StepTracker:
     def _joint_norm(self, tensors: list[torch.Tensor]) -> float | dict:
         """L2 norm of all the tensors together, as torch.nn.utils.clip_grad_norm_ computes it (pending on a
         device: the norm of the per-tensor norms, read with the step's other device statistics)."""
-        norms = torch.stack([torch.linalg.vector_norm(t.detach()) for t in tensors])
+        norms = torch.stack([torch.linalg.vector_norm(local_values(t.detach())) for t in tensors])
         if not reduced_on_device(norms):
             return float(torch.linalg.vector_norm(norms))
         stats: dict[str, Any] = {}
@@ -276,9 +277,10 @@ class StepTracker:
             return last_stats  # the consumer's input gradient, just summarised as its producer's output gradient
         stats: dict[str, Any] = {}
         try:
-            stride = sampling_stride(grad.numel(), self.stats_sample, stats)
-            if not (stride == 1 and plain_float_stats(grad, GRAD_STATS, stats)):
-                reduce_now(grad.detach(), GRAD_STATS, stats, stride, self.device_rows)
+            values = grad if type(grad) is torch.Tensor else local_values(grad)  # a DTensor's: this rank's shard
+            stride = sampling_stride(values.numel(), self.stats_sample, stats)
+            if not (stride == 1 and plain_float_stats(values, GRAD_STATS, stats)):
+                reduce_now(values.detach(), GRAD_STATS, stats, stride, self.device_rows)
         except Exception as error:  # a statistic must never break the user's backward
             stats = {"stats_error": error_text(error)}
         if stats.get("nan_count") != 0 or stats.get("inf_count") != 0:  # or on a device, or failed: look closer
