@@ -5,6 +5,7 @@ exceptions unchanged, and leave the model's outputs alone."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from unittest import mock
 
 import pytest
@@ -224,4 +225,6 @@ def test_a_class_forward_replaced_after_instrument_is_the_one_that_runs(body, re
             assert torch.equal(model(x), expected)  # nested in the traced forward
             assert torch.equal(model[1](x), expected)  # on its own
         assert torch.equal(model(x), unpatched)  # and back again
+        with mock.patch.object(Scaled, "forward", patched[replacement]):
+            assert inspect.signature(model[1].forward) == inspect.signature(Scaled(4, 3).forward)  # what HF reads
         assert [call.path for call in handle.records] == ["", "0", "1", "1", "", "0", "1"]

@@ -32,8 +32,8 @@ class TracedForward(functools.partial):
 
     @property
     def __signature__(self) -> inspect.Signature:  # the module's own: HF's Trainer and generate() read it
-        module, function = self.args[1](), self.args[2]
-        return inspect.signature(function if module is None else function.__get__(module))
+        module = self.args[1]()
+        return inspect.signature(self.args[2] if module is None else _bound_class_forward(module))
 
     def __repr__(self) -> str:  # not partial's, which would print the body's whole context
         return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
@@ -92,8 +92,14 @@ def class_forward(module: torch.nn.Module) -> Callable[..., Any]:
     forward = inspect.getattr_static(type(module), "forward")
     if isinstance(forward, types.FunctionType):
         return forward
-    bound = forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
+    bound = _bound_class_forward(module)
     return lambda _module, *args, **kwargs: bound(*args, **kwargs)
+
+
+def _bound_class_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """``module.forward`` as it would be without ours: the class's, bound to the module as attribute lookup binds."""
+    forward = inspect.getattr_static(type(module), "forward")
+    return forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
 
 
 def native_traced_call() -> Callable[..., Any] | None:
