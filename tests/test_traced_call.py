@@ -77,8 +77,7 @@ class Model(nn.Module):
 
 @pytest.fixture(params=["compiled", "python"])
 def body(request, monkeypatch):
-    """Which body records the calls: the compiled one (skipped where it is not built, or dynamo takes no stand-in for
-    it), or the Python one."""
+    """Which body records the calls: the compiled one (skipped where it is not built), or the Python one."""
     if request.param == "compiled" and _traced_forward.native_traced_call() is None:
         pytest.skip("torchtrace._native.traced_call is not used here")
     if request.param == "python":
@@ -134,7 +133,8 @@ def test_the_body_in_use(body):
     model = nn.Linear(2, 2)
     outer = nn.Sequential(model)
     with torchtrace.instrument(outer, exporter="none"):
-        assert (model.forward.func is _traced_forward._traced_call) == (body == "compiled")
+        called = _traced_forward._partial_func(model.forward)  # what the partial calls (.func shows the Python body)
+        assert (called is _traced_forward._traced_call) == (body == "compiled")
 
 
 def test_a_call_that_raises_raises_the_models_own_exception_with_its_traceback(body):
@@ -228,3 +228,17 @@ def test_a_class_forward_replaced_after_instrument_is_the_one_that_runs(body, re
         with mock.patch.object(Scaled, "forward", patched[replacement]):
             assert inspect.signature(model[1].forward) == inspect.signature(Scaled(4, 3).forward)  # what HF reads
         assert [call.path for call in handle.records] == ["", "0", "1", "1", "", "0", "1"]
+
+
+def test_a_traced_sub_module_exports_on_its_own(body):
+    """torch.export reads a partial forward's function's code (its non-strict fake inputs): the traced forward shows
+    the Python body there, whichever body records the calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        exported = torch.export.export(model[0], (x,))
+        targets = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+        assert targets == {"aten.linear.default"}  # no statistic, no clock read
+        assert handle.records == []  # export's tracing run is not a forward of the model
+        assert torch.equal(exported.module()(x), model[0](x))

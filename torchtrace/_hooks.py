@@ -241,9 +241,10 @@ class HookRecorder:
         """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``) and its context: called as
         ``body(context, module_ref, function, *args, **kwargs)``. Inside a traced forward it records the call
         itself, in one call; outside one (the module called on its own, or the model's root not selected) it runs
-        the hook functions, which begin and end forwards. With the compiled module (and a torch whose dynamo takes
-        a stand-in for it, see ``_traced_forward``) the body is ``_native.traced_call``, which records the common
-        call in C and hands the rest to the Python body in its context; else the Python body (context None)."""
+        the hook functions, which begin and end forwards. With the compiled module the body is
+        ``_native.traced_call``, which records the common call in C and hands the rest to the Python body in its
+        context; else the Python body (context None). Dynamo inlines the Python body either way
+        (``TracedForward.func``)."""
         local = self._local
         perf_counter_ns = time.perf_counter_ns
         input_work = self._input_work

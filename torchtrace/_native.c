@@ -977,9 +977,9 @@ static PyObject *user_arguments(PyObject *const *args, Py_ssize_t nargs) {
 
 /* 1: record this call here (*state and *timer: new references); 0: hand it to the Python body; -1: an exception */
 static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
-    /* Dynamo never runs this function while it compiles (it inlines the stand-in registered for it, see
-       _traced_forward.native_traced_call): no is_dynamo_compiling() here. torch.export's non-strict tracing runs
-       Python as it is, with this flag set. */
+    /* Dynamo never runs this function while it compiles (it inlines the Python body, which TracedForward.func
+       shows it): no is_dynamo_compiling() here. torch.export's non-strict tracing runs Python as it is, with this
+       flag set. */
     PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_COMPILER), str_is_compiling_flag);
     if (flag == NULL) return -1;
     int exporting = PyObject_IsTrue(flag);

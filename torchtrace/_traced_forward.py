@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -19,7 +18,8 @@ from typing import Any
 
 import torch
 
-_logger = logging.getLogger("torchtrace")
+_partial_func = functools.partial.func.__get__  # the function a partial calls, whatever a subclass shows as .func
+_SLOW_BODY = 2  # the Python body's place in the compiled call's context (HookRecorder.traced_forward)
 
 
 class TracedForward(functools.partial):
@@ -29,6 +29,14 @@ class TracedForward(functools.partial):
     (see ``HookRecorder.traced_forward``)."""
 
     __slots__ = ()
+
+    @property
+    def func(self) -> Callable[..., Any]:  # type: ignore[override]
+        # What readers of a partial's function get (torch.export reads its __code__; dynamo inlines it): the Python
+        # body, where the body called is the compiled one (a builtin: no code to read or inline). Calls go through
+        # partial's own slot, never this attribute.
+        body = _partial_func(self)
+        return self.args[0][_SLOW_BODY] if body is _traced_call else body
 
     @property
     def __signature__(self) -> inspect.Signature:  # the module's own: HF's Trainer and generate() read it
@@ -48,7 +56,7 @@ class TracedForward(functools.partial):
 
     def running(self, module: torch.nn.Module) -> TracedForward:
         """This traced forward for another module of the same class (a copy of this one's)."""
-        return type(self)(self.func, self.args[0], weakref.ref(module), self.args[2])
+        return type(self)(_partial_func(self), self.args[0], weakref.ref(module), self.args[2])
 
 
 class ForwardHandle:
@@ -103,28 +111,13 @@ def _bound_class_forward(module: torch.nn.Module) -> Callable[..., Any]:
 
 
 def native_traced_call() -> Callable[..., Any] | None:
-    """``_native.traced_call`` (a traced call recorded in C) where it is built and dynamo takes a stand-in for it
-    (``torch.compiler.substitute_in_graph``, torch >= 2.5): inside a compiled region the stand-in calls the module's
-    forward alone, as the Python body does there, and folds away with it. Else None: the Python body."""
-    global _in_graph
-    if _in_graph is None:
-        _in_graph = False
-        substitute = getattr(torch.compiler, "substitute_in_graph", None)
-        if _traced_call is not None and substitute is not None:
-            try:
-                substitute(_traced_call, skip_signature_check=True)(_traced_call_in_graph)
-                _in_graph = True
-            except Exception as error:  # a torch whose dynamo refuses it: the Python body, which dynamo traces
-                _logger.debug("torchtrace: the compiled traced call is not used: %s", error)
-    return _traced_call if _in_graph else None
-
-
-def _traced_call_in_graph(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
-    return function(module_ref(), *args, **kwargs)
+    """``_native.traced_call`` (a traced call recorded in C) where it is built, else None: the Python body. Dynamo
+    never meets it: it inlines what ``TracedForward.func`` shows, the Python body, which calls the module's forward
+    alone inside a compiled region."""
+    return _traced_call
 
 
 try:
     from torchtrace._native import traced_call as _traced_call
 except ImportError:  # not built: the Python body
     _traced_call = None
-_in_graph: bool | None = None  # whether dynamo took the stand-in (asked once, at the first instrument())
