@@ -324,20 +324,27 @@ os._exit(0)  # see USER_COMM_HOOK_JOB: no gloo teardown with Python future callb
 """
 
 
-def test_tracing_a_ddp_job_leaves_its_training_bit_for_bit_unchanged(tmp_path):
-    """torchtrace's comm hook does the all-reduce and the average itself: the parameters after three steps on
-    two ranks (each with its own data) are exactly those of the same job untraced."""
+def run_on_two_ranks(tmp_path, job: str) -> list[dict]:
+    """Runs ``job`` on two ranks under torchrun; what each printed after "RESULT " (a JSON object), by rank."""
     script = tmp_path / "job.py"
-    script.write_text(DDP_EQUALITY_JOB)
+    script.write_text(job)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                str(script)]  # fmt: skip
     output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    # the ranks print at once: their lines may interleave
-    results = sorted(map(json.loads, re.findall(r"RESULT (\{.*?\})", output)), key=lambda result: result["rank"])
+    # the ranks print at once: their lines may interleave, so each object is read from where its marker ends
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(output, marker.end())[0] for marker in re.finditer("RESULT ", output)]
+    results.sort(key=lambda result: result["rank"])
     assert [result["rank"] for result in results] == [0, 1], output[-3000:]
-    for result in results:
+    return results
+
+
+def test_tracing_a_ddp_job_leaves_its_training_bit_for_bit_unchanged(tmp_path):
+    """torchtrace's comm hook does the all-reduce and the average itself: the parameters after three steps on
+    two ranks (each with its own data) are exactly those of the same job untraced."""
+    for result in run_on_two_ranks(tmp_path, DDP_EQUALITY_JOB):
         assert result["equal"], result
         assert len(result["buckets"]) >= 2, result  # the all-reduces did run through the timed hook
 
@@ -392,15 +399,7 @@ os._exit(0)  # see USER_COMM_HOOK_JOB
 def test_a_dtensors_statistics_are_of_the_local_shard_and_run_no_collective(tmp_path):
     """Tensor parallelism: a module's DTensor output is summarised by this rank's shard (the DTensor's own reductions
     would be collectives, run inside a hook: a rank that does not trace the call never joins them, and both hang)."""
-    script = tmp_path / "job.py"
-    script.write_text(TENSOR_PARALLEL_JOB)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-               str(script)]  # fmt: skip
-    output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    results = sorted(map(json.loads, re.findall(r"RESULT (\{.*?\})\n", output)), key=lambda result: result["rank"])
-    assert [result["rank"] for result in results] == [0, 1], output[-3000:]
+    results = run_on_two_ranks(tmp_path, TENSOR_PARALLEL_JOB)
     traced = results[0]
     assert traced["types"] == ["DTensor"]
     assert results[1]["got"] == {}
