@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtrace._traced_forward import TracedForward
+from torchtrace._traced_forward import EntriesHandle, TracedForward, copy_in
 
 # torch's forward-hook dicts, keyed by hook id: the hooks themselves, then the flags kept beside them
 _HOOK_DICTS = (
@@ -52,8 +52,7 @@ class _EntryOfModule:
     def __deepcopy__(self, memo: dict) -> _EntryOfModule:
         # reached only where a class deep-copies its instance dict itself (torch's parametrized modules): the
         # copy's entry is the copy's, as its traced forward is (TracedForward.__deepcopy__)
-        module = self.module_ref()
-        copy = memo.get(id(module)) if module is not None else None
+        copy = copy_in(memo, self.module_ref)
         return self if copy is None else self.of(copy)
 
 
@@ -113,26 +112,7 @@ def _drop_entries(entries: dict[str, Any]) -> None:
             del entries[name]
 
 
-class CopiesHandle:
-    """Removes what ``follow_copies`` set (as torch's RemovableHandle removes a hook); idempotent. An entry that
-    another library set over ours since is left alone."""
-
-    __slots__ = ("_module_ref", "_entries")
-
-    def __init__(self, module: torch.nn.Module, entries: dict[str, Any]) -> None:
-        self._module_ref = weakref.ref(module)
-        self._entries = entries
-
-    def remove(self) -> None:
-        module = self._module_ref()
-        if module is None:
-            return
-        for name, entry in self._entries.items():
-            if module.__dict__.get(name) is entry:
-                del module.__dict__[name]
-
-
-def follow_copies(module: torch.nn.Module, hook_ids: frozenset[int]) -> CopiesHandle:
+def follow_copies(module: torch.nn.Module, hook_ids: frozenset[int]) -> EntriesHandle:
     """Makes copies of ``module`` run themselves: pickled or copied untraced, replicated traced (see above);
     ``hook_ids``: the ids of torchtrace's hooks on it. An entry the instance already has of its own is kept (the
     module then pickles, or replicates, as before)."""
@@ -141,4 +121,4 @@ def follow_copies(module: torch.nn.Module, hook_ids: frozenset[int]) -> CopiesHa
         entries["_replicate_for_data_parallel"] = TracedReplicas(module)
     entries = {name: entry for name, entry in entries.items() if name not in module.__dict__}
     module.__dict__.update(entries)  # not nn.Module.__setattr__: plain attributes, set without its checks
-    return CopiesHandle(module, entries)
+    return EntriesHandle(module, entries)

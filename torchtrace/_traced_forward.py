@@ -41,7 +41,9 @@ class TracedForward(functools.partial):
     @property
     def __signature__(self) -> inspect.Signature:  # the module's own: HF's Trainer and generate() read it
         module = self.args[1]()
-        return inspect.signature(self.args[2] if module is None else _bound_class_forward(module))
+        if module is None:
+            return inspect.signature(self.args[2])
+        return inspect.signature(_bound(inspect.getattr_static(type(module), "forward"), module))
 
     def __repr__(self) -> str:  # not partial's, which would print the body's whole context
         return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
@@ -50,8 +52,7 @@ class TracedForward(functools.partial):
         # A traced module deep-copies untraced (its __getstate__ leaves this out: see _copies), unless its
         # class deep-copies its instance dict itself (torch's parametrized modules): then the copy's forward must
         # run the copy, not the original (traced, as torch's deep-copied hooks trace it)
-        module = self.args[1]()
-        copy = memo.get(id(module)) if module is not None else None
+        copy = copy_in(memo, self.args[1])
         return self if copy is None else self.running(copy)
 
     def running(self, module: torch.nn.Module) -> TracedForward:
@@ -59,20 +60,30 @@ class TracedForward(functools.partial):
         return type(self)(_partial_func(self), self.args[0], weakref.ref(module), self.args[2])
 
 
-class ForwardHandle:
-    """Removes a ``TracedForward`` (as torch's RemovableHandle removes a hook); idempotent. A forward that another
-    library set over ours since is left alone: ours, inside it, then runs the module untraced (the handle's
-    recorder is disabled at remove)."""
+def copy_in(memo: dict, module_ref: Any) -> torch.nn.Module | None:
+    """The copy that ``copy.deepcopy`` (its ``memo``) made of the weakly held module, if it made one."""
+    module = module_ref()
+    return memo.get(id(module)) if module is not None else None
 
-    __slots__ = ("_traced",)
 
-    def __init__(self, traced: TracedForward) -> None:
-        self._traced = traced
+class EntriesHandle:
+    """Removes entries set in a module's instance dict (as torch's RemovableHandle removes a hook); idempotent. An
+    entry that another library set over ours since is left alone (a forward set over ours then runs ours inside it,
+    untraced: the handle's recorder is disabled at remove)."""
+
+    __slots__ = ("_module_ref", "_entries")
+
+    def __init__(self, module: torch.nn.Module, entries: dict[str, Any]) -> None:
+        self._module_ref = weakref.ref(module)
+        self._entries = entries
 
     def remove(self) -> None:
-        module = self._traced.args[1]()
-        if module is not None and module.__dict__.get("forward") is self._traced:
-            del module.__dict__["forward"]
+        module = self._module_ref()
+        if module is None:
+            return
+        for name, entry in self._entries.items():
+            if module.__dict__.get(name) is entry:
+                del module.__dict__[name]
 
 
 def can_wrap(module: torch.nn.Module) -> bool:
@@ -86,12 +97,12 @@ def can_wrap(module: torch.nn.Module) -> bool:
     )
 
 
-def wrap_forward(module: torch.nn.Module, body: Callable[..., Any], context: Any) -> ForwardHandle:
+def wrap_forward(module: torch.nn.Module, body: Callable[..., Any], context: Any) -> EntriesHandle:
     """Makes ``body`` with its ``context`` the module's forward (see ``HookRecorder.traced_forward``);
     ``can_wrap(module)`` must hold."""
     traced = TracedForward(body, context, weakref.ref(module), inspect.getattr_static(type(module), "forward"))
     module.__dict__["forward"] = traced  # not nn.Module.__setattr__: a plain attribute, set without its checks
-    return ForwardHandle(traced)
+    return EntriesHandle(module, {"forward": traced})
 
 
 def class_forward(module: torch.nn.Module) -> Callable[..., Any]:
@@ -100,13 +111,13 @@ def class_forward(module: torch.nn.Module) -> Callable[..., Any]:
     forward = inspect.getattr_static(type(module), "forward")
     if isinstance(forward, types.FunctionType):
         return forward
-    bound = _bound_class_forward(module)
+    bound = _bound(forward, module)
     return lambda _module, *args, **kwargs: bound(*args, **kwargs)
 
 
-def _bound_class_forward(module: torch.nn.Module) -> Callable[..., Any]:
-    """``module.forward`` as it would be without ours: the class's, bound to the module as attribute lookup binds."""
-    forward = inspect.getattr_static(type(module), "forward")
+def _bound(forward: Any, module: torch.nn.Module) -> Callable[..., Any]:
+    """The class attribute ``forward`` bound to the module as attribute lookup binds it (``module.forward`` without
+    ours)."""
     return forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
 
 
