@@ -26,6 +26,7 @@ except ImportError:  # not built (no C compiler at install): ctypes makes the sa
 _logger = logging.getLogger(__name__)
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+_INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
 _LIBRARIES = ("libcuda.so.1", "nvcuda.dll")
 
 
@@ -57,6 +58,11 @@ class _Driver:
         # the entry points' addresses, for the compiled module's calls (no ctypes conversion per call)
         self.record_address = ctypes.cast(self.record, ctypes.c_void_p).value
         self.elapsed_address = ctypes.cast(self.elapsed, ctypes.c_void_p).value
+        self.launch_address = ctypes.cast(holding.cuLaunchKernel, ctypes.c_void_p).value
+        self.param_info = getattr(holding, "cuFuncGetParamInfo", None)  # CUDA 12.4 and later
+        if self.param_info is not None:
+            self.param_info.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t),
+                                        ctypes.POINTER(ctypes.c_size_t)]  # fmt: skip
 
 
 _driver: _Driver | None | bool = None  # False: no driver library here
@@ -73,6 +79,24 @@ def driver() -> _Driver | None:
             _logger.debug("torchtrace: CUDA driver entry points missing: %s", error)
             _driver = False
     return _driver or None
+
+
+def kernel_param_sizes(function: int) -> tuple[int, ...] | None:
+    """The widths in bytes of a loaded kernel's parameters, as the driver reads them (None where it cannot say:
+    no driver, or one older than CUDA 12.4)."""
+    cuda = driver()
+    if cuda is None or cuda.param_info is None:
+        return None
+    sizes = []
+    offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+    for index in range(64):
+        result = cuda.param_info(function, index, ctypes.byref(offset), ctypes.byref(size))
+        if result == _INVALID_VALUE:  # past the last parameter
+            return tuple(sizes)
+        if result:
+            return None
+        sizes.append(size.value)
+    return None
 
 
 def _check(result: int, what: str) -> None:

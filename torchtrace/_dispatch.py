@@ -34,7 +34,7 @@ from torchtrace._hooks import (
     RawForward,
     SummaryMarker,
 )
-from torchtrace._stats import StatTable, resolve
+from torchtrace._stats import StatTable, device_table, resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 from torchtrace._worker import WORKER
 
@@ -193,6 +193,8 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
             parent_position = parents[position]
             if parent_position >= 0:
                 depth[position] = depth[parent_position] + 1
+    if forward.device is not None and forward.device.rows and forward.stat_table is None:
+        _tabulate_device_rows(forward)
     flat = None
     if _only_output_summaries(forward):
         flat = _compiled_output_attributes(forward, modules) or _flat_output_attributes(forward, modules)
@@ -228,6 +230,19 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
     if release:
         _release(forward)
     return batch
+
+
+def _tabulate_device_rows(forward: RawForward) -> None:
+    """A forward's statistics still in device rows become its table (read as a CPU forward's small tensors are),
+    and it says whether any holds NaN or Inf."""
+    summaries = list(forward.output_stats.values())
+    for extras in forward.extras.values():
+        for summary in (extras[OUTPUTS], extras[INPUTS]):
+            if summary:
+                summaries += summary.values()
+    made = device_table(summaries)
+    if made is not None:
+        forward.stat_table, forward.all_finite = made
 
 
 def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:

@@ -897,6 +897,66 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(id)", result, (double)milliseconds);
 }
 
+/* launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel (its
+   address) of a one-dimensional grid, the GIL held. Triton's launcher takes a Python wrapper, a data_ptr() call and
+   a pointer check per tensor argument, and lets the GIL go around the launch: with the dispatch worker busy, every
+   launch then hands the GIL to it and waits to get it back. ``sizes`` gives each parameter's width in bytes (4 or
+   8; the kernel's own, read once from the driver); parameters past those given are zero (NULL scratch pointers).
+   Returns the driver's result code. */
+#define MAX_KERNEL_PARAMS 16
+typedef int (*launch_function)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                               void **, void **);
+
+static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    const char *signature = "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params)";
+    if (nargs < 7) {
+        PyErr_Format(PyExc_TypeError, "%s: takes at least 7 arguments", signature);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[6])) {
+        PyErr_Format(PyExc_TypeError, "%s: sizes must be bytes", signature);
+        return NULL;
+    }
+    Py_ssize_t count = PyBytes_GET_SIZE(args[6]);
+    const unsigned char *sizes = (const unsigned char *)PyBytes_AS_STRING(args[6]);
+    if (count > MAX_KERNEL_PARAMS || nargs - 7 > count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd parameters for %zd sizes (at most %d)", signature, nargs - 7, count,
+                     MAX_KERNEL_PARAMS);
+        return NULL;
+    }
+    void *launch = PyLong_AsVoidPtr(args[0]);
+    void *function = PyLong_AsVoidPtr(args[1]);
+    unsigned long programs = PyLong_AsUnsignedLong(args[2]);
+    unsigned long threads = PyLong_AsUnsignedLong(args[3]);
+    unsigned long shared = PyLong_AsUnsignedLong(args[4]);
+    void *stream = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
+    union {
+        int32_t narrow;
+        int64_t wide;
+    } values[MAX_KERNEL_PARAMS];
+    void *params[MAX_KERNEL_PARAMS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        params[i] = &values[i];
+        if (sizes[i] == 4) {
+            values[i].narrow = i + 7 < nargs ? (int32_t)PyLong_AsLong(args[i + 7]) : 0;
+        } else if (sizes[i] == 8) {
+            values[i].wide = i + 7 < nargs ? (int64_t)PyLong_AsLongLong(args[i + 7]) : 0;
+        } else {
+            PyErr_Format(PyExc_ValueError, "%s: a parameter of %d bytes", signature, (int)sizes[i]);
+            return NULL;
+        }
+    }
+    if (PyErr_Occurred()) return NULL;
+    if (launch == NULL || function == NULL || programs == 0 || threads == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: no function, or an empty grid", signature);
+        return NULL;
+    }
+    int result = ((launch_function)launch)(function, (unsigned)programs, 1, 1, (unsigned)threads, 1, 1,
+                                           (unsigned)shared, stream, params, NULL);
+    return PyLong_FromLong(result);
+}
+
 /* traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward inside a traced forward
    (``HookRecorder.traced_forward``'s Python body, for the common call), in C: no Python frame and no bytecode per
    call (the Python body cost ~1 us a call inside a forward, most of a call's cost without statistics, 2026-11-26).
@@ -1169,6 +1229,9 @@ static PyMethodDef methods[] = {
      "driver_call(function, a, b) -> int: a CUDA driver entry point of two pointers, the GIL held"},
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL,
      "elapsed_ms(function, start, end) -> (result, milliseconds): cuEventElapsedTime, the GIL held"},
+    {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
+     "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
+     "the GIL held"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth, durations) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,

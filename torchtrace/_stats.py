@@ -20,7 +20,7 @@ import torch
 
 from torchtrace._calls import error_text
 from torchtrace._config import STAT_NAMES, StatFunction
-from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, reduce
+from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, finish_raw_rows, reduce
 
 try:
     from torchtrace._native import copy as _copy
@@ -38,6 +38,7 @@ _NUMERIC = tuple(name for name in STAT_NAMES if name not in _METADATA)
 MAX_NESTING = 4  # containers deeper than this are not searched for tensors
 
 
+ROWS_FULL = "device statistics rows full: close each training step with handle.step()"
 SMALL_TENSOR = 4096  # at most this many elements: copied in the hook, summarised in one batch per forward
 
 # One tuple per shape seen: the collector untracks a long-lived tuple of ints, and a dict holding only untracked
@@ -58,7 +59,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged",
+        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "_counted",
     )  # fmt: skip
 
     def __init__(
@@ -97,6 +98,10 @@ class StatComputer:
         # small, else None: the compiled pass): what every tensor of that kind gets, decided once, so the next one
         # costs a lookup and a copy
         self._staged: dict[tuple, tuple[dict, _Staging | None]] = {}
+        # (dtype, shape, device index) of a device tensor the fused kernel took -> (its stats before the values, its
+        # sampling stride, the elements it reads, its device): see _remember_device_kind
+        self._on_device: dict[tuple, tuple[dict, int, int, torch.device]] = {}
+        self._counted = "zero_fraction" in self.wanted
 
     def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
         """Reduces every small tensor copied during this forward into the forward's ``StatTable`` (a row each, which
@@ -181,13 +186,16 @@ class StatComputer:
                     return self._last_stats
             elif tensor is self._previous and version == self._previous_version:
                 return self._previous_stats
-        staged = (
-            self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
-            if type(tensor) is torch.Tensor and tensor.is_cpu
-            else None
-        )
+        staged = on_device = None
+        if type(tensor) is torch.Tensor:
+            if reduced_on_device(tensor):
+                on_device = self._on_device.get((tensor.dtype, tensor.shape, tensor.get_device()))
+            else:
+                staged = self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
+        if on_device is not None and tensor.is_contiguous() and not _in_transform(tensor):  # as the kernel took
+            stats = self._reduce_on_device(tensor, *on_device)
         # raw memory as numpy would read it: contiguous, no lazy negation (a neg view)
-        if staged is not None and tensor.is_contiguous() and not tensor.is_neg():
+        elif staged is not None and tensor.is_contiguous() and not tensor.is_neg():
             head, staging = staged
             stats = head.copy()
             try:
@@ -213,13 +221,37 @@ class StatComputer:
             self._last, self._last_version, self._last_stats = tensor, version, stats
         return stats
 
+    def _remember_device_kind(self, tensor: torch.Tensor, head: dict, stride: int, n: int) -> None:
+        """A device tensor the fused kernel reduced: the next one of its dtype, shape and device gets the same stats
+        before the values, and its row and launch, without the general path's checks (~5 us a call on an H200
+        host, where the device waits for the host)."""
+        if len(self._on_device) < _MAX_STAGED_KINDS:
+            self._on_device[tensor.dtype, tensor.shape, tensor.get_device()] = (head, stride, n, tensor.device)
+
+    def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, n: int, device: torch.device) -> dict:
+        stats = head.copy()
+        try:
+            rows = self._device_rows(device)
+            reserved = rows.reserve()
+            if reserved is None:
+                stats["stats_error"] = ROWS_FULL
+                return stats
+            values, counts, index = reserved
+            x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
+            stats["_pending"] = (rows, index, n, self.wanted, reduce(x, values, counts, self._counted, stride))
+            self._all_finite = False
+        except Exception as error:  # a statistic must never break the user's forward
+            stats["stats_error"] = error_text(error)
+        return stats
+
     def _forget_recent(self) -> None:
         """The forward is over: its tensors are not held any longer."""
         self._last = self._previous = None
         self._last_stats = self._previous_stats = {}
 
     def _compute_in_full(self, tensor: torch.Tensor) -> dict[str, Any]:
-        if type(tensor) is not torch.Tensor or _in_transform(tensor):
+        plain_input = type(tensor) is torch.Tensor and not _in_transform(tensor)
+        if not plain_input:
             tensor = local_values(tensor)
         stats: dict[str, Any] = {}
         if self._shape:
@@ -272,7 +304,11 @@ class StatComputer:
                             self._staged[dtype, tensor.shape, tensor.layout] = (head, None)
                     else:
                         x = tensor.detach() if tensor.requires_grad else tensor
+                        head = None if self.extra or not plain_input else dict(stats)
                         reduce_now(x, self.wanted, stats, stride, self._device_rows)
+                        pending = stats.get("_pending")
+                        if head is not None and pending is not None and pending[4] and tensor.is_contiguous():
+                            self._remember_device_kind(tensor, head, stride, pending[2])
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
@@ -560,7 +596,7 @@ def device_stats(
     row once it is on the host."""
     reserved = rows.reserve()
     if reserved is None:
-        stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
+        stats["stats_error"] = ROWS_FULL
         return
     values, counts, index = reserved
     x = tensor.dequantize() if tensor.is_quantized else tensor
@@ -718,6 +754,49 @@ def resolve(stats: dict[str, Any]) -> dict[str, Any]:
             nonzero = n  # not counted on the device
         _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)
     return stats
+
+
+def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] | None:
+    """The statistics of a forward's tensors reduced on one device, finished together as one table (numpy, a pass
+    a column, not Python a call); each of their stats dicts then names its row (``_row``) in place of its pending
+    row. Also whether no statistic of ``summaries`` holds NaN or Inf. None, changing nothing, where they come from
+    several devices or sets of statistics (``resolve`` reads them one by one)."""
+    pending: dict[int, tuple[dict, tuple]] = {}  # by identity: one tensor's stats may be shared by several calls
+    others_finite = True
+    for stats in summaries:
+        entry = stats.get("_pending")
+        if entry is None:
+            others_finite = others_finite and not (stats.get("nan_count") or stats.get("inf_count"))
+        else:
+            pending[id(stats)] = (stats, entry)
+    if not pending:
+        return None
+    entries = [entry for _, entry in pending.values()]
+    rows, wanted = entries[0][0], entries[0][3]
+    if any(entry[0] is not rows or entry[3] != wanted for entry in entries):
+        return None
+    values, counts = rows.host_rows()
+    index = np.fromiter((entry[1] for entry in entries), np.intp, len(entries))
+    n = np.fromiter((entry[2] for entry in entries), np.float64, len(entries))
+    raw = np.fromiter((entry[4] for entry in entries), np.bool_, len(entries))
+    counts = counts[index]
+    nan_count, inf_count = counts[:, 0], counts[:, 1]
+    mean, std, low, high, norm = finish_raw_rows(values[index].astype(np.float64), nan_count, inf_count, n, raw)
+    with np.errstate(invalid="ignore"):
+        columns = {
+            "mean": mean, "std": std, "min": low, "max": high, "abs_max": np.maximum(np.abs(low), np.abs(high)),
+            "norm": norm, "nan_count": nan_count, "inf_count": inf_count,
+            "zero_fraction": (n - counts[:, 2]) / n if "zero_fraction" in wanted else np.zeros(len(n)),
+        }  # fmt: skip
+    names = numeric_columns(wanted)
+    table = np.empty((len(entries), len(names)))
+    for position, name in enumerate(names):
+        table[:, position] = columns[name]
+    for row, (stats, _) in enumerate(pending.values()):
+        del stats["_pending"]
+        stats["_row"] = row  # the last key, as a row of a CPU forward's table
+    finite = others_finite and not (nan_count.any() or inf_count.any())
+    return StatTable(table, names), finite
 
 
 def _user_stat(function: StatFunction, tensor: torch.Tensor) -> Any:

@@ -10,11 +10,19 @@ summarised and Triton is installed (CUDA builds of torch ship it).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from torchtrace._cuda_driver import driver, kernel_param_sizes
+
+try:
+    from torchtrace._native import launch_kernel as _launch_kernel
+except ImportError:  # not built: Triton's launcher
+    _launch_kernel = None
 
 _logger = logging.getLogger(__name__)
 
@@ -130,12 +138,60 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
 
 
 # Launching through the JIT function binds and specialises every argument again, each launch: about twice a torch
-# op's launch on an H100 host (measured 2026-11-23). After its first use, the kernel compiled for a specialisation
-# is launched through its own launcher (about a quarter less): keyed by what the JIT specialises on here (n and
-# stride are not specialised; the rows are 32-byte aligned), one launcher per grid size.
+# op's launch on an H100 host. After its first use, the kernel compiled for a specialisation is launched from C
+# (``_native.launch_kernel``: cuLaunchKernel with the GIL held, raw addresses, no pointer checks) where the driver
+# confirms the kernel's parameters are the ones passed here; else through Triton's own launcher for it. Keyed by
+# what the JIT specialises on here (n and stride are not specialised, and always int32: ``applies``; the rows are
+# 32-byte aligned).
 _compiled: dict[tuple, Any] = {}  # (device index, dtype, 16-byte aligned, counted, contiguous) -> its kernel
-_launchers: dict[tuple, Any] = {}  # (that key, programs) -> its launcher
+_launchers: dict[tuple, Any] = {}  # (that key, programs) -> Triton's launcher for it
+_direct: dict[tuple, DirectLaunch | None] = {}  # that key -> how to launch it from C (None: through Triton)
 launch_directly = True  # False once this Triton's compiled kernels take other arguments (then the JIT launches)
+_NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used the device yet (Triton's launcher then)
+_ARGUMENT_SIZES = (8, 8, 8, 4, 4)  # x, values, counts (pointers); n, stride (int32)
+
+
+@dataclass(frozen=True, slots=True)
+class DirectLaunch:
+    """What ``_native.launch_kernel`` needs of a compiled kernel: its function, block size, shared memory and the
+    widths of its parameters (ours, then Triton's scratch pointers, passed as NULL)."""
+
+    launch: int
+    function: int
+    threads: int
+    shared: int
+    sizes: bytes
+
+
+def direct_launch(kernel: Any) -> DirectLaunch | None:
+    """How to launch a compiled kernel from C, or None where anything about it is not what this module passes: a
+    Triton that adds parameters, needs scratch memory, clusters or cooperative launches; no driver; no C module."""
+    cuda = driver()
+    if _launch_kernel is None or cuda is None:
+        return None
+    try:
+        kernel._init_handles()
+        metadata = kernel.metadata
+        function = int(kernel.function)
+        if (
+            getattr(metadata, "num_ctas", 1) != 1
+            or getattr(metadata, "global_scratch_size", 0)
+            or getattr(metadata, "profile_scratch_size", 0)
+            or getattr(metadata, "launch_cooperative_grid", False)
+            or getattr(metadata, "launch_pdl", False)
+            or not function
+        ):
+            return None
+        sizes = kernel_param_sizes(function)
+        if sizes is None or sizes[: len(_ARGUMENT_SIZES)] != _ARGUMENT_SIZES:
+            return None
+        scratch = sizes[len(_ARGUMENT_SIZES) :]
+        if len(scratch) > 2 or any(size != 8 for size in scratch):
+            return None
+        return DirectLaunch(cuda.launch_address, function, 32 * metadata.num_warps, metadata.shared, bytes(sizes))
+    except Exception as error:  # another Triton's CompiledKernel: its own launcher goes on working
+        _logger.debug("torchtrace: the statistics kernel cannot be launched from C: %s", error)
+        return None
 
 
 def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int, stride: int, counted: bool,
@@ -145,6 +201,17 @@ def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int,
     contiguous = stride == 1
     if direct:
         key = (index, x.dtype, x.data_ptr() % 16 == 0, counted, contiguous)
+        native = _direct.get(key)
+        if native is not None:
+            stream = torch._C._cuda_getCurrentRawStream(index)
+            result = _launch_kernel(
+                native.launch, native.function, programs, native.threads, native.shared, stream, native.sizes,
+                x.data_ptr(), values.data_ptr(), counts.data_ptr(), n, stride,
+            )  # fmt: skip
+            if not result:
+                return
+            if result != _NO_CONTEXT:
+                raise RuntimeError(f"torchtrace: launching the statistics kernel failed with CUDA error {result}")
         launcher = _launchers.get((key, programs))
         if launcher is None and key in _compiled:
             launcher = _launchers[key, programs] = _compiled[key][(programs, 1, 1)]
@@ -161,3 +228,4 @@ def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int,
     )
     if direct:
         _compiled[key] = kernel
+        _direct[key] = direct_launch(kernel)
