@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +133,24 @@ def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> Non
         }
     )
     assert report["host_syncs"]["added"] == 0
+
+
+def test_gpu_models_benchmark_runs_each_variant_on_a_real_model() -> None:
+    """gpu_models.py on the CPU (--device cpu: the script's smoke test; the GPU run has minutes, not time to find
+    a typo): every variant of a real Hugging Face model is timed, and the report says whether the target was met."""
+    pytest.importorskip("transformers")
+    report = run_benchmark("gpu_models.py", "--quick", "--device", "cpu", "--cases", "bert_forward", timeout=600)[0]
+    case = report["gpu_models"]["cases"]["bert_forward"]
+    assert set(case["x_none"]) == {"none", "torchtrace", "torchtrace_spans", "torchtrace_sampled", "torch_profiler"}
+    assert case["x_none"]["none"] == 1.0 and case["target"] == 1.15 and isinstance(case["met"], bool)
+
+
+@pytest.mark.parametrize("script", ["gpu_models.py", "gpu_host_costs.py"])
+def test_gpu_only_benchmarks_skip_cleanly_without_cuda(script: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: scripts/gpu-check runs these")
+    (report,) = run_benchmark(script, "--quick" if script == "gpu_models.py" else "--loops=10")[0].values()
+    assert report == {"skipped": "no CUDA device"}
 
 
 def test_longrun_smoke_reports_rss_and_loses_nothing() -> None:

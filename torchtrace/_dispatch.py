@@ -22,13 +22,11 @@ from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink
 from torchtrace._device import elapsed_ns
 from torchtrace._hooks import (
     ATTRIBUTES,
-    END_EVENT,
     ERROR,
     INPUT_VALUE,
     INPUTS,
     OUTPUT_VALUE,
     OUTPUTS,
-    START_EVENT,
     TENSORS,
     ModuleInfo,
     RawForward,
@@ -251,18 +249,18 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     events were recorded on one stream."""
     starts, ends = forward.start, forward.end
     timed = forward.device is not None and forward.device.timer is not None
-    origin = forward.extra(0, START_EVENT) if timed else None
+    origin = forward.start_events.get(0) if timed else None
     if origin is None:
         return starts, ends
     starts, ends = list(starts), list(ends)
     origin_ns = starts[0]
-    for position, extras in forward.extras.items():
-        start_event, end_event = extras[START_EVENT], extras[END_EVENT]
-        if start_event is not None:
-            start, end = starts[position], ends[position]
-            host_duration = (end if end is not None else start) - start
-            starts[position] = start = origin_ns + elapsed_ns(origin, start_event)
-            ends[position] = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
+    end_events = forward.end_events
+    for position, start_event in forward.start_events.items():
+        end_event = end_events.get(position)
+        start, end = starts[position], ends[position]
+        host_duration = (end if end is not None else start) - start
+        starts[position] = start = origin_ns + elapsed_ns(origin, start_event)
+        ends[position] = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
     return starts, ends
 
 
@@ -424,7 +422,7 @@ _EIGHT_ZEROS = bytes(8)
 def _release(forward: RawForward) -> None:
     """Every statistic and time of the forward is read: its rows and events go back to their pools."""
     if forward.device is not None:
-        forward.device.release(event for extras in forward.extras.values() for event in extras[START_EVENT:])
+        forward.device.release([*forward.start_events.values(), *forward.end_events.values()])
 
 
 def _has_nonfinite(stats: dict) -> bool:
@@ -578,10 +576,10 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
     """(CUDA event or None, host perf_counter ns) -> ns on the step's clock. Events are placed by their distance
     from the start event of the step's first forward (at that forward's host start), as its module calls are."""
-    origin = next((fw for fw in record.forwards if fw.extra(0, START_EVENT) is not None), None)
+    origin = next((fw for fw in record.forwards if 0 in fw.start_events), None)
     if origin is None:
         return lambda mark, host_ns: host_ns
-    origin_event = origin.extra(0, START_EVENT)
+    origin_event = origin.start_events[0]
     origin_ns = origin.start[0] + origin.clock_offset_ns - record.clock_offset_ns
 
     def on_step_clock(mark: Any, host_ns: int) -> int:

@@ -52,10 +52,9 @@ TRUNCATED = SummaryMarker("truncated")  # more tensors than max_tensors: {"trunc
 FEATURE_ERROR = SummaryMarker("feature error")  # a feature failed on this call: {"stats_error": text}
 
 # Slots of a call's extras (``RawForward.extras[position]``, a list made only for a call that has one: an error, a
-# non-tensor output's summaries, a user function's value, timing events...). START_EVENT and END_EVENT stay last
-# (read as a slice).
-(OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS, START_EVENT, END_EVENT) = range(9)  # fmt: skip
-_EXTRAS = 9
+# non-tensor output's summaries, a user function's value...).
+(OUTPUTS, INPUTS, ERROR, OUTPUT_VALUE, INPUT_VALUE, ATTRIBUTES, TENSORS) = range(7)  # fmt: skip
+_EXTRAS = 7
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +81,10 @@ class RawForward:
     parent: list[int] = field(default_factory=list)  # position of the parent call, -1 for the root
     output_stats: dict[int, dict] = field(default_factory=dict)  # position -> a bare tensor output's statistics
     extras: dict[int, list] = field(default_factory=dict)  # position -> [OUTPUTS, INPUTS, ERROR, ...]
+    # position -> the timing events of a call timed on the device (most calls of a CUDA forward: kept apart from
+    # the extras, so that a timed call with nothing else has none)
+    start_events: dict[int, Any] = field(default_factory=dict)
+    end_events: dict[int, Any] = field(default_factory=dict)
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
     stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
@@ -230,7 +233,7 @@ class HookRecorder:
             stack.append(position)
             timer = state.timer  # the root always marks: its events are the forward's origin and completion
             if timer is not None and (len(stack) == 1 or self._on_timer_device(index, module, args, timer)):
-                forward.set_extra(position, START_EVENT, timer.mark())
+                mark_start(timer, forward, position)
             forward.start[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
@@ -253,7 +256,7 @@ class HookRecorder:
         # two calls (~0.15 us a call); anything else through the work itself
         output_stats = self._output_stats if output_work == (self._output_stats,) else None
         pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
-        mark_start = self._mark_start
+        mark_call_start = self._mark_start
 
         def call(context: Any, module_ref: Any, function: Any, *args: Any, **kwargs: Any) -> Any:
             module = module_ref()
@@ -284,7 +287,7 @@ class HookRecorder:
             stack.append(position)
             timer = state.timer
             if timer is not None:
-                mark_start(index, module, args, timer, forward, position)
+                mark_call_start(index, module, args, timer, forward, position)
             starts[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
             try:
                 output = function(module, *args, **kwargs)
@@ -315,7 +318,7 @@ class HookRecorder:
         if native is None or input_work:
             return call, None
         context = (index, local, call, torch.Tensor, output_stats, output_work, _run_work, call_failed, _pop_to,
-                   _note_error, _compiler, perf_counter_ns, OUTPUTS, mark_start, mark_end)  # fmt: skip
+                   _note_error, _compiler, perf_counter_ns, OUTPUTS, mark_call_start, mark_end)  # fmt: skip
         return native, context
 
     def forward_post_hook(self, index: int):
@@ -375,7 +378,7 @@ class HookRecorder:
     ) -> None:
         """A timed call's start event, where the call runs on the timer's device (``mark_end`` closes it)."""
         if self._on_timer_device(index, module, args, timer):
-            forward.set_extra(position, START_EVENT, timer.mark())
+            mark_start(timer, forward, position)
 
     def _on_timer_device(self, index: int, module: torch.nn.Module, args: tuple, timer: Any) -> bool:
         """Whether this call runs where the forward's timer records (a model split over GPUs has calls elsewhere:
@@ -450,8 +453,8 @@ class HookRecorder:
         rows, forward.all_finite, forward.stat_table = state.stats.finish_forward()
         if rows or state.timer is not None:
             forward.device = DeviceWork(rows, state.timer)
-            if state.timer is not None and forward.extra(0, END_EVENT) is not None:
-                forward.device.done.append(forward.extra(0, END_EVENT))
+            if state.timer is not None and 0 in forward.end_events:
+                forward.device.done.append(forward.end_events[0])
         calls = len(forward.module)
         steps = self.steps
         if steps is not None:  # delivered with its step, after the step's root span
@@ -532,7 +535,7 @@ class HookRecorder:
     def _output_backward(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if self.steps.pending_calls >= self.options.max_pending_calls:
             return  # a step that is never closed: its forwards are dropped, so are their backward hooks
-        on_timer = forward.extra(position, START_EVENT) is not None  # on the timer's device only
+        on_timer = position in forward.start_events  # on the timer's device only
         timer = self._local.state.timer if on_timer else None
         self.steps.watch_backward((forward, position), module, args, output, timer)
 
@@ -582,10 +585,19 @@ def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, 
     return output
 
 
+def mark_start(timer: Any, forward: RawForward, position: int) -> None:
+    """A call's start event (none where it cannot be recorded: the call keeps its host times)."""
+    event = timer.mark()
+    if event is not None:
+        forward.start_events[position] = event
+
+
 def mark_end(state: _ThreadState, forward: RawForward, position: int) -> None:
     """A timed call's end event, after its work was launched and before its statistics' kernels (not its work)."""
-    if forward.extra(position, START_EVENT) is not None:
-        forward.set_extra(position, END_EVENT, state.timer.mark())
+    if position in forward.start_events:
+        event = state.timer.mark()
+        if event is not None:
+            forward.end_events[position] = event
 
 
 def call_failed(
