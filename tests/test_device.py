@@ -764,3 +764,128 @@ def test_driver_entry_points_are_called_by_the_compiled_module_with_the_gil_held
     assert start.elapsed_time(end) == 2.5
     with pytest.raises(RuntimeError, match="cuEventElapsedTime failed with CUDA error 400"):
         broken.elapsed_time(end)
+
+
+def test_a_forwards_event_times_are_read_in_one_compiled_call():
+    """The worker places a CUDA forward's calls on the device's timeline with one ``_native.elapsed_since`` call per
+    forward (the driver's cuEventElapsedTime from the forward's first event to each), in nanoseconds as
+    ``elapsed_ns`` gives them; a failing read raises with the driver's code. C callbacks stand in for the driver."""
+    if device_module._elapsed_since is None:
+        pytest.skip("torchtrace._native is not built here")
+    times_ms = {0x10: 0.0, 0x20: 1.25, 0x30: 2.5, 0x40: 1000.001}
+
+    def read(out, start, end):
+        if end == 0x50:
+            return 400  # CUDA_ERROR_INVALID_HANDLE
+        out[0] = times_ms[end] - times_ms[start]
+        return 0
+
+    elapsed = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p)(read)
+    driver = types.SimpleNamespace(elapsed_address=ctypes.cast(elapsed, ctypes.c_void_p).value)
+    events = {}
+    for handle in (0x10, 0x20, 0x30, 0x40, 0x50):
+        events[handle] = object.__new__(_cuda_driver.DriverEvent)
+        events[handle].handle, events[handle]._driver = handle, driver
+    origin = events[0x10]
+    read_at_once = device_module.elapsed_since(origin, [events[0x20], events[0x30], events[0x40]])
+    assert read_at_once == [device_module.elapsed_ns(origin, events[h]) for h in (0x20, 0x30, 0x40)]
+    assert read_at_once[:2] == [1_250_000, 2_500_000]
+    assert device_module.elapsed_since(origin, []) == []
+    with pytest.raises(RuntimeError, match="cuEventElapsedTime failed with CUDA error 400"):
+        device_module.elapsed_since(origin, [events[0x20], events[0x50]])
+
+
+def test_the_statistics_kernel_is_launched_from_c_with_the_parameters_the_driver_reports():
+    """``_native.launch_kernel`` calls cuLaunchKernel (by address, the GIL held) with a 1-D grid, the block and
+    shared memory given, and each parameter at the width the kernel declares; parameters past those given (Triton's
+    scratch pointers) are NULL. A C callback stands in for the driver."""
+    native = pytest.importorskip("torchtrace._native")
+    seen = []
+    launch_type = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_void_p,
+    )  # fmt: skip
+    sizes = bytes((8, 8, 8, 4, 4, 8, 8))
+
+    def launch(function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        values = []
+        for index, size in enumerate(sizes):
+            kind = ctypes.c_int32 if size == 4 else ctypes.c_int64
+            values.append(ctypes.cast(params[index], ctypes.POINTER(kind))[0])
+        seen.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
+        return 0 if function == 0xF00 else 98  # CUDA_ERROR_INVALID_IMAGE
+
+    address = ctypes.cast(launch_type(launch), ctypes.c_void_p).value
+    keep = launch_type(launch)  # noqa: F841 (the callback above is kept alive by the call itself)
+    callback = launch_type(launch)
+    address = ctypes.cast(callback, ctypes.c_void_p).value
+    assert native.launch_kernel(address, 0xF00, 12, 128, 256, 0x77, sizes, 0x1000, 0x2000, 0x3000, 5000, 3) == 0
+    assert seen == [(0xF00, (12, 1, 1), (128, 1, 1), 256, 0x77, [0x1000, 0x2000, 0x3000, 5000, 3, 0, 0], None)]
+    assert native.launch_kernel(address, 0xBAD, 1, 32, 0, None, sizes, 1, 2, 3, 4, 5) == 98
+    with pytest.raises(ValueError, match="empty grid"):
+        native.launch_kernel(address, 0xF00, 0, 32, 0, None, sizes, 1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="a parameter of 2 bytes"):
+        native.launch_kernel(address, 0xF00, 1, 32, 0, None, bytes((8, 2)), 1, 2)
+    with pytest.raises(ValueError, match="parameters for"):
+        native.launch_kernel(address, 0xF00, 1, 32, 0, None, bytes((8,)), 1, 2)
+
+
+def test_a_compiled_kernel_is_launched_from_c_only_where_its_parameters_are_the_ones_passed(monkeypatch):
+    """The C launch is used for a compiled Triton kernel only when the driver reports exactly our five parameters
+    (three pointers, two int32) and at most two scratch pointers, with no scratch memory, clusters or cooperative
+    launch: anything else keeps Triton's own launcher."""
+    pytest.importorskip("triton")
+    triton_stats = importlib.import_module("torchtrace._triton_stats")
+    if triton_stats._launch_kernel is None:
+        pytest.skip("torchtrace._native is not built here")
+    driver = types.SimpleNamespace(launch_address=0xABC)
+    monkeypatch.setattr(triton_stats, "driver", lambda: driver)
+    reported = {}
+    monkeypatch.setattr(triton_stats, "kernel_param_sizes", lambda function: reported["sizes"])
+
+    def kernel(**metadata):
+        fields = {"num_warps": 4, "shared": 64, "num_ctas": 1, "global_scratch_size": 0, "profile_scratch_size": 0}
+        fields.update(metadata)
+        return types.SimpleNamespace(
+            _init_handles=lambda: None, function=0xF00, metadata=types.SimpleNamespace(**fields)
+        )
+
+    for sizes, usable in [
+        ((8, 8, 8, 4, 4), True),
+        ((8, 8, 8, 4, 4, 8, 8), True),
+        ((8, 8, 8, 8, 4), False),  # n as int64: not what is passed
+        ((8, 8, 8, 4, 4, 8, 8, 8), False),
+        ((8, 8, 8, 4), False),
+        (None, False),  # a driver that cannot say
+    ]:
+        reported["sizes"] = sizes
+        direct = triton_stats.direct_launch(kernel())
+        assert (direct is not None) == usable, sizes
+        if usable:
+            assert direct == triton_stats.DirectLaunch(0xABC, 0xF00, 128, 64, bytes(sizes))
+    reported["sizes"] = (8, 8, 8, 4, 4)
+    for metadata in ({"global_scratch_size": 16}, {"num_ctas": 2}, {"launch_cooperative_grid": True}):
+        assert triton_stats.direct_launch(kernel(**metadata)) is None, metadata
+
+
+def test_a_forwards_device_rows_become_one_table_with_torchs_statistics(device_rows):
+    """On the worker a forward's device rows are finished together (``device_table``, numpy) into the table the
+    compiled attribute loop reads; every value equals torch's own, NaN and Inf as torch gives them, and a
+    forward without either is known finite (nothing to look for)."""
+    torch.manual_seed(0)
+    finite = torch.randn(6, 7) * 2 + 1
+    awkward = torch.tensor([1.0, float("nan"), float("inf"), 0.0])
+    infinite = torch.tensor([1.0, float("-inf"), 0.0, 2.0])
+    for tensor in (finite, awkward, infinite, torch.tensor([3.0])):
+        assert_stats_match(output_attributes(tensor), tensor)
+    computer = torchtrace._stats.StatComputer(torchtrace._config.STAT_NAMES, {})
+    summaries = [computer(finite), computer(finite * 3)]
+    rows, _, _ = computer.finish_forward()
+    (device_rows_of_forward,) = rows
+    table, all_finite = torchtrace._stats.device_table(summaries)
+    assert all_finite and [stats["_row"] for stats in summaries] == [0, 1]
+    assert "_pending" not in summaries[0]
+    row = dict(zip(table.columns, table.row(1)))
+    assert row["mean"] == pytest.approx(float((finite * 3).mean()), rel=1e-5)
+    assert row["std"] == pytest.approx(float((finite * 3).std()), rel=1e-5)
+    device_rows_of_forward.release()

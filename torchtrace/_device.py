@@ -29,8 +29,9 @@ from torchtrace._cuda_driver import DriverEvent, current_raw_stream, driver
 
 try:
     from torchtrace._native import driver_call as _driver_call
-except ImportError:  # not built: DriverEvent.record's ctypes call
-    _driver_call = None
+    from torchtrace._native import elapsed_since as _elapsed_since
+except ImportError:  # not built: DriverEvent's ctypes calls
+    _driver_call = _elapsed_since = None
 
 _logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class EventTimer:
         self._current_stream = current_stream
         self._free: deque = deque()  # append/pop are atomic: autograd threads and the worker share it
         self._failed = False
+
+    def give_back(self, events: Iterable[Any]) -> None:
+        """Events this timer marked, read: back to its pool."""
+        self._free.extend(events)
 
     def mark(self) -> Any:
         try:  # not `if free:` then pop: another thread may take the last one in between
@@ -148,6 +153,14 @@ def completion_event(device: torch.device) -> Any:
 
 def elapsed_ns(start: Any, end: Any) -> int:
     return int(start.elapsed_time(end) * 1_000_000)  # milliseconds -> nanoseconds
+
+
+def elapsed_since(origin: Any, events: list) -> list[int]:
+    """Nanoseconds from ``origin`` to each of ``events`` (all complete, of origin's device): the driver's events in
+    one C call, others one by one."""
+    if _elapsed_since is not None and type(origin) is DriverEvent:
+        return _elapsed_since(origin._driver.elapsed_address, origin.handle, [event.handle for event in events])
+    return [elapsed_ns(origin, event) for event in events]
 
 
 class _Block:
@@ -310,11 +323,14 @@ def fused_kernel(x: torch.Tensor) -> Any:
     return _triton if _triton and x.dtype in READ_AS_IS and _triton.applies(x) else None
 
 
-def reduce(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> bool:
+def reduce(
+    x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1, taken: bool = False
+) -> bool:
     """Reduces a real tensor (every ``stride``-th element) into one row without reading anything back; True when
-    the row holds raw sums."""
+    the row holds raw sums. ``taken``: a tensor of a dtype, shape and layout the fused kernel took before (its
+    checks are skipped)."""
     global _triton
-    kernel = fused_kernel(x)
+    kernel = (_triton or None) if taken else fused_kernel(x)
     if kernel is not None:
         try:
             kernel.reduce_row(x, values, counts, counted, stride)

@@ -19,7 +19,7 @@ from opentelemetry.trace import INVALID_SPAN_CONTEXT
 from torchtrace import _signals
 from torchtrace._buffer import FULL, RecordBuffer
 from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
-from torchtrace._device import elapsed_ns
+from torchtrace._device import elapsed_ns, elapsed_since
 from torchtrace._hooks import (
     ATTRIBUTES,
     ERROR,
@@ -254,13 +254,13 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
         return starts, ends
     starts, ends = list(starts), list(ends)
     origin_ns = starts[0]
-    end_events = forward.end_events
-    for position, start_event in forward.start_events.items():
-        end_event = end_events.get(position)
+    start_events, end_events = forward.start_events, forward.end_events
+    for position, offset in zip(start_events, elapsed_since(origin, list(start_events.values()))):
         start, end = starts[position], ends[position]
-        host_duration = (end if end is not None else start) - start
-        starts[position] = start = origin_ns + elapsed_ns(origin, start_event)
-        ends[position] = start + (elapsed_ns(start_event, end_event) if end_event is not None else host_duration)
+        starts[position] = origin_ns + offset
+        ends[position] = origin_ns + offset + (end if end is not None else start) - start  # host duration, unless:
+    for position, offset in zip(end_events, elapsed_since(origin, list(end_events.values()))):
+        ends[position] = origin_ns + offset
     return starts, ends
 
 
@@ -421,8 +421,12 @@ _EIGHT_ZEROS = bytes(8)
 
 def _release(forward: RawForward) -> None:
     """Every statistic and time of the forward is read: its rows and events go back to their pools."""
-    if forward.device is not None:
-        forward.device.release([*forward.start_events.values(), *forward.end_events.values()])
+    device = forward.device
+    if device is not None:
+        device.release()
+        if device.timer is not None:  # every event of the forward is its timer's
+            device.timer.give_back(forward.start_events.values())
+            device.timer.give_back(forward.end_events.values())
 
 
 def _has_nonfinite(stats: dict) -> bool:

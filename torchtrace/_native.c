@@ -897,6 +897,42 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(id)", result, (double)milliseconds);
 }
 
+/* elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime (its address) from one event to each of a
+   list (raw handles, all complete), as int nanoseconds: a traced CUDA forward's calls placed on the device's
+   timeline in one call on the worker, not two Python calls each. Raises RuntimeError on a driver error. */
+static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 3, "elapsed_since(function, origin, events)")) return NULL;
+    elapsed_function function = (elapsed_function)PyLong_AsVoidPtr(args[0]);
+    void *origin = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (function == NULL || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "elapsed_since(function, origin, events): a function and a list of events");
+        return NULL;
+    }
+    PyObject *events = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    PyObject *result = PyList_New(n);
+    if (result == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        void *event = PyLong_AsVoidPtr(PyList_GET_ITEM(events, i));
+        if (PyErr_Occurred()) goto failed;
+        float milliseconds = 0.0f;
+        int code = function(&milliseconds, origin, event);
+        if (code) {
+            PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
+            goto failed;
+        }
+        PyObject *ns = PyLong_FromLongLong((long long)((double)milliseconds * 1e6)); /* as int(ms * 1_000_000) */
+        if (ns == NULL) goto failed;
+        PyList_SET_ITEM(result, i, ns);
+    }
+    return result;
+failed:
+    Py_DECREF(result);
+    return NULL;
+}
+
 /* launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel (its
    address) of a one-dimensional grid, the GIL held. Triton's launcher takes a Python wrapper, a data_ptr() call and
    a pointer check per tensor argument, and lets the GIL go around the launch: with the dispatch worker busy, every
@@ -1229,6 +1265,8 @@ static PyMethodDef methods[] = {
      "driver_call(function, a, b) -> int: a CUDA driver entry point of two pointers, the GIL held"},
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL,
      "elapsed_ms(function, start, end) -> (result, milliseconds): cuEventElapsedTime, the GIL held"},
+    {"elapsed_since", (PyCFunction)(void (*)(void))elapsed_since, METH_FASTCALL,
+     "elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime from one event to each, the GIL held"},
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
      "the GIL held"},

@@ -238,7 +238,7 @@ class StatComputer:
                 return stats
             values, counts, index = reserved
             x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
-            stats["_pending"] = (rows, index, n, self.wanted, reduce(x, values, counts, self._counted, stride))
+            stats["_pending"] = (rows, index, n, self.wanted, reduce(x, values, counts, self._counted, stride, True))
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats["stats_error"] = error_text(error)
