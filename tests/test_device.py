@@ -815,9 +815,7 @@ def test_the_statistics_kernel_is_launched_from_c_with_the_parameters_the_driver
         seen.append((function, (gx, gy, gz), (bx, by, bz), shared, stream, values, extra))
         return 0 if function == 0xF00 else 98  # CUDA_ERROR_INVALID_IMAGE
 
-    address = ctypes.cast(launch_type(launch), ctypes.c_void_p).value
-    keep = launch_type(launch)  # noqa: F841 (the callback above is kept alive by the call itself)
-    callback = launch_type(launch)
+    callback = launch_type(launch)  # kept alive while its address is used
     address = ctypes.cast(callback, ctypes.c_void_p).value
     assert native.launch_kernel(address, 0xF00, 12, 128, 256, 0x77, sizes, 0x1000, 0x2000, 0x3000, 5000, 3) == 0
     assert seen == [(0xF00, (12, 1, 1), (128, 1, 1), 256, 0x77, [0x1000, 0x2000, 0x3000, 5000, 3, 0, 0], None)]
