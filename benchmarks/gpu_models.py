@@ -192,9 +192,17 @@ def measure(case: Case, calls: int, repeats: int) -> dict[str, Any]:
     return {
         "ms_per_call": {name: round(value * 1e3, 4) for name, value in medians.items()},
         "x_none": ratios,
+        "iqr_pct": {name: round(_iqr(values) / statistics.median(values) * 100, 1) for name, values in samples.items()},
         "target": target,
         "met": ratios["torchtrace"] <= target and added["torchtrace"] < added["torch_profiler"] / 2,
     }
+
+
+def _iqr(values: Sequence[float]) -> float:
+    if len(values) < 4:
+        return 0.0
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -887,3 +887,37 @@ def test_a_forwards_device_rows_become_one_table_with_torchs_statistics(device_r
     assert row["mean"] == pytest.approx(float((finite * 3).mean()), rel=1e-5)
     assert row["std"] == pytest.approx(float((finite * 3).std()), rel=1e-5)
     device_rows_of_forward.release()
+
+
+def test_a_traced_device_forward_records_two_events_a_call_and_one_statistics_launch_a_tensor(
+    device_rows, device_clock, monkeypatch
+):
+    """What a CUDA forward costs the model's thread, pinned: per traced call two timing events (its start and end),
+    per output tensor one statistics launch (into a row), per forward one copy of the rows to the host; nothing is
+    read back inside the forward. Repeated forwards reuse the events and rows of the first (pools)."""
+    launches = []
+    reduce = torchtrace._stats.reduce
+
+    def counted_reduce(x, *args):
+        launches.append(tuple(x.shape))
+        return reduce(x, *args)
+
+    monkeypatch.setattr(torchtrace._stats, "reduce", counted_reduce)
+    seals = []
+    seal = device_module.StatRows.seal
+    monkeypatch.setattr(device_module.StatRows, "seal", lambda rows: seals.append(rows) or seal(rows))
+    model = nn.Sequential(Kernel(device_clock, 1.0), nn.Sequential(Kernel(device_clock, 2.0), nn.ReLU()))
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none") as handle:
+        for _ in range(3):
+            model(x)
+            handle.flush()
+        records = [record for record in handle.records if record.kind == "forward"]
+    calls_per_forward = 5  # the model, its two children, the inner Sequential's two
+    assert len(records) == 3 * calls_per_forward
+    assert device_clock.events_created == 2 * calls_per_forward  # the first forward's; the next two reuse them
+    # one launch per output tensor: the three made by the leaves; a container returns its last child's tensor,
+    # unchanged, whose statistics it shares
+    assert launches == [(3, 4)] * 3 * 3 and len(seals) == 3
+    assert all(record.attributes["torchtrace.output.shape"] == (3, 4) for record in records)
+    assert len(device_rows) == 1  # one block of rows, reused forward after forward
