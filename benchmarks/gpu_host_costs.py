@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -143,7 +144,11 @@ def launch_matches_triton() -> dict[str, Any]:
             _triton_stats._direct.update(saved)
         torch.cuda.synchronize()
         rows.append((values.tolist(), counts.tolist()))
-    return {"same_row": rows[0] == rows[1], "direct_launch": any(v is not None for v in _triton_stats._direct.values())}
+    (c_values, c_counts), (triton_values, triton_counts) = rows
+    # counts, min and max exactly; the sums within float32 rounding (the programs' atomic adds come in any order)
+    same = c_counts == triton_counts and c_values[2:4] == triton_values[2:4] and c_values[5] == triton_values[5]
+    same = same and all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-3) for a, b in zip(c_values, triton_values))
+    return {"same_row": same, "direct_launch": any(v is not None for v in _triton_stats._direct.values())}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["idle_us"][name] = per_operation_us(operation, args.loops)
     for name, operation in ops.items():
         with BusyThread():
-            report["busy_us"][name] = per_operation_us(operation, max(args.loops // 10, 50))
+            report["busy_us"][name] = per_operation_us(operation, max(args.loops // 20, 50))
     report["idle_us"]["foreach_norm_per_tensor"] = round(report["idle_us"]["foreach_norm_per_tensor"] / 16, 3)
     report["busy_us"]["foreach_norm_per_tensor"] = round(report["busy_us"]["foreach_norm_per_tensor"] / 16, 3)
     print(json.dumps({"gpu_host_costs": report}))
