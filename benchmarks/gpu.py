@@ -10,8 +10,8 @@ Three questions, answered on one CUDA device in one run:
    cost), `torchtrace_torch_ops` (every statistic, reduced by torch ops instead of the fused Triton kernel) and
    `torchtrace_sampled` (stats_sample=65536). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
-   and export are in the window. Targets: <= 1.02x at batch 16 / seq 512, <= 1.25x at batch 1 / seq 128. All
-   variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on, torchtrace
+   and export are in the window. Targets (every statistic): <= 1.12x at batch 16 / seq 512, <= 1.35x at batch 1 /
+   seq 128. All variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on, torchtrace
    would see one call per layer): the same math and the same calls for all; `none_fastpath` shows what the fast
    path alone is worth. Also reported: the host's time per forward until the loop returned, which
    tells a host-bound variant (hooks and launches slower than the device) from a device-bound one.
@@ -53,7 +53,9 @@ from torchtrace import _device, _worker  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_empty_hooks  # noqa: E402
 
-CONFIGS = ({"batch": 16, "seq": 512, "target": 1.02}, {"batch": 1, "seq": 128, "target": 1.25})
+# targets of the default (every statistic), x untraced: exact statistics read every element once, ~8% of the b16/s512
+# forward's device time on an H200; the rest is the host's per-call work (issue 41)
+CONFIGS = ({"batch": 16, "seq": 512, "target": 1.12}, {"batch": 1, "seq": 128, "target": 1.35})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
 SAMPLE = 65536  # the torchtrace_sampled variant's stats_sample
