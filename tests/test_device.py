@@ -85,6 +85,25 @@ def test_device_rows_match_torch_on_awkward_tensors(device_rows, tensor):
     assert_stats_match(output_attributes(tensor), tensor)
 
 
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        (torch.randn(1, 1, 32, 32) * 2 + 1).expand(4, 8, 32, 32),
+        torch.tensor([0.0, 1.0, float("nan"), -2.0]).expand(3, 4),
+        torch.zeros(1, 1).expand(2**16, 2**16),
+    ],
+    ids=["mask", "nan-and-zeros", "huge"],
+)
+def test_an_expanded_view_is_reduced_on_the_device_from_its_distinct_values(device_rows, tensor):
+    """On a device too an expanded view's distinct values go into the row (nothing materialised), and the row is
+    scaled to the repeats when read: torch's statistics over every element."""
+    got = output_attributes(tensor)
+    if tensor.numel() > 2**20:
+        assert (got["mean"], got["norm"], got["zero_fraction"], got["nan_count"]) == (0.0, 0.0, 1.0, 0)
+    else:
+        assert_stats_match(got, tensor, rel=1e-5)
+
+
 def test_zero_fraction_is_only_counted_on_the_device_when_asked_for(device_rows):
     tensor = torch.tensor([0.0, 0.0, 1.0, 2.0])
     assert output_attributes(tensor)["zero_fraction"] == 0.5

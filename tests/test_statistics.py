@@ -8,6 +8,8 @@ import ctypes
 import dataclasses
 import gc
 import importlib.metadata
+import math
+import resource
 import warnings
 from array import array
 from itertools import chain
@@ -956,7 +958,7 @@ def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     elif odd == "named-not-dict":
         forward.extra(1, OUTPUTS)["0"] = None
     elif odd == "on-a-device":  # a large tensor's statistics still in a device row
-        stats[2] = {"shape": (1,), "_pending": (None, 0, 1, (), False)}
+        stats[2] = {"shape": (1,), "_pending": (None, 0, 1, (), False, 1)}
     elif odd == "marker-name":
         forward.extra(1, OUTPUTS)[TRUNCATED] = {"truncated": True}
     elif odd == "outputs-not-dict":
@@ -1217,6 +1219,66 @@ def test_tensors_within_stats_sample_are_summarised_whole():
     got = output_attributes(tensor, stats_sample=100)
     assert "sampled" not in got
     assert_stats_match(got, tensor)
+
+
+# -- views: read in place, never materialised ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (torch.randn(1, 1, 64, 64) * 2 + 1).expand(4, 16, 64, 64),  # an attention mask, broadcast
+        lambda: torch.tensor([0.0, 1.0, float("nan"), -2.0]).expand(3, 4),  # NaN and zeros repeated
+        lambda: torch.tensor([1.0, float("-inf")]).reshape(2, 1).expand(2, 5),
+        lambda: torch.tensor([3.5]).expand(7),  # one value: std 0
+        lambda: torch.randn(5, 1, 3, dtype=torch.float64).expand(5, 4, 3).transpose(0, 2),
+    ],
+    ids=["mask", "nan-and-zeros", "minus-inf", "one-value", "transposed-float64"],
+)
+def test_an_expanded_view_is_summarised_from_its_distinct_values_exactly(make):
+    """A dimension of stride 0 repeats values: they are read once and the statistics scaled to the repeats (counts
+    times the repeats, the norm and std as torch gives them over every element), equal to torch on the view."""
+    tensor = make()
+    assert_stats_match(output_attributes(tensor), tensor, rel=1e-5)
+
+
+def test_a_huge_expanded_view_costs_no_memory():
+    """``torch.zeros(1, 1).expand(2**16, 2**16)`` stands for 4G elements in 4 bytes: summarised from its one value
+    (a copy would be 16 GiB inside the hook)."""
+    tensor = torch.zeros(1, 1).expand(2**16, 2**16)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    got = output_attributes(tensor)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: no copy was made
+    assert got["shape"] == (2**16, 2**16) and "stats_error" not in got
+    assert (got["mean"], got["std"], got["norm"], got["zero_fraction"], got["nan_count"]) == (0.0, 0.0, 0.0, 1.0, 0)
+
+
+def test_an_expanded_gradient_is_summarised_without_a_copy():
+    """The gradient a ``sum()`` loss sends back is ``ones`` expanded to the output's shape: its statistics (norm
+    sqrt(n), mean 1) from its one value."""
+    model = nn.Sequential(nn.Linear(8, 300))
+    with capture_spans(model, backward=True) as captured:
+        model(torch.randn(40, 8)).sum().backward()
+        captured.handle.step()
+        attributes = captured.span("0 backward").attributes
+    assert attributes["torchtrace.grad_output.0.norm"] == pytest.approx(math.sqrt(40 * 300))
+    assert attributes["torchtrace.grad_output.0.mean"] == 1.0
+    assert attributes["torchtrace.grad_output.0.nan_count"] == 0
+
+
+def test_a_strided_view_is_sampled_in_place_evenly_along_each_dimension():
+    """A strided (not contiguous) tensor larger than stats_sample is sampled as a view, every k-th index along its
+    dimensions: no copy of the whole tensor first; the statistics are those of that sample, and say its size."""
+    torch.manual_seed(0)
+    tensor = torch.randn(600, 500).t()
+    got = output_attributes(tensor, stats_sample=1000)
+    sample = _stats.evenly_spaced(tensor, -(-tensor.numel() // 1000))
+    assert sample.data_ptr() == tensor.data_ptr()  # a view
+    assert 500 <= got["sampled"] == sample.numel() <= 2000
+    assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
+    expanded = torch.randn(1, 3000).expand(40, 3000)  # distinct values first, then the sample of them
+    got = output_attributes(expanded, stats_sample=1000)
+    assert got["sampled"] == 1000 * 40 and got["mean"] == pytest.approx(float(expanded[0, ::3].mean()), rel=1e-5)
 
 
 def test_gradients_are_sampled_too():

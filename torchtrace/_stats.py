@@ -238,7 +238,8 @@ class StatComputer:
                 return stats
             values, counts, index = reserved
             x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
-            stats["_pending"] = (rows, index, n, self.wanted, reduce(x, values, counts, self._counted, stride, True))
+            raw = reduce(x, values, counts, self._counted, stride, True)
+            stats["_pending"] = (rows, index, n, self.wanted, raw, 1)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats["stats_error"] = error_text(error)
@@ -281,7 +282,12 @@ class StatComputer:
             except Exception as error:  # a user statistic that fails costs only itself
                 stats["stats_error"] = f"{name}: {error_text(error)}"
         try:
-            if self.numeric:
+            if self.numeric and _read_in_place(tensor, n, self.sample):  # an expanded view; a strided one sampled
+                reduce_view(tensor.detach() if tensor.requires_grad else tensor, self.wanted, stats, self.sample,
+                            self._device_rows)  # fmt: skip
+                if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
+                    self._all_finite = False
+            elif self.numeric:
                 stride = 1 if self.sample is None else sampling_stride(n, self.sample, stats)
                 if stride == 1 and n <= SMALL_TENSOR and not reduced_on_device(tensor):
                     # raw memory as numpy would read it: a plain contiguous tensor, no lazy negation (a neg view)
@@ -574,26 +580,103 @@ def sampling_stride(n: int, sample: int | None, stats: dict[str, Any]) -> int:
     return stride
 
 
+def _read_in_place(tensor: torch.Tensor, n: int, sample: int | None) -> bool:
+    """Whether a tensor is a view whose copy would cost more than its statistics need: expanded (a dimension of
+    stride 0 repeats values: ``mask.expand(...)``, the gradient of a ``sum()``), or strided and sampled."""
+    if tensor.is_contiguous() or tensor.is_nested or tensor.is_quantized or tensor.layout is not torch.strided:
+        return False
+    return 0 in tensor.stride() or (sample is not None and n > sample)
+
+
+def reduce_view(
+    x: torch.Tensor,
+    wanted: frozenset,
+    stats: dict[str, Any],
+    sample: int | None,
+    device_rows: Callable[[torch.device], StatRows],
+) -> None:
+    """A tensor of any strides reduced where it lives, nothing materialised: an expanded view's distinct values are
+    read once (each dimension of stride 0 cut to one) and their statistics scaled to how often each repeats, which
+    is exact; a sample (``sample``: at most about that many values, as ``sampling_stride``) is read in place, every
+    n-th element of contiguous data or evenly spaced along each dimension of a strided view. Memory: at most the
+    distinct values or the sample (copied where a pass needs contiguous data)."""
+    x, repeats = without_repeats(x)
+    stride = sampling_stride(x.numel(), sample, stats)
+    if stride > 1 and not x.is_contiguous():
+        x, stride = evenly_spaced(x, stride), 1
+        stats["sampled"] = x.numel()
+    if repeats > 1 and "sampled" in stats:
+        stats["sampled"] *= repeats  # the values read stand for this many elements
+    if not (stride == 1 and plain_float_stats(x, wanted, stats)):
+        reduce_now(x, wanted, stats, stride, device_rows, repeats)
+        if "_pending" in stats:  # scaled when read (resolve)
+            return
+    if repeats > 1:
+        scale_for_repeats(stats, repeats, -(-x.numel() // stride))
+
+
+def without_repeats(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the distinct values of an expanded view: each dimension of stride 0 cut to size one, as a view; how many
+    elements of ``x`` each stands for). A tensor without such a dimension: (itself, 1)."""
+    sizes, strides = list(x.shape), x.stride()
+    repeats = 1
+    for dimension, (size, stride) in enumerate(zip(x.shape, strides)):
+        if stride == 0 and size > 1:
+            repeats *= size
+            sizes[dimension] = 1
+    if repeats == 1:
+        return x, 1
+    return x.as_strided(sizes, strides, x.storage_offset()), repeats
+
+
+def evenly_spaced(x: torch.Tensor, stride: int) -> torch.Tensor:
+    """A view of about ``x.numel() / stride`` elements of a strided tensor, evenly spaced along each dimension (the
+    largest dimensions thinned first, each by about the same factor): a sample read in place, nothing copied."""
+    steps = [1] * x.dim()
+    left = float(stride)
+    order = sorted(range(x.dim()), key=lambda dimension: -x.shape[dimension])
+    for remaining, dimension in zip(range(len(order), 0, -1), order):
+        step = max(1, min(x.shape[dimension], round(left ** (1 / remaining))))
+        steps[dimension] = step
+        left /= step
+    return x[tuple(slice(None, None, step) for step in steps)]
+
+
+def scale_for_repeats(stats: dict[str, Any], repeats: int, n: int) -> None:
+    """Statistics of ``n`` values made those of the tensor in which each of them appears ``repeats`` times: mean,
+    min, max, abs-max and the zero fraction are the same; counts are ``repeats`` times; the norm sqrt(repeats)
+    times; the std (correction 1) that of n * repeats values with the same spread."""
+    if "std" in stats and n * repeats > 1:
+        stats["std"] *= math.sqrt((n - 1) * repeats / (n * repeats - 1))
+    if "norm" in stats:
+        stats["norm"] *= math.sqrt(repeats)
+    for name in ("nan_count", "inf_count"):
+        if name in stats:
+            stats[name] *= repeats
+
+
 def reduce_now(
     x: torch.Tensor,
     wanted: frozenset,
     stats: dict[str, Any],
     stride: int,
     device_rows: Callable[[torch.device], StatRows],
+    repeats: int = 1,
 ) -> None:
     """One tensor (every ``stride``-th element), reduced where it lives: into a row of ``device_rows`` on an
-    accelerator, with torch passes on the CPU."""
+    accelerator (``repeats``: how many elements each value stands for, applied when the row is read), with torch
+    passes on the CPU."""
     if reduced_on_device(x):
-        device_stats(x, device_rows(x.device), wanted, stats, stride)
+        device_stats(x, device_rows(x.device), wanted, stats, stride, repeats)
     else:
         numeric_stats(every_nth(x, stride), wanted, stats)
 
 
 def device_stats(
-    tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any], stride: int = 1
+    tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any], stride: int = 1, repeats: int = 1
 ) -> None:
     """Reduces a tensor (every ``stride``-th element) into a row of ``rows`` on its device; ``resolve`` reads the
-    row once it is on the host."""
+    row once it is on the host (and scales it to ``repeats``, see ``scale_for_repeats``)."""
     reserved = rows.reserve()
     if reserved is None:
         stats["stats_error"] = ROWS_FULL
@@ -605,7 +688,7 @@ def device_stats(
     elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are summarised in float32
         x = x.float()
     raw = reduce(x, values, counts, "zero_fraction" in wanted, stride)
-    stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw)
+    stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw, repeats)
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
@@ -747,12 +830,14 @@ def resolve(stats: dict[str, Any]) -> dict[str, Any]:
     """Fills statistics reduced on an accelerator from their row, once copied to the host (off the hot path)."""
     pending = stats.pop("_pending", None)
     if pending is not None:
-        rows, index, n, wanted, raw = pending
+        rows, index, n, wanted, raw, repeats = pending
         values, (nan_count, inf_count, nonzero) = rows.row(index)
         mean, std, low, high, norm = finish_raw(values, n, nan_count, inf_count) if raw else values[:5]
         if "zero_fraction" not in wanted:
             nonzero = n  # not counted on the device
         _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)
+        if repeats > 1:
+            scale_for_repeats(stats, repeats, n)
     return stats
 
 
@@ -765,8 +850,8 @@ def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] 
     others_finite = True
     for stats in summaries:
         entry = stats.get("_pending")
-        if entry is None:
-            others_finite = others_finite and not (stats.get("nan_count") or stats.get("inf_count"))
+        if entry is None or entry[5] != 1:  # read, or an expanded view's (scaled when read: resolve)
+            others_finite = others_finite and entry is None and not (stats.get("nan_count") or stats.get("inf_count"))
         else:
             pending[id(stats)] = (stats, entry)
     if not pending:

@@ -33,10 +33,8 @@ from torchtrace._stats import (
     device_stats,
     find_tensors,
     local_values,
-    plain_float_stats,
-    reduce_now,
+    reduce_view,
     reduced_on_device,
-    sampling_stride,
 )
 
 MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step
@@ -278,9 +276,9 @@ class StepTracker:
         stats: dict[str, Any] = {}
         try:
             values = grad if type(grad) is torch.Tensor else local_values(grad)  # a DTensor's: this rank's shard
-            stride = sampling_stride(values.numel(), self.stats_sample, stats)
-            if not (stride == 1 and plain_float_stats(values, GRAD_STATS, stats)):
-                reduce_now(values.detach(), GRAD_STATS, stats, stride, self.device_rows)
+            # an expanded gradient (of a sum(), a broadcast) read once, not materialised
+            values = values.detach() if values.requires_grad else values
+            reduce_view(values, GRAD_STATS, stats, self.stats_sample, self.device_rows)
         except Exception as error:  # a statistic must never break the user's backward
             stats = {"stats_error": error_text(error)}
         if stats.get("nan_count") != 0 or stats.get("inf_count") != 0:  # or on a device, or failed: look closer
