@@ -3,9 +3,11 @@ warnings (gRPC's messages name the target with its userinfo) and the demo's clos
 
 from __future__ import annotations
 
+import base64
 import logging
 import socket
 
+import otlp_receiver
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from torchtrace._exporters import redact
 from torchtrace._run import effective_config
 
 SECRET = "s3cret-pw"
+otlp_http_receiver = otlp_receiver.otlp_http_receiver
 
 
 def _refused_port() -> int:
@@ -65,3 +68,30 @@ def test_export_failure_warnings_do_not_show_the_password(monkeypatch, caplog, p
     failures = [record.getMessage() for record in caplog.records if "OTLP export failed" in record.getMessage()]
     assert len(failures) == 1
     assert all(SECRET not in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [f"htp://alice:{SECRET}@collector:4318", f"http://alice:{SECRET}@collector:99999", f"http://alice:{SECRET}@:4318"],
+    ids=["bad-scheme", "bad-port", "no-host"],
+)
+def test_a_refused_endpoint_is_named_without_its_password(monkeypatch, endpoint):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    with pytest.raises(ValueError, match="not an endpoint torchtrace can use") as raised:
+        torchtrace.instrument(nn.Linear(2, 2), exporter="otlp")
+    assert SECRET not in str(raised.value) and "***@" in str(raised.value)
+
+
+def test_userinfo_in_an_http_endpoint_is_sent_as_basic_auth(monkeypatch, otlp_http_receiver):
+    """As the SDK's own OTLP/HTTP exporter does (requests turns the URL's userinfo into Basic auth): a collector
+    that requires it accepts the spans."""
+    endpoint = otlp_http_receiver.endpoint.replace("http://", f"http://alice:{SECRET}@")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    model = nn.Sequential(nn.Linear(2, 2))
+    with torchtrace.instrument(model, exporter="otlp") as handle:
+        model(torch.ones(1, 2))
+        handle.flush()
+    otlp_http_receiver.wait_for_spans(2)
+    expected = "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode()
+    assert {headers.get("authorization") for headers in otlp_http_receiver.headers} == {expected}

@@ -225,7 +225,7 @@ def check_endpoint(protocol: str) -> None:
             continue
         if not _usable_endpoint(value, protocol):
             expected = "http(s)://host[:port][/path]" + (" or host:port" if protocol == "grpc" else "")
-            raise ValueError(f"{var}={value!r} is not an endpoint torchtrace can use; expected {expected}")
+            raise ValueError(f"{var}={redact(value)!r} is not an endpoint torchtrace can use; expected {expected}")
         return
 
 
@@ -398,17 +398,18 @@ class _DeadlineTransport(BaseHTTPTransport):
 
 
 def _plain_http_transport(endpoint: str) -> BaseHTTPTransport | None:
-    """The SDK's urllib3 transport for a plain ``http://`` endpoint that no proxy setting and no .netrc entry
-    applies to (an in-cluster collector, usually): what requests would send there, for half its Python per request
-    (~450 -> ~215 us to a local receiver, 2026-11-25). None elsewhere: requests (the SDK's default) keeps honouring
+    """The SDK's urllib3 transport for a plain ``http://`` endpoint without userinfo that no proxy setting and no
+    .netrc entry applies to (an in-cluster collector, usually): what requests would send there, for half its Python
+    per request (~450 -> ~215 us to a local receiver). None elsewhere: requests (the SDK's default) keeps honouring
     proxies, .netrc, its CA bundle and REQUESTS_CA_BUNDLE."""
     try:
         import requests.utils
         from opentelemetry.exporter.http.transport._urllib3 import Urllib3HTTPTransport
     except ImportError:
         return None
-    if urlparse(endpoint).scheme != "http":
-        return None
+    url = urlparse(endpoint)
+    if url.scheme != "http" or url.username is not None or url.password is not None:
+        return None  # userinfo: requests sends it as Basic auth, as the SDK's exporter does
     try:
         if requests.utils.get_environ_proxies(endpoint) or requests.utils.get_netrc_auth(endpoint):
             return None
