@@ -132,24 +132,93 @@ def test_the_directory_and_file_are_private(tmp_path: Path) -> None:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
-def test_a_symlink_planted_at_the_default_path_is_not_written_through(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("written", ["relative", "absolute", "dotted"])
+def test_a_symlink_planted_at_the_default_path_is_refused_however_the_path_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str
 ) -> None:
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "victim"
     target.write_text("precious\n")
     (tmp_path / "torchtrace-traces").mkdir(mode=0o700)
     (tmp_path / "torchtrace-traces" / "traces.jsonl").symlink_to(target)
+    path = {
+        "relative": None,  # the default itself
+        "absolute": str(tmp_path / "torchtrace-traces" / "traces.jsonl"),
+        "dotted": "./torchtrace-traces/../torchtrace-traces/traces.jsonl",
+    }[written]
+    with pytest.raises(ValueError, match="symlink; not written through"):
+        torchtrace.instrument(make_model(), exporter="file", **({"trace_file": path} if path else {}))
+    assert target.read_text() == "precious\n"
+
+
+def test_a_symlink_planted_at_the_default_path_later_is_not_written_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    target = tmp_path / "victim"
+    target.write_text("precious\n")
     model = make_model()
     with (
         caplog.at_level(logging.WARNING, logger="torchtrace"),
         torchtrace.instrument(model, exporter="file", print_summary=False) as handle,
     ):
+        (tmp_path / "torchtrace-traces" / "traces.jsonl").symlink_to(target)  # after instrument()'s checks
         model(torch.randn(2, 16))
         handle.flush()
     assert target.read_text() == "precious\n"
     assert (handle.exported_spans, handle.failed_spans) == (0, SPANS_PER_FORWARD)
     assert any("file export failed" in record.getMessage() for record in caplog.records)
+
+
+def test_a_default_directory_others_can_write_or_own_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's pre-made ``torchtrace-traces/`` in a shared working directory (0777, or theirs) is refused at
+    instrument(): nothing is written into it."""
+    monkeypatch.chdir(tmp_path)
+    directory = tmp_path / "torchtrace-traces"
+    directory.mkdir()
+    directory.chmod(0o777)
+    with pytest.raises(ValueError, match="writable by others"):
+        torchtrace.instrument(make_model(), exporter="file")
+    if os.geteuid() != 0:
+        return  # making a directory another user's needs root
+    directory.chmod(0o700)
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(ValueError, match="belongs to another user"):
+        torchtrace.instrument(make_model(), exporter="file")
+    assert list(directory.iterdir()) == []
+
+
+def test_a_file_at_the_default_path_must_be_ours_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace file found at the default path: this user's and readable by others is made private; another
+    user's, a hard link or not a regular file is refused at instrument()."""
+    monkeypatch.chdir(tmp_path)
+    directory = tmp_path / "torchtrace-traces"
+    directory.mkdir(mode=0o700)
+    path = directory / "traces.jsonl"
+    path.write_text("")
+    path.chmod(0o666)
+    model = make_model()
+    with torchtrace.instrument(model, exporter="file", print_summary=False) as handle:
+        model(torch.randn(2, 16))
+        handle.flush()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and handle.exported_spans == SPANS_PER_FORWARD
+    os.link(path, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="not a regular file of one link"):
+        torchtrace.instrument(make_model(), exporter="file")
+    (tmp_path / "elsewhere").unlink()
+    if os.geteuid() == 0:
+        os.chown(path, 65534, 65534)
+        with pytest.raises(ValueError, match="belongs to another user"):
+            torchtrace.instrument(make_model(), exporter="file")
+
+
+@pytest.mark.parametrize("path", ["a\0b.jsonl", "."], ids=["nul-byte", "a-directory"])
+def test_an_unusable_trace_file_is_refused_at_instrument(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="NUL byte|is a directory"):
+        torchtrace.instrument(make_model(), exporter="file", trace_file=path)
 
 
 def test_a_symlinked_default_directory_is_refused_at_instrument(
@@ -192,7 +261,7 @@ def test_usable_endpoints_pass(monkeypatch: pytest.MonkeyPatch, protocol: str, e
 
 def test_a_trace_directory_that_cannot_be_created_is_refused_at_instrument(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(ValueError, match=r"trace_file \(TORCHTRACE_TRACE_FILE\).*cannot create"):
+    with pytest.raises(ValueError, match=r"trace_file \(TORCHTRACE_TRACE_FILE\).*cannot write traces there"):
         torchtrace.instrument(make_model(), exporter="file", trace_file=str(tmp_path / "a-file" / "t.jsonl"))
 
 

@@ -280,15 +280,13 @@ def file_sender(options: Any) -> JsonFileSender:
         path,
         max_bytes=int(options.trace_file_max_mb * _MIB),
         backups=options.trace_file_backups,
-        follow_symlinks=os.path.normpath(path) != os.path.normpath(DEFAULT_TRACE_FILE),
+        follow_symlinks=os.path.abspath(path) != os.path.abspath(DEFAULT_TRACE_FILE),  # however it is written
     )
     try:
         sender.file.make_directory()
     except OSError as error:
         reason = f"{error.strerror}: {error.filename}" if error.strerror else str(error)
-        raise ValueError(
-            f"trace_file ({ENV_TRACE_FILE})={path!r}: cannot create the trace directory ({reason})"
-        ) from None
+        raise ValueError(f"trace_file ({ENV_TRACE_FILE})={path!r}: cannot write traces there ({reason})") from None
     return sender
 
 

@@ -11,7 +11,9 @@
 - **Rotated by someone else** (logrotate, ``mv``, ``rm``): the path is checked per line, as logging's
   ``WatchedFileHandler`` does, and a new file started there.
 - **Private.** The directory is created 0700 and the file 0600. With ``follow_symlinks=False`` (the default path,
-  which anyone can predict) neither a symlink at the path nor a symlinked directory is written through.
+  which anyone can predict, in a working directory others may share) neither a symlink at the path nor a
+  symlinked directory is written through, the directory must be this user's and writable by no one else, and a
+  file found there must be this user's regular file with one link (made 0600 if it was readable by others).
 """
 
 from __future__ import annotations
@@ -45,17 +47,34 @@ class TraceFile:
         self._new_line_first = False  # the file ends mid-line: the next line starts with "\n"
 
     def make_directory(self) -> None:
-        """Creates the directory (0700, parents too); raises OSError where it cannot be made, is a symlink (where
-        those are refused) or cannot be written (a read-only filesystem)."""
+        """Checks the path and creates its directory (0700, parents too): raises OSError for a path with a NUL byte
+        or naming a directory, a directory that cannot be made or written (a read-only filesystem), and where
+        symlinks are refused, for a directory or file that is not this user's own and private (module docstring)."""
+        if "\0" in self.path:
+            raise OSError(errno.EINVAL, "the path contains a NUL byte", self.path.replace("\0", "\\0"))
+        if os.path.isdir(self.path):
+            raise OSError(errno.EISDIR, "the path is a directory", self.path)
         directory = self._make_directory()
         if not os.access(directory, os.W_OK):
             raise OSError(errno.EROFS if _read_only(directory) else errno.EACCES, "not writable", directory)
+        if not self.follow_symlinks:
+            try:
+                found = os.lstat(self.path)
+            except FileNotFoundError:
+                return
+            _check_own_file(found, self.path)
 
     def _make_directory(self) -> str:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        if not self.follow_symlinks and os.path.islink(directory):
-            raise OSError(errno.ELOOP, "the trace directory is a symlink; not written through", directory)
+        if not self.follow_symlinks:
+            found = os.lstat(directory)
+            if stat.S_ISLNK(found.st_mode):
+                raise OSError(errno.ELOOP, "the trace directory is a symlink; not written through", directory)
+            if found.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, "the trace directory belongs to another user", directory)
+            if found.st_mode & 0o022:
+                raise OSError(errno.EPERM, "the trace directory is writable by others", directory)
         return directory
 
     def append(self, line: bytes) -> None:
@@ -96,6 +115,11 @@ class TraceFile:
             flags |= os.O_NOFOLLOW  # ELOOP on a planted symlink
         fd = os.open(self.path, flags, 0o600)
         try:
+            if not self.follow_symlinks:
+                opened = os.fstat(fd)
+                _check_own_file(opened, self.path)
+                if opened.st_mode & 0o077:
+                    os.fchmod(fd, 0o600)  # this user's file, readable by others: made private
             size = os.fstat(fd).st_size
             self._new_line_first = size > 0 and self._is_regular(fd) and os.pread(fd, 1, size - 1) != b"\n"
         except OSError:
@@ -141,6 +165,17 @@ class TraceFile:
         except OSError:
             pass
         self._new_line_first = True
+
+
+def _check_own_file(found: os.stat_result, path: str) -> None:
+    """OSError unless ``found`` is a regular file of this user with one link: a file another user planted at a
+    predictable path (or a symlink, a FIFO, a hard link to another file) is not written to."""
+    if stat.S_ISLNK(found.st_mode):
+        raise OSError(errno.ELOOP, "the trace file is a symlink; not written through", path)
+    if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+        raise OSError(errno.EPERM, "the trace file is not a regular file of one link", path)
+    if found.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, "the trace file belongs to another user", path)
 
 
 def _read_only(directory: str) -> bool:
