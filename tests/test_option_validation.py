@@ -13,7 +13,7 @@ from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
-from torchtrace._config import MAX_EXPORT_INTERVAL_MS, resolve_options
+from torchtrace._config import MAX_EXPORT_INTERVAL_MS, MAX_PENDING_CALLS, MAX_TRACE_FILE_BACKUPS, resolve_options
 
 # option, its environment variable (None: keyword only), the smallest valid value, the largest (None: unbounded),
 # whether it is an integer
@@ -25,10 +25,10 @@ NUMERIC_OPTIONS = [
     ("sample_ratio", "TORCHTRACE_SAMPLE_RATIO", 0, 1, False),
     ("max_records", "TORCHTRACE_MAX_RECORDS", 1, None, True),
     ("export_interval_ms", "TORCHTRACE_EXPORT_INTERVAL_MS", 1, MAX_EXPORT_INTERVAL_MS, True),
-    ("max_pending_calls", "TORCHTRACE_MAX_PENDING_CALLS", 1, None, True),
+    ("max_pending_calls", "TORCHTRACE_MAX_PENDING_CALLS", 1, MAX_PENDING_CALLS, True),
     ("capture_max_bytes", None, 1, None, True),
     ("trace_file_max_mb", "TORCHTRACE_TRACE_FILE_MAX_MB", 0, None, False),
-    ("trace_file_backups", "TORCHTRACE_TRACE_FILE_BACKUPS", 0, None, True),
+    ("trace_file_backups", "TORCHTRACE_TRACE_FILE_BACKUPS", 0, MAX_TRACE_FILE_BACKUPS, True),
 ]
 
 
@@ -110,6 +110,10 @@ def test_schedules_refuse_booleans():
         ({"trace_file": ""}, "trace_file"),
         ({"tracer_provider": 5}, "tracer_provider"),
         ({"exporter": 5}, "exporter"),
+        ({"module_attributes": 5}, "module_attributes"),
+        ({"sinks": 5}, "sinks"),
+        ({"sinks": print}, "sinks"),  # one callable, not a sequence of them
+        ({"sinks": [print, 5]}, "sinks"),
     ],
 )
 def test_options_of_the_wrong_type_raise_type_error(options, message):
@@ -124,3 +128,37 @@ def test_the_longest_export_interval_runs_and_delivers(tmp_path):
         model(torch.ones(1, 2))
         assert any(t.name == "torchtrace-dispatch" for t in threading.enumerate())
         assert len(handle.records) == 2
+
+
+@pytest.mark.parametrize(
+    ("env", "text", "message"),
+    [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://my host:4318", "not an endpoint"),
+        ("OTEL_EXPORTER_OTLP_COMPRESSION", "bogus", "OTEL_EXPORTER_OTLP_COMPRESSION='bogus': expected one of"),
+        ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "zstd", "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION"),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer s3cret,oops", "item 2 of 2 is not a header"),
+        ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "s3cret", "OTEL_EXPORTER_OTLP_TRACES_HEADERS: item 1 of 1"),
+    ],
+)
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_otlp_settings_the_exporter_would_fail_on_or_log_are_refused_at_instrument(
+    monkeypatch, caplog, env, text, message, protocol
+):
+    """Named in the error, with header values never shown (the SDK logs a malformed item's text: a token)."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    monkeypatch.setenv(env, text)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=message) as raised:
+        torchtrace.instrument(model, exporter="otlp")
+    assert "s3cret" not in str(raised.value) and all("s3cret" not in r.getMessage() for r in caplog.records)
+    assert traced_modules(model) == []
+
+
+@pytest.mark.parametrize("headers", ["authorization=Bearer%20abc", "a=1, b=2", "x-api-key = plain value", "", "k=v,"])
+def test_well_formed_otlp_headers_pass(monkeypatch, headers):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", headers)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+    with torchtrace.instrument(nn.Sequential(nn.Linear(2, 2)), exporter="otlp", print_summary=False):
+        pass

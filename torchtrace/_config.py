@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,6 +250,8 @@ def _comm_hook_option(value: Any) -> Any:
 
 # The longest export interval, a year: the worker waits with threading's timed wait (far longer overflows it).
 MAX_EXPORT_INTERVAL_MS = 365 * 24 * 3600 * 1000
+MAX_TRACE_FILE_BACKUPS = 1000  # each rotation renames every backup: 10**6 of them took 7.4 s on the model's thread
+MAX_PENDING_CALLS = 10**9  # calls held for export (each a few hundred bytes): past this, a bound that bounds nothing
 
 
 def _check_number(label: str, value: Any, integer: bool, low: float, high: float | None) -> None:
@@ -329,19 +331,19 @@ def resolve_options(**kwargs: Any) -> Options:
     module_attributes = kwargs.get("module_attributes") or ()
     if isinstance(module_attributes, str):
         module_attributes = (module_attributes,)
-    if not all(isinstance(name, str) for name in module_attributes):
+    if not isinstance(module_attributes, Iterable) or not all(isinstance(name, str) for name in module_attributes):
         raise TypeError(f"module_attributes must be attribute names, got {module_attributes!r}")
-    sinks = tuple(kwargs.get("sinks") or ())
-    for sink in sinks:
-        if not callable(sink):
-            raise TypeError(f"sinks must be callables taking a sequence of ModuleCall, got {sink!r}")
+    sinks = kwargs.get("sinks") or ()
+    if callable(sinks) or not isinstance(sinks, Iterable) or not all(callable(sink) for sink in sinks):
+        raise TypeError(f"sinks must be a sequence of callables taking a sequence of ModuleCall, got {sinks!r}")
+    sinks = tuple(sinks)
 
     options = Options(
         exporter=exporter,
         tracer_provider=provider,
         trace_file=os.fspath(trace_file),
         trace_file_max_mb=number("trace_file_max_mb", ENV_TRACE_FILE_MAX_MB, 0, integer=False),
-        trace_file_backups=number("trace_file_backups", ENV_TRACE_FILE_BACKUPS, 0),
+        trace_file_backups=number("trace_file_backups", ENV_TRACE_FILE_BACKUPS, 0, MAX_TRACE_FILE_BACKUPS),
         include=_globs("include", pick("include", ENV_INCLUDE)),
         exclude=_globs("exclude", pick("exclude", ENV_EXCLUDE)),
         types=_types(types_value),
@@ -367,7 +369,7 @@ def resolve_options(**kwargs: Any) -> Options:
         capture_max_bytes=number("capture_max_bytes", None, 1),
         capture_compress=_bool_option("capture_compress", kwargs.get("capture_compress", False)),
         export_interval_ms=number("export_interval_ms", ENV_EXPORT_INTERVAL, 1, MAX_EXPORT_INTERVAL_MS),
-        max_pending_calls=number("max_pending_calls", ENV_MAX_PENDING, 1),
+        max_pending_calls=number("max_pending_calls", ENV_MAX_PENDING, 1, MAX_PENDING_CALLS),
         sinks=sinks,
         print_summary=_optional_bool("print_summary", pick("print_summary", ENV_PRINT_SUMMARY, _parse_bool)),
         metrics=_metrics_option(kwargs.get("metrics")),
@@ -398,11 +400,12 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
         "(a `ValueError` where it cannot be)",
     ),
     "trace_file_max_mb": ("Export", "rotate the trace file past this many MiB (a number; 0: never)"),
-    "trace_file_backups": ("Export", "rotated files kept: `traces.jsonl.1` (newest) ... `.5`"),
+    "trace_file_backups": ("Export", "rotated files kept: `traces.jsonl.1` (newest) ... `.5` (at most 1000)"),
     "export_interval_ms": ("Export", "how often the worker sends OTLP / file batches"),
     "max_pending_calls": (
         "Export",
-        "calls waiting for the worker or the exporter before whole forwards are dropped (counted, logged)",
+        "calls waiting for the worker or the exporter before whole forwards are dropped (counted, logged; at most "
+        "10**9)",
     ),
     "print_summary": (
         "Export",

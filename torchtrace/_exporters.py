@@ -34,10 +34,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_COMPRESSION,
     OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_HEADERS,
     OTEL_EXPORTER_OTLP_PROTOCOL,
     OTEL_EXPORTER_OTLP_TIMEOUT,
     OTEL_EXPORTER_OTLP_TRACES_COMPRESSION,
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_HEADERS,
     OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
     OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
 )
@@ -207,6 +209,8 @@ def _port_ok(url: Any, required: bool) -> bool:
 
 
 def _usable_endpoint(value: str, protocol: str) -> bool:
+    if any(character.isspace() for character in value):  # "my host:4318": urlparse takes it, no resolver does
+        return False
     if protocol == "grpc" and "://" not in value:  # gRPC targets: host:port, unix:path
         if value.startswith("unix:"):
             return True
@@ -214,6 +218,35 @@ def _usable_endpoint(value: str, protocol: str) -> bool:
         return bool(target.hostname) and _port_ok(target, required=True)
     url = urlparse(value)
     return url.scheme in _URL_SCHEMES and bool(url.hostname) and _port_ok(url, required=False)
+
+
+# OTEL_EXPORTER_OTLP_HEADERS items as the SDK's exporters parse them (``opentelemetry.util.re``, liberal): a key of
+# token characters, "=", a value (URL-encoded, or plain as other SDKs accept). An item that is neither, the SDK logs
+# with its text: a token there would reach the logs.
+_HEADER_ITEM = re.compile(r"[ \t]*[\x21\x23-\x27\x2a\x2b\x2d\x2e\x30-\x39\x41-\x5a\x5e-\x7a\x7c\x7e]+[ \t]*=[ \t]*"
+                          r"[\x20\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*[ \t]*")  # fmt: skip
+_COMPRESSIONS = ("gzip", "deflate", "none")  # what the SDK's exporters know
+
+
+def check_otlp_settings(protocol: str) -> None:
+    """ValueError naming the variable for OTLP settings the exporter would fail on or log: the endpoint
+    (``check_endpoint``), a compression it does not know, headers that are not ``key=value`` pairs (their values
+    never shown: they carry tokens)."""
+    check_endpoint(protocol)
+    for var in (OTEL_EXPORTER_OTLP_TRACES_COMPRESSION, OTEL_EXPORTER_OTLP_COMPRESSION):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            if value not in _COMPRESSIONS:
+                raise ValueError(f"{var}={value!r}: expected one of {', '.join(_COMPRESSIONS)}")
+            break
+    for var in (OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_EXPORTER_OTLP_HEADERS):
+        items = re.split(r"[ \t]*,[ \t]*", os.environ.get(var, ""))
+        for position, item in enumerate(items, 1):
+            if item and not _HEADER_ITEM.fullmatch(item):
+                raise ValueError(
+                    f"{var}: item {position} of {len(items)} is not a header (expected key=value pairs separated "
+                    "by commas, values URL-encoded; the value is not shown)"
+                )
 
 
 def check_endpoint(protocol: str) -> None:
@@ -232,7 +265,7 @@ def check_endpoint(protocol: str) -> None:
 def create_otlp_sender(protocol: str | None = None) -> GrpcSender | HttpSender:
     """A sender for ``protocol`` (default: ``resolve_protocol()``), configured from the environment."""
     protocol = protocol or resolve_protocol()
-    check_endpoint(protocol)
+    check_otlp_settings(protocol)
     timeout = export_timeout_s()
     if protocol == "grpc":
         return GrpcSender(timeout=timeout)
@@ -258,7 +291,7 @@ def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -
     if otlp_endpoint_configured():
         timeout = export_timeout_s()
         protocol = resolve_protocol()
-        check_endpoint(protocol)
+        check_otlp_settings(protocol)
         if protocol == "grpc":
             return _GrpcSpanExporter(timeout=timeout, compression=grpc_compression_none())
         return _HttpSpanExporter(timeout=timeout)
