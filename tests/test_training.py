@@ -664,3 +664,28 @@ def test_a_tensor_subclass_output_gets_its_backward_span_through_its_own_registe
         captured.handle.step()
         assert Tagged.registered >= 1
         assert captured.span("1 backward").end_time <= captured.span("0 backward").start_time
+
+
+def test_an_optimizer_wrapped_by_accelerate_closes_each_step():
+    """HF's Trainer and ``accelerator.prepare`` hand out an ``AcceleratedOptimizer`` (a torch Optimizer without step
+    hooks of its own, wrapping the one that steps): passed as ``optimizer=``, each of its steps closes a traced
+    step, as the optimizer inside would."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = mlp()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert type(optimizer).__name__ == "AcceleratedOptimizer"
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        for _ in range(3):
+            accelerator.backward(model(torch.randn(3, 4)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+        steps = [span for span in captured.spans() if span.name == "train_step"]
+        assert len(steps) == 3
+        assert len({span.context.trace_id for span in steps}) == 3
+        assert sum(span.name == "optimizer.step" for span in captured.spans()) == 3
+
+
+def test_something_that_is_no_optimizer_is_refused_as_one():
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        torchtrace.instrument(mlp(), exporter="none", backward=True, optimizer=object())

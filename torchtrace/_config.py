@@ -231,9 +231,17 @@ def _schedule_option(value: Any) -> Callable[[int], bool] | None:
 
 
 def _optimizer_option(value: Any) -> Any:
-    if value is not None and not isinstance(value, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(value).__name__}")
-    return value
+    """The optimizer whose step() closes a step: ``value``, or the one a wrapper steps (accelerate's
+    ``AcceleratedOptimizer``, which HF's Trainer uses, and Lightning's ``LightningOptimizer`` hold it as
+    ``.optimizer`` / ``._optimizer``; the first has no step hooks of its own)."""
+    if value is None:
+        return None
+    found = value
+    for _ in range(4):
+        if isinstance(found, torch.optim.Optimizer) and hasattr(found, "_optimizer_step_pre_hooks"):
+            return found
+        found = getattr(found, "optimizer", None) or getattr(found, "_optimizer", None)
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper of one), got {type(value).__name__}")
 
 
 def _nonfinite_option(value: Any) -> Any:
