@@ -11,9 +11,9 @@ Three questions, answered on one CUDA device in one run:
    `torchtrace_sampled` (stats_sample=65536). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
    and export are in the window. Targets (every statistic): <= 1.12x at batch 16 / seq 512, <= 1.35x at batch 1 /
-   seq 128. All variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on, torchtrace
-   would see one call per layer): the same math and the same calls for all; `none_fastpath` shows what the fast
-   path alone is worth. Also reported: the host's time per forward until the loop returned, which
+   seq 128. All variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on,
+   torchtrace would see one call per layer): the same math and the same calls for all; `none_fastpath` shows what
+   the fast path alone is worth. Also reported: the host's time per forward until the loop returned, which
    tells a host-bound variant (hooks and launches slower than the device) from a device-bound one.
 2. Timing accuracy. For a few modules, the median span duration against the module run alone on the same input,
    timed with CUDA events (median of many runs). Target: within 5%. Measured with spans only ("timing": the
