@@ -940,3 +940,24 @@ def test_a_traced_device_forward_records_two_events_a_call_and_one_statistics_la
     assert launches == [(3, 4)] * 3 * 3 and len(seals) == 3
     assert all(record.attributes["torchtrace.output.shape"] == (3, 4) for record in records)
     assert len(device_rows) == 1  # one block of rows, reused forward after forward
+
+
+def test_an_evaluation_between_training_steps_reads_its_own_device_rows(device_rows):
+    """An evaluation forward (gradients off) in a training loop is a trace of its own: its statistics go into rows
+    of its own, copied and read at its end, not into the open step's (which are read only when the step closes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():
+            expected = model(x)
+            model(x)
+        captured.handle.flush()
+        evaluation = [span for span in captured.spans_named("Sequential") if span.parent is None]
+        assert len(evaluation) == 2
+        for span in evaluation:
+            assert "torchtrace.output.stats_error" not in span.attributes
+            assert span.attributes["torchtrace.output.mean"] == pytest.approx(float(expected.mean()), rel=1e-5)

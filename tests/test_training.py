@@ -689,3 +689,33 @@ def test_an_optimizer_wrapped_by_accelerate_closes_each_step():
 def test_something_that_is_no_optimizer_is_refused_as_one():
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         torchtrace.instrument(mlp(), exporter="none", backward=True, optimizer=object())
+
+
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_an_evaluation_between_steps_is_a_trace_of_its_own(grad_off):
+    """A validation forward (gradients off) between training steps is not merged into the next step: each step
+    holds its one training forward, the evaluation is a trace of its own, and no step is left over at the end."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        for step in range(4):
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 2 == 1:
+                with grad_off():
+                    model(torch.randn(5, 4))
+        captured.handle.flush()
+        steps = captured.spans_named("train_step")
+        assert len(steps) == 4
+        roots = captured.spans_named("Sequential")
+        in_steps = [span for span in roots if span.parent is not None]
+        on_their_own = [span for span in roots if span.parent is None]
+        assert len(in_steps) == 4 and {span.parent.span_id for span in in_steps} == {
+            span.context.span_id for span in steps
+        }
+        assert len(on_their_own) == 2
+        assert {span.context.trace_id for span in on_their_own}.isdisjoint(span.context.trace_id for span in steps)
+        assert all(span.attributes["torchtrace.output.shape"] == (5, 2) for span in on_their_own)
+        assert captured.handle.step_number == 4  # the evaluations opened no step
+    assert len(captured.spans_named("train_step")) == 4  # and remove() delivered no step made of one

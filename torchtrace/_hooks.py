@@ -86,6 +86,7 @@ class RawForward:
     start_events: dict[int, Any] = field(default_factory=dict)
     end_events: dict[int, Any] = field(default_factory=dict)
     device: DeviceWork | None = None  # timing events and statistics rows still on the device
+    in_step: bool = False  # part of a training step (delivered with it); else a trace of its own
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
     stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
 
@@ -392,7 +393,10 @@ class HookRecorder:
 
     def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
-        parent = self._parent_if_traced() if self.enabled and not _inside_tracer_or_backward() else None
+        # in training, a forward with gradients off (an evaluation between steps: no_grad, inference_mode) is not
+        # part of a step: a trace of its own, as outside training
+        in_step = self.steps is not None and torch.is_grad_enabled()
+        parent = self._parent_if_traced(in_step) if self.enabled and not _inside_tracer_or_backward() else None
         root = self.modules[index]
         if parent is not None and not self.warned_compiled and root.path == "" and called_from_compiled_code():
             self.warned_compiled = True
@@ -405,13 +409,15 @@ class HookRecorder:
             state.skip_root = index
             return False
         state.forward = RawForward(parent, threading.get_ident(), time.time_ns() - time.perf_counter_ns())
+        state.forward.in_step = state.stats.in_step = in_step
         state.timer = event_timer(device) if self.options.cuda_events else None
         return True
 
-    def _parent_if_traced(self) -> Any:
-        """The span context this forward's root goes under, or None when it is not traced."""
+    def _parent_if_traced(self, in_step: bool) -> Any:
+        """The span context this forward's root goes under (``in_step``: the training step's), or None when it is
+        not traced."""
         steps = self.steps
-        if steps is not None:
+        if in_step:
             steps.closed_by_optimizer = False  # a forward of the next iteration: handle.step() closes again
             return steps.context if steps.traced else None  # the step's schedule decides
         parent = trace.get_current_span().get_span_context()
@@ -457,7 +463,7 @@ class HookRecorder:
                 forward.device.done.append(forward.end_events[0])
         calls = len(forward.module)
         steps = self.steps
-        if steps is not None:  # delivered with its step, after the step's root span
+        if forward.in_step:  # delivered with its step, after the step's root span
             if state.timer is not None:
                 steps.timer = state.timer  # the step's backward and all-reduce marks use it too
             if steps.pending_calls + calls > self.options.max_pending_calls:

@@ -59,7 +59,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "_counted",
+        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "_counted", "in_step",
     )  # fmt: skip
 
     def __init__(
@@ -91,6 +91,7 @@ class StatComputer:
         self._dtype_names: dict[torch.dtype, str] = {}
         self._rows: dict[torch.device, StatRows] = {}  # this forward's device rows, one set per device
         self._rows_for = rows_for  # in training: the step's rows (copied once per step), else this forward's
+        self.in_step = rows_for is not None  # the forward being summarised is part of a step (its rows are the step's)
         self.sample = sample  # summarise at most about this many elements per tensor (opt-in; None: all)
         self._all_finite = True  # no NaN or Inf counted in this forward so far (device rows: not known yet)
         self._columns, self._codes = _wanted_columns(self.wanted)  # of the forward's StatTable; the pass's codes
@@ -168,7 +169,7 @@ class StatComputer:
         return _table_rows(staging.address, staging.count, staging.size, staging.double, self._codes, table, first)
 
     def _device_rows(self, device: torch.device) -> StatRows:
-        if self._rows_for is not None:
+        if self._rows_for is not None and self.in_step:
             return self._rows_for(device)
         rows = self._rows.get(device)
         if rows is None:
