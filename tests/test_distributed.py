@@ -259,7 +259,12 @@ with torchtrace.instrument(model, exporter="none", optimizer=optimizer, comm_hoo
         optimizer.zero_grad()
     handle.flush()
     names = [call.name for call in handle.records]
-print(json.dumps({"calls": calls, "names": names}), flush=True)
+    try:  # registered after instrument(), as the docs say not to
+        model.register_comm_hook(None, my_hook)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+print(json.dumps({"calls": calls, "names": names, "refused": refused}), flush=True)
 # Tearing down a gloo group whose threads still release Python future callbacks can deadlock inside torch
 # (the Reducer's destructor joins them holding the GIL): the job ends without running destructors.
 os._exit(0)
@@ -282,6 +287,8 @@ def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
     names = report["names"]
     assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
     assert names.count("rank 0") == 2 and names.count("train_step") == 2
+    # DDP takes one comm hook: one registered after instrument() is refused with what to do instead
+    assert "instrument(ddp, comm_hook=(hook, state))" in report["refused"]
 
 
 DDP_EQUALITY_JOB = r"""

@@ -65,7 +65,15 @@ def watch_ddp(model: torch.nn.Module, steps: Any, inner: CommHook | None = None,
         _logger.warning("torchtrace: all-reduce spans are off for this DDP model: %s", error)
         return False
     model._torchtrace_comm = target
+    model.register_comm_hook = _refuse_another_comm_hook  # DDP's own error would not say what to do instead
     return True
+
+
+def _refuse_another_comm_hook(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "torchtrace registered this DDP model's communication hook, and DDP takes one: pass yours to "
+        "instrument(ddp, comm_hook=(hook, state)) instead (torchtrace then runs and times it)"
+    )
 
 
 def unwatch_ddp(model: torch.nn.Module, steps: Any) -> None:
