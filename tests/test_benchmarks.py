@@ -1,5 +1,5 @@
 """Smoke tests of benchmarks/: each script runs, and its last line is its JSON report. Numbers are not asserted
-(they are measured by running the scripts; see CHANGELOG.md)."""
+(they are measured by running the scripts; see benchmarks/results/)."""
 
 from __future__ import annotations
 
