@@ -9,6 +9,7 @@ request takes at most ~1 s, retries included.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing
 import os
@@ -423,6 +424,38 @@ def test_spans_pending_at_exit_reach_the_endpoint(protocol: str) -> None:
         assert len(receiver.wait_for_spans(5 * CALLS, timeout=5)) == 5 * CALLS
     finally:
         receiver.stop()
+
+
+SERVING_AFTER_MAIN_SCRIPT = """
+import json, threading, time, torch, torchtrace
+model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+torchtrace.instrument(model, exporter="otlp")
+served = 0
+
+def serve():  # a server's request thread, not a daemon: the interpreter waits for it
+    global served
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        model(torch.randn(8, 16))
+        served += 1
+        time.sleep(0.005)
+    print(json.dumps({"served": served}), flush=True)
+
+threading.Thread(target=serve).start()
+"""  # the main thread returns at once
+
+
+def test_forwards_after_the_main_thread_returned_are_traced_until_the_last_thread_ends(otlp_http_receiver) -> None:
+    """A server whose main thread returns while its (non-daemon) request threads go on serving: every forward they
+    run is traced and delivered at exit, not run untraced from the moment the main thread returned."""
+    result, _ = _run_script(
+        SERVING_AFTER_MAIN_SCRIPT,
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_http_receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    served = json.loads(result.stdout.strip().splitlines()[-1])["served"]
+    assert served > 20
+    assert len(otlp_http_receiver.wait_for_spans(served * CALLS, timeout=5)) == served * CALLS
 
 
 @pytest.mark.parametrize("dead", ["refused", "blackhole"])

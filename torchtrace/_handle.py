@@ -550,9 +550,25 @@ def _remove_at_exit() -> None:
             _logger.exception("torchtrace: delivering pending calls at exit failed")
 
 
+def _at_main_thread_end() -> None:
+    """The main thread finished. With other (non-daemon) threads still running, a server's request threads, a
+    training loop's workers, they keep tracing: removal waits for them, at exit, ahead of the atexit handlers
+    registered before now (an SDK TracerProvider's shutdown). Else remove now."""
+    current = threading.current_thread()
+    running = [
+        thread
+        for thread in threading.enumerate()
+        if thread.is_alive() and not thread.daemon and thread is not current and thread is not threading.main_thread()
+    ]
+    if running:
+        atexit.register(_remove_at_exit)  # atexit runs last in first out: before handlers registered earlier
+    else:
+        _remove_at_exit()
+
+
 try:
     # Runs when the main thread finishes, before any atexit handler: an SDK TracerProvider created after this
     # import (its atexit shutdown would run first) still receives the pending spans. concurrent.futures does the same.
-    threading._register_atexit(_remove_at_exit)
+    threading._register_atexit(_at_main_thread_end)
 except (AttributeError, RuntimeError):
     atexit.register(_remove_at_exit)
