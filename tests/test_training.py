@@ -719,3 +719,40 @@ def test_an_evaluation_between_steps_is_a_trace_of_its_own(grad_off):
         assert all(span.attributes["torchtrace.output.shape"] == (5, 2) for span in on_their_own)
         assert captured.handle.step_number == 4  # the evaluations opened no step
     assert len(captured.spans_named("train_step")) == 4  # and remove() delivered no step made of one
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.1),
+        lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=1),
+    ],
+    ids=["sgd", "lbfgs"],
+)
+def test_a_closure_optimizer_keeps_forward_backward_and_optimizer_apart(make_optimizer):
+    """``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization) runs the forward and backward inside
+    the optimizer's call: the optimizer.step span starts where they ended, so it does not contain them, and says
+    how many forwards its closure ran and how long the whole call took."""
+    model = mlp()
+    optimizer = make_optimizer(model.parameters())
+    x = torch.randn(3, 4)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        for _ in range(2):
+            optimizer.step(closure)
+        steps = captured.spans_named("train_step")
+        assert len(steps) == 2
+        for step in steps:
+            step_id = step.context.span_id
+            by_name = {span.name: span for span in captured.spans() if span.parent and span.parent.span_id == step_id}
+            forward, backward, update = by_name["Sequential"], by_name["backward"], by_name["optimizer.step"]
+            assert update.start_time >= max(forward.end_time, backward.end_time)
+            assert update.attributes["torchtrace.optimizer.closure_forwards"] == 1
+            call_seconds = update.attributes["torchtrace.optimizer.call_seconds"]
+            assert call_seconds * 1e9 >= (update.end_time - update.start_time) + (forward.end_time - forward.start_time)

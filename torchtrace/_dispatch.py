@@ -558,10 +558,9 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
             )
         )
     batches = {forward: resolve_forward(forward, modules, release=False) for forward in record.forwards}
-    if record.optimizer_ns:
-        start, end = record.optimizer_ns
-        head.append(phase("optimizer.step", start + offset, end + offset))
     backward = _backward_columns(record, batches, phase, on_step_clock)
+    if record.optimizer_ns:
+        head.append(_optimizer_phase(record, phase, batches.values(), backward[0] if backward else None))
     if backward:
         head.append(backward[0])  # the step's own spans in one list (one encoding run), then columns
     columns = [*backward[1:], *batches.values()]  # each forward's backward spans, then each forward's calls
@@ -575,6 +574,25 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         marks = [event[4] for event in record.backward_events]
         record.device.release([*marks, *(mark for *_, pair in record.comm for mark in pair)])
     return [head, *columns]
+
+
+def _optimizer_phase(record: StepRecord, phase: Callable[..., ModuleCall], batches: Iterable[CallBatch],
+                     backward: ModuleCall | None) -> ModuleCall:  # fmt: skip
+    """The optimizer.step span. A closure optimizer (LBFGS, Lightning's automatic optimization) runs the forward and
+    backward inside ``step(closure)``: its span then starts where the last of them ended (the optimizer's own
+    work), so forward, backward and optimizer stay separate phases; it says how many forwards its closure ran and
+    how long the whole call took."""
+    start, end = (time + record.clock_offset_ns for time in record.optimizer_ns)
+    forwards = [(batch.start_ns[0], batch.end_ns[0]) for batch in batches if len(batch)]
+    inside = [(first, last) for first, last in forwards if start <= first and last <= end]
+    if not inside:
+        return phase("optimizer.step", start, end)
+    ends = [last for _, last in inside]
+    if backward is not None and start <= backward.start_ns and backward.end_ns <= end:
+        ends.append(backward.end_ns)
+    attributes = {"torchtrace.optimizer.closure_forwards": len(inside), "torchtrace.optimizer.call_seconds":
+                  (end - start) / 1e9}  # fmt: skip
+    return phase("optimizer.step", max(ends), end, attributes)
 
 
 def _device_clock(record: StepRecord) -> Callable[[Any, int], int]:
