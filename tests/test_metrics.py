@@ -156,6 +156,22 @@ def test_modules_past_the_limit_collapse_into_the_overflow_label():
     assert sum(s.value for s in samples) == len(records)
 
 
+def test_series_stay_bounded_however_many_module_classes_a_model_has():
+    """Paths are bounded by max_module_labels, and so are types: 300 distinct classes with a limit of 10 make at
+    most 2 * 10 + 1 series of each per-module family and 10 + 1 duration histograms, every call still counted."""
+    classes = [type(f"Generated{index}", (nn.Module,), {"forward": lambda self, x: x + 1}) for index in range(300)]
+    model = nn.Sequential(*[cls() for cls in classes])
+    registry = CollectorRegistry()
+    records = run(model, MetricsSink(registry, model="Many", max_module_labels=10), batches=1)
+    families = {family.name: family for family in registry.collect()}
+    calls = [s for s in families["torchtrace_module_calls"].samples if s.name == "torchtrace_module_calls_total"]
+    assert len(calls) == 2 * 10 + 1
+    assert sum(s.value for s in calls) == len(records) == 301
+    assert {s.labels["module_type"] for s in calls if s.labels["module"] == OVERFLOW_MODULE} >= {OVERFLOW_MODULE}
+    histogram_types = {s.labels["module_type"] for s in families["torchtrace_module_call_duration_seconds"].samples}
+    assert len(histogram_types) == 10 + 1 and OVERFLOW_MODULE in histogram_types
+
+
 def test_the_duration_histogram_is_labelled_by_type_never_by_path():
     registry = CollectorRegistry()
     run(tiny_model(), MetricsSink(registry, model="Tiny"))

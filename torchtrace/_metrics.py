@@ -10,7 +10,11 @@ Cardinality is bounded by design (see docs/metrics.md):
   explodes, and types are few;
 - per-module series (call count, time, errors, NaN/Inf counts, output statistics) are one series each, for at
   most ``max_module_labels`` paths; later paths share the label value ``OVERFLOW_MODULE`` (counters only:
-  a "latest value" of a mix of layers means nothing, so overflowed modules get no output-statistic gauges).
+  a "latest value" of a mix of layers means nothing, so overflowed modules get no output-statistic gauges), by
+  their type for at most ``max_module_labels`` types, then under ``OVERFLOW_MODULE`` as their type too;
+- types are bounded the same way: the duration histogram has at most ``max_module_labels`` types, then
+  ``OVERFLOW_MODULE``. So N = ``max_module_labels`` bounds a model's per-module series at 2N + 1 and its
+  histograms at N + 1 per rank, however many paths and classes the model has.
 
 With step tracing: the step duration histogram (exemplars link to the step's trace), the latest gradient norm
 per module (from its backward span), and how often each module was the first to produce NaN/Inf.
@@ -210,6 +214,7 @@ class MetricsSink(Collector):
         self._paths: dict[str, _PathEntry] = {}  # module path -> where its calls are counted
         self._named_modules = 0
         self._overflowed_paths = 0
+        self._overflow_types = 0  # types with a series of their own under OVERFLOW_MODULE
         self._histograms: dict[str, _HistogramState] = {}
         slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
         self._steps = _HistogramState([0] * slots, [None] * slots)
@@ -281,19 +286,27 @@ class MetricsSink(Collector):
 
     def _new_path(self, call: ModuleCall) -> _PathEntry:
         """State of a path seen for the first time: its own label while under the limit, else the overflow's."""
+        type_name = call.type_name
         if self._named_modules < self.max_module_labels:
             self._named_modules += 1
-            label = call.path or call.type_name  # the model itself: its class name, as its forward span's
+            label = call.path or type_name  # the model itself: its class name, as its forward span's
         else:
             self._overflowed_paths += 1
             label = OVERFLOW_MODULE
-        state = self._modules.get((label, call.type_name))
+            if (label, type_name) not in self._modules:
+                if self._overflow_types < self.max_module_labels:
+                    self._overflow_types += 1
+                else:  # 10,000 generated classes must not make 10,000 series
+                    type_name = OVERFLOW_MODULE
+        state = self._modules.get((label, type_name))
         if state is None:
-            state = self._modules[(label, call.type_name)] = _ModuleState(call.type_name)
-        histogram = self._histograms.get(call.type_name)
+            state = self._modules[(label, type_name)] = _ModuleState(type_name)
+        if type_name not in self._histograms and len(self._histograms) >= self.max_module_labels:
+            type_name = OVERFLOW_MODULE
+        histogram = self._histograms.get(type_name)
         if histogram is None:
             slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
-            histogram = self._histograms[call.type_name] = _HistogramState([0] * slots, [None] * slots)
+            histogram = self._histograms[type_name] = _HistogramState([0] * slots, [None] * slots)
         return _PathEntry(state, histogram, state_is_named=label != OVERFLOW_MODULE)
 
     def claim(self, handle: Any) -> None:
