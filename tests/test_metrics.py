@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import socket
+import threading
+import time
 import urllib.request
 from collections import OrderedDict
 from pathlib import Path
@@ -376,6 +379,31 @@ def test_a_taken_metrics_port_is_a_warning_not_a_failed_job(monkeypatch, caplog)
             model(torch.randn(3, 4))
             assert len(handle.records) == 4
     assert "cannot serve metrics" in caplog.text
+
+
+def test_idle_connections_take_no_thread_and_do_not_hold_up_a_scrape(monkeypatch: pytest.MonkeyPatch):
+    """200 connections that send nothing: no thread each (a bounded pool answers requests), a scrape is answered
+    at once, idle connections are closed after the idle timeout, and past the waiting limit the longest waiting."""
+    from torchtrace import _serve
+
+    monkeypatch.setattr(_serve, "IDLE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(_serve, "MAX_WAITING", 150)
+    registry = CollectorRegistry()
+    MetricsSink(registry, model="Idle")
+    with serve_metrics(0, registry=registry) as server:
+        idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
+        try:
+            started = time.monotonic()
+            body = urllib.request.urlopen(server.url, timeout=5).read().decode()
+            assert "torchtrace_comm_wait_seconds_total" in body and time.monotonic() - started < 1.0
+            assert sum(thread.name.startswith("torchtrace-metrics") for thread in threading.enumerate()) <= 2 + 4
+            for connection in idle:
+                connection.settimeout(5)
+            closed = sum(connection.recv(1) == b"" for connection in idle)  # each is closed: by the limit or timeout
+            assert closed == 200
+        finally:
+            for connection in idle:
+                connection.close()
 
 
 def test_metrics_from_env(monkeypatch: pytest.MonkeyPatch):
