@@ -359,9 +359,8 @@ def test_outputs_and_gradients_are_unchanged_by_backward_tracing():
 def test_a_step_that_is_never_closed_stays_bounded_and_counts_what_it_drops(caplog):
     model = mlp()
     with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=8) as handle:
-        with torch.no_grad():
-            for _ in range(5):  # 4 calls per forward: two fit, three are dropped
-                model(torch.randn(2, 4))
+        for _ in range(5):  # training forwards (gradients on), never backward: 4 calls each, two fit, three dropped
+            model(torch.randn(2, 4))
         assert handle.dropped_calls == 12
         assert "handle.step()" in caplog.text
         handle.step()
