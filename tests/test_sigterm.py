@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fault_receivers import wait_until
+from fault_receivers import Blackhole, wait_until
 from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401 - fixture
 
 import torchtrace
@@ -136,6 +136,34 @@ def test_the_applications_handler_runs_after_the_flush(tmp_path: Path) -> None:
     interrupted = {span["traceId"] for span in spans if span.get("status", {}).get("code") == 2}
     assert len(interrupted) <= 1
     assert _forwards([span for span in spans if span["traceId"] not in interrupted]) in (count, count + 1)
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_a_stop_with_the_applications_handler_and_a_hung_endpoint_fits_a_grace_period(
+    tmp_path: Path, protocol: str
+) -> None:
+    """SIGTERM, the application's own handler (sys.exit), an endpoint that never answers: torchtrace's flush and
+    the delivery at exit share one deadline (5 s), inside the 10 s docker and Kubernetes give before SIGKILL."""
+    setup = textwrap.dedent(
+        """
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
+        handle = torchtrace.instrument(model, exporter="otlp")
+        """
+    )
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP.format(setup=setup))
+    count_file = tmp_path / "count"
+    with Blackhole() as hung:
+        env = _env(COUNT_FILE=str(count_file), OTEL_EXPORTER_OTLP_ENDPOINT=hung.endpoint)
+        env["OTEL_EXPORTER_OTLP_PROTOCOL"] = protocol
+        process = subprocess.Popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+        assert wait_until(lambda: _count(count_file) >= 50 or process.poll() is not None, timeout=120)
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+        stopped_s = time.monotonic() - started
+    assert process.returncode == 3, err
+    assert stopped_s < _signals.SIGTERM_FLUSH_TIMEOUT_S + 2.0, err  # the flush's 5 s, then no more than teardown
 
 
 def test_an_ignored_sigterm_stays_ignored(tmp_path: Path) -> None:

@@ -541,13 +541,30 @@ def _publishes_metrics(handle: TraceHandle) -> bool:
     return metrics is not None and any(isinstance(sink, metrics.MetricsSink) for sink in sinks)
 
 
+EXIT_DEADLINE_S = 5.0  # what delivery may add to an exit: inside the 10 s a container gets between SIGTERM and SIGKILL
+
+
 def _remove_at_exit() -> None:
-    """Deliver what is pending (and print the summary where asked) before the interpreter goes."""
-    for handle in list(_live_handles):
-        try:
-            handle.remove()
-        except Exception:
-            _logger.exception("torchtrace: delivering pending calls at exit failed")
+    """Deliver what is pending (and print the summary where asked) before the interpreter goes, within
+    ``EXIT_DEADLINE_S`` in all: on a thread of its own (a daemon: one still waiting on a hung endpoint when the
+    deadline passes does not hold the exit), the exporters' own timeouts bounding each request inside it."""
+    handles = list(_live_handles)
+    if not handles:
+        return
+
+    def remove_all() -> None:
+        for handle in handles:
+            try:
+                handle.remove()
+            except Exception:
+                _logger.exception("torchtrace: delivering pending calls at exit failed")
+
+    deadline_s = _signals.stop_time_left(EXIT_DEADLINE_S)  # after a SIGTERM's flush: what is left of its 5 s
+    worker = threading.Thread(target=remove_all, name="torchtrace-exit", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        _logger.warning("torchtrace: at exit, spans not delivered within %.3gs are lost", deadline_s)
 
 
 def _at_main_thread_end() -> None:

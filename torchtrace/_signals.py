@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "guarded", "hold", "release"]
+__all__ = ["SIGTERM_FLUSH_TIMEOUT_S", "guarded", "hold", "release", "stop_time_left"]
 
 _logger = logging.getLogger(__name__)
 
@@ -140,9 +140,23 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         _stop(signum, frame)
 
 
+_stop_deadline: float | None = None  # time.monotonic() by which a stop that began with SIGTERM must be done
+
+
+def stop_time_left(limit_s: float) -> float:
+    """Seconds the rest of a stop may take: ``limit_s``, or less where a SIGTERM began the stop (its flush and what
+    follows, the application's handler and the exit's delivery, share one deadline: SIGTERM_FLUSH_TIMEOUT_S)."""
+    if _stop_deadline is None:
+        return limit_s
+    return max(0.0, min(limit_s, _stop_deadline - time.monotonic()))
+
+
 def _stop(signum: int, frame: Any) -> None:
+    global _stop_deadline
     previous = _previous if _previous is not None else signal.SIG_DFL
-    _flush_all(SIGTERM_FLUSH_TIMEOUT_S)
+    if _stop_deadline is None:
+        _stop_deadline = time.monotonic() + SIGTERM_FLUSH_TIMEOUT_S
+    _flush_all(stop_time_left(SIGTERM_FLUSH_TIMEOUT_S))
     if callable(previous):
         previous(signum, frame)  # the application's handler decides (sys.exit, graceful shutdown, ...)
         return
