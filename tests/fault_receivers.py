@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import socket
 import threading
 import time
@@ -38,11 +39,15 @@ def free_port() -> int:
 
 
 class FaultyHttpReceiver(OtlpHttpReceiver):
-    def __init__(self, mode: str = "ok", *, port: int = 0, stall_s: float = 5.0, error_status: int = 503) -> None:
+    def __init__(
+        self, mode: str = "ok", *, port: int = 0, stall_s: float = 5.0, error_status: int = 503, max_spans: int = 0
+    ) -> None:
         super().__init__()
         self.mode = mode
         self.stall_s = stall_s
         self.error_status = error_status
+        self.max_spans = max_spans  # mode "slow": a request of more spans does not complete (stalls)
+        self.request_sizes: list[int] = []  # mode "slow": spans of each request seen
         self.attempts = 0  # requests seen, whatever the mode
         self._wanted_port = port
         self._release = threading.Event()  # set at stop(): stalled handlers return at once
@@ -58,6 +63,15 @@ class FaultyHttpReceiver(OtlpHttpReceiver):
             mode = receiver.mode
             if mode == "stall":
                 receiver._release.wait(receiver.stall_s)
+            elif mode == "slow":  # a collector that takes at most max_spans within the client's timeout
+                body = request_handler.rfile.read(int(request_handler.headers.get("Content-Length", 0)))
+                request = ExportTraceServiceRequest.FromString(body)
+                spans = sum(len(scope.spans) for spans in request.resource_spans for scope in spans.scope_spans)
+                receiver.request_sizes.append(spans)
+                if spans > receiver.max_spans:
+                    receiver._release.wait(receiver.stall_s)
+                    return
+                request_handler.rfile = io.BytesIO(body)  # read again by the receiver's own handler
             elif mode == "error":
                 request_handler.rfile.read(int(request_handler.headers.get("Content-Length", 0)))
                 request_handler.send_response(receiver.error_status)

@@ -83,6 +83,31 @@ def run_forwards(model: nn.Module, count: int) -> list[float]:
 # --- slow / stalled endpoint ------------------------------------------------------------------------------------
 
 
+def test_a_slow_collector_gets_requests_it_can_take(otlp_to) -> None:
+    """A collector that takes at most 100 spans within the request timeout: requests that run out of time halve the
+    spans they hold until they fit, and from then on every span is delivered (each lost one counted)."""
+    receiver = FaultyHttpReceiver("slow", max_spans=100, stall_s=30).start()
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(31)]).eval()  # 32 spans a forward
+    x = torch.randn(2, 4)
+    try:
+        otlp_to(receiver.endpoint, "http/protobuf")
+        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=600_000) as handle:
+            for _ in range(3):  # 320 spans a round: one request of 320 (too many), then of 160, then 80
+                for _ in range(10):
+                    model(x)
+                handle.flush()
+                time.sleep(_exporters.DEFAULT_RETRY_INTERVAL_S + 0.05)  # past the pause after a failed request
+            before = len(receiver.spans())
+            for _ in range(10):
+                model(x)
+            assert handle.flush()  # this round: every span delivered
+            assert len(receiver.spans()) - before == 320
+            assert handle.exported_spans + handle.failed_spans == 4 * 320  # every span accounted for
+        assert receiver.request_sizes[0] == 320 and max(receiver.request_sizes[-4:]) <= 100
+    finally:
+        receiver.stop()
+
+
 @pytest.mark.parametrize("fault", ["http-stall", "grpc-stall", "tcp-blackhole"])
 def test_forwards_are_not_held_up_while_the_endpoint_stalls(otlp_to, caplog, fault: str) -> None:
     if fault == "http-stall":

@@ -78,6 +78,8 @@ PROTOCOLS = ("grpc", "http/protobuf")
 _EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 DEFAULT_TIMEOUT_S = 10.0  # the OTel spec's default for OTEL_EXPORTER_OTLP_TIMEOUT
 MAX_TIMEOUT_S = 3600.0  # longer is a typo (milliseconds?), and would hold remove() and exit as long
+MIN_REQUEST_SPANS = 16  # the fewest spans per request a slow endpoint brings the batches down to
+GROW_AFTER = 64  # requests delivered in a row before a smaller request size is doubled again
 DEFAULT_RETRY_INTERVAL_S = 1.0  # while export fails: the pause after a failed request before the next one
 
 
@@ -346,6 +348,7 @@ class GrpcSender(_GrpcSpanExporter):
 
     def __init__(self, *args: Any, compression: grpc.Compression | None = None, **kwargs: Any) -> None:
         super().__init__(*args, compression=compression or grpc_compression_none(), **kwargs)
+        self.timeout_s = kwargs.get("timeout")  # a request that took this long ran out of time (OtlpSink)
 
     def _initialize_channel_and_stub(self) -> None:
         super()._initialize_channel_and_stub()  # also called on reconnect: replace the stub every time
@@ -456,6 +459,7 @@ class HttpSender(_HttpSpanExporter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.timeout_s = kwargs.get("timeout")  # a request that took this long ran out of time (OtlpSink)
         inner = _plain_http_transport(self._endpoint) or self._client._transport
         self._client._transport = _DeadlineTransport(inner)
 
@@ -614,6 +618,11 @@ class OtlpSink:
     probes the endpoint again; so a dead endpoint costs one timeout per probe, never one per batch. One warning
     is logged when sending starts failing (with the exporter's reason), and one line when it recovers with the
     number of spans lost meanwhile; the OTLP exporters' own per-batch log lines are kept quiet during these sends.
+
+    A slow endpoint gets what it can take: a request that fails by running out of time (the sender's timeout)
+    halves the spans per request (down to ``MIN_REQUEST_SPANS``), and ``GROW_AFTER`` delivered in a row double
+    them again, up to ``max_spans_per_request``; a collector accepting 100 spans a second took no 4,096-span
+    request within 10 s, and so none at all.
     """
 
     def __init__(
@@ -633,6 +642,9 @@ class OtlpSink:
         self.scope_name = scope_name
         self.scope_version = scope_version
         self.max_spans_per_request = max(1, max_spans_per_request)
+        self.request_spans = self.max_spans_per_request  # what a request holds now (adapted to the endpoint)
+        self._timeout_s = getattr(sender, "timeout_s", None)  # a request that takes this long ran out of time
+        self._delivered_in_row = 0
         self.max_request_bytes = getattr(sender, "max_request_bytes", max_request_bytes) or 1 << 62
         self.retry_interval_s = retry_interval_s
         self.exported = 0
@@ -645,7 +657,7 @@ class OtlpSink:
         self._lock = threading.Lock()
 
     def __call__(self, calls: Sequence[ModuleCall]) -> None:
-        chunks = _requests_of(calls, self.max_spans_per_request)
+        chunks = _requests_of(calls, self.request_spans)
         while chunks:
             chunk = chunks.pop(0)
             if self._shut_down or (self._failing and time.monotonic() < self._retry_at):
@@ -661,8 +673,22 @@ class OtlpSink:
                 half = len(chunk) // 2
                 chunks[:0] = [chunk[:half], chunk[half:]]
                 continue
+            started = time.monotonic()
             ok, reason = self._send(EncodedSpans(payload, len(chunk)))
+            self._adapt(len(chunk), ok, time.monotonic() - started)
             self._record(len(chunk), ok, reason)
+
+    def _adapt(self, spans: int, ok: bool, seconds: float) -> None:
+        """Half the spans per request after one that ran out of time; twice as many again (up to the maximum)
+        after ``GROW_AFTER`` delivered in a row: an endpoint that got faster gets larger requests back."""
+        if ok:
+            self._delivered_in_row += 1
+            if self._delivered_in_row >= GROW_AFTER and self.request_spans < self.max_spans_per_request:
+                self.request_spans = min(self.max_spans_per_request, 2 * self.request_spans)
+                self._delivered_in_row = 0
+        elif self._timeout_s is not None and seconds >= 0.8 * self._timeout_s and spans > MIN_REQUEST_SPANS:
+            self.request_spans = max(MIN_REQUEST_SPANS, spans // 2)
+            self._delivered_in_row = 0
 
     def _send(self, spans: EncodedSpans) -> tuple[bool, str | None]:
         _send_state.active, _send_state.last = True, None

@@ -551,6 +551,11 @@ def _remove_at_exit() -> None:
     handles = list(_live_handles)
     if not handles:
         return
+    for handle in handles:  # here, on the thread a Ctrl-C interrupted: its open forward is this thread's state
+        try:
+            handle._recorder.close_interrupted()
+        except Exception:
+            _logger.exception("torchtrace: closing an interrupted forward at exit failed")
 
     def remove_all() -> None:
         for handle in handles:
