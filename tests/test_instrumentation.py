@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from torchtrace import _handle
 from torchtrace._run import _print_summaries
 from torchtrace.cli import main
 from torchtrace.instrumentation import TorchInstrumentor
+from torchtrace.testing import capture_spans
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACEPARENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -362,3 +364,64 @@ def test_the_exit_summary_names_a_model_that_is_already_gone():
     err = io.StringIO()
     _print_summaries([handle], err)
     assert "torchtrace: Sequential (none exporter)" in err.getvalue()
+
+
+# -- modules replaced after instrument() -----------------------------------------------------------------------
+
+
+class Wrapped(nn.Module):
+    """What an adapter does: a new module around the one it replaces, which it still calls."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2
+
+
+@pytest.mark.parametrize("replacement", ["another", "a-wrapper"])
+def test_a_module_replaced_after_instrument_is_no_longer_traced_under_its_old_path(caplog, replacement):
+    """A span never names a path that is no longer the module's: the replaced module (still called inside a wrapper)
+    and the traced modules under it stop being traced as the replacement is registered, with one warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.WARNING, logger="torchtrace"), capture_spans(model) as captured:
+        model(x)
+        old = model[1]
+        model[1] = Wrapped(old) if replacement == "a-wrapper" else nn.Tanh()
+        model[2] = nn.Linear(4, 2)  # a second replacement: not warned of again
+        expected = model(x)
+        captured.handle.flush()
+        second = [span for span in captured.spans() if span.context.trace_id != captured.spans()[0].context.trace_id]
+        assert sorted(span.name for span in second) == ["0", "Sequential"]  # nothing under the old paths
+        assert torch.equal(model(x), expected)  # and the model computes as it does untraced
+    warnings = [r.getMessage() for r in caplog.records if "after instrument()" in r.getMessage()]
+    assert len(warnings) == 1 and "1 (Sequential) of Sequential was replaced by" in warnings[0]
+    assert "the 2 traced modules under it" in warnings[0]
+
+
+def test_a_module_registered_again_in_its_own_place_stays_traced():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with capture_spans(model) as captured:
+        model[1] = model[1]  # the same module: nothing replaced
+        model(torch.randn(2, 4))
+        assert sorted(captured.names()) == ["0", "1", "Sequential"]
+
+
+def test_peft_applied_after_instrument_leaves_no_span_under_a_stale_path(caplog):
+    """PEFT's get_peft_model after instrument() puts a LoRA layer where each targeted layer was; the base layer
+    still runs inside it, and its spans would have carried the adapted layer's path and shown the frozen output."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with caplog.at_level(logging.WARNING, logger="torchtrace"), capture_spans(model) as captured:
+        adapted = peft.get_peft_model(model, peft.LoraConfig(target_modules=["c_attn"], r=2, init_lora_weights=False))
+        adapted(torch.randint(0, 100, (1, 8)))
+        names = captured.names()
+        assert names and not any("c_attn" in name for name in names)
+        assert "transformer.h.0.mlp.c_fc" in names  # what was not replaced is traced as before
+    assert sum("transformer.h.0.attn.c_attn (Conv1D)" in r.getMessage() for r in caplog.records) == 1

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace import _signals
+from torchtrace import _replaced, _signals
 from torchtrace._buffer import RecordBuffer
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
@@ -56,6 +56,8 @@ class TraceHandle:
         self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
         self._hook_handles: list = []
+        self._handles_by_index: dict[int, list] = {}  # a traced module's (index into modules) hooks and entries
+        self._warned_replaced = False
         self._optimizer_hooks: list = []
         self._export_sinks: list = []
         self.metrics: Any = None
@@ -100,7 +102,10 @@ class TraceHandle:
                          module.register_forward_hook(post, always_call=True)]  # fmt: skip
                 hook_ids = frozenset(handle.id for handle in added)
             # its copies run themselves: pickled or copied untraced, DataParallel's replicas traced
-            self._hook_handles += [*added, follow_copies(module, hook_ids)]
+            added.append(follow_copies(module, hook_ids))
+            self._hook_handles += added
+            self._handles_by_index[index] = added
+        _replaced.watch(model, self.monitored_layers, self._on_replaced)
         self._model_ref = weakref.ref(model)
         self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
         self._removed = False
@@ -114,6 +119,26 @@ class TraceHandle:
         if options.handle_sigterm:
             _signals.hold(self, self._flush_within)
 
+    def _on_replaced(self, path: str, new: Any) -> None:
+        """Another module was put where the traced one at ``path`` was: it and the traced modules under it stop
+        being traced (see ``_replaced``); warned once per handle."""
+        prefix = path + "."
+        stale = [index for index, info in enumerate(self._recorder.modules) if info.path == path or
+                 info.path.startswith(prefix)]  # fmt: skip
+        for index in stale:
+            for handle in self._handles_by_index.pop(index, ()):
+                handle.remove()
+        if not self._warned_replaced and stale:
+            self._warned_replaced = True
+            _logger.warning(
+                "torchtrace: %s (%s) of %s was replaced by %s.%s after instrument(): it is no longer traced (nor "
+                "are the %d traced modules under it, nor what replaced it), as its spans would name a path that is "
+                "no longer its own. Later replacements are not warned of again; remove() and instrument() again to "
+                "trace the model as it is now.",
+                path, self._recorder.modules[stale[0]].type_name, self.model_name, type(new).__module__,
+                type(new).__qualname__, len(stale) - 1,
+            )  # fmt: skip
+
     def _flush_within(self, seconds: float) -> None:
         self.flush(timeout_millis=int(seconds * 1000))
 
@@ -123,6 +148,8 @@ class TraceHandle:
         for handle in [*self._hook_handles, *self._optimizer_hooks]:
             handle.remove()
         self._hook_handles.clear()
+        self._handles_by_index.clear()
+        _replaced.unwatch(model, self.monitored_layers)
         self._optimizer_hooks.clear()
         if self._steps is not None and is_ddp(model):
             unwatch_ddp(model, self._steps)
@@ -195,6 +222,10 @@ class TraceHandle:
         for handle in [*self._hook_handles, *self._optimizer_hooks]:
             handle.remove()
         self._hook_handles.clear()
+        self._handles_by_index.clear()
+        model = self._model_ref()
+        if model is not None:
+            _replaced.unwatch(model, self.monitored_layers)
         self._optimizer_hooks.clear()
         self._recorder.enabled = False  # a copy that kept our forward (see TracedForward.__deepcopy__) traces nothing
         self._recorder.close_interrupted()
