@@ -95,3 +95,13 @@ def test_the_readme_stays_one_page_and_its_links_resolve() -> None:
     targets = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", readme)
     assert targets and all((ROOT / target).exists() for target in targets), targets
     assert "scripts/dev demo" in readme and "scripts/dev test" in readme
+
+
+def test_every_attribute_name_torchtrace_writes_is_documented() -> None:
+    """The names in ``torchtrace._semconv`` (every key and prefix written on spans and resources) each appear in the
+    pages that describe them."""
+    from torchtrace import _semconv
+
+    pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in ("spans.md", "training.md", "ddp.md"))
+    names = {name: value for name, value in vars(_semconv).items() if name.isupper()}
+    assert names and not [value for value in names.values() if value not in pages]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
+
 try:
     from torchtrace._native import untracked
 except ImportError:  # not built: CPython untracks such a tuple itself, at the first young collection it survives
@@ -240,7 +242,7 @@ class CallBatch(Sequence[ModuleCall]):
         attributes = self.attributes[i]
         if attributes is None:
             info = self.modules[self.module[i]]
-            return {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+            return {MODULE_PATH: info.path, MODULE_TYPE: info.type_name}
         return attributes
 
     def rows(self) -> Iterator[tuple[int, int, int, int, dict | None, int, int]]:

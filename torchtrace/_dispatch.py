@@ -32,6 +32,24 @@ from torchtrace._hooks import (
     RawForward,
     SummaryMarker,
 )
+from torchtrace._semconv import (
+    COMM_BUCKET,
+    COMM_BYTES,
+    COMM_LAST,
+    COMM_SECONDS,
+    GRAD_INPUT_PREFIX,
+    GRAD_OUTPUT_PREFIX,
+    INPUT_PREFIX,
+    MODULE_ATTRIBUTE_PREFIX,
+    MODULE_PATH,
+    MODULE_TYPE,
+    OPTIMIZER_CALL_SECONDS,
+    OPTIMIZER_CLOSURE_FORWARDS,
+    OUTPUT_PREFIX,
+    RANK,
+    STEP,
+    WORLD_SIZE,
+)
 from torchtrace._stats import StatTable, device_table, resolve
 from torchtrace._steps import BACKWARD_START, StepRecord
 from torchtrace._worker import WORKER
@@ -44,12 +62,7 @@ except ImportError:  # not built (no C compiler at install): the Python loops ma
 
 _logger = logging.getLogger(__name__)
 
-OUTPUT_PREFIX = "torchtrace.output"
-INPUT_PREFIX = "torchtrace.input"
-GRAD_OUTPUT_PREFIX = "torchtrace.grad_output"
-GRAD_INPUT_PREFIX = "torchtrace.grad_input"
-ATTRIBUTE_PREFIX = "torchtrace.module_attribute"
-_PATH_KEY, _TYPE_KEY = "torchtrace.module.path", "torchtrace.module.type"
+_PATH_KEY, _TYPE_KEY = MODULE_PATH, MODULE_TYPE
 _CALL_KEYS = (_PATH_KEY, _TYPE_KEY)
 
 
@@ -399,7 +412,7 @@ def _attributes(forward: RawForward, modules: Sequence[ModuleInfo]) -> list[dict
             if attrs:
                 for name, value in attrs.items():
                     if isinstance(value, (str, bool, int, float)):
-                        attributes[f"{ATTRIBUTE_PREFIX}.{name}"] = value
+                        attributes[f"{MODULE_ATTRIBUTE_PREFIX}.{name}"] = value
             column[position] = attributes
     return column
 
@@ -533,19 +546,19 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         (bucket, size, on_step_clock(marks[0], start), on_step_clock(marks[1], end), is_last)
         for bucket, size, start, end, is_last, marks in record.comm
     ]
-    attributes = {"torchtrace.step": record.number}
+    attributes = {STEP: record.number}
     rank = record.rank
     if rank is None:
         head = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
     else:  # one root for all ranks (rank 0 sends it), each rank's step under it: Jaeger shows them side by side
-        attributes["torchtrace.rank"] = rank.rank
+        attributes[RANK] = rank.rank
         if comm:
-            attributes["torchtrace.comm.seconds"] = sum(end - start for _, _, start, end, _ in comm) / 1e9
+            attributes[COMM_SECONDS] = sum(end - start for _, _, start, end, _ in comm) / 1e9
         root = record.root_span_id
         head = [_step_call(f"rank {rank.rank}", record.trace_id, record.span_id, root, record, attributes)]
         head[0].parent_is_remote = rank.rank != 0  # the root is rank 0's span: another process, another clock
         if rank.rank == 0:
-            root_attributes = {"torchtrace.step": record.number, "torchtrace.world_size": rank.world_size}
+            root_attributes = {STEP: record.number, WORLD_SIZE: rank.world_size}
             head.insert(0, _step_call("train_step", record.trace_id, root, 0, record, root_attributes))
     steps = list(head)
     for bucket, size, start, end, is_last in comm:
@@ -554,7 +567,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
                 f"allreduce bucket {bucket}",
                 start + offset,
                 end + offset,
-                {"torchtrace.comm.bucket": bucket, "torchtrace.comm.bytes": size, "torchtrace.comm.last": is_last},
+                {COMM_BUCKET: bucket, COMM_BYTES: size, COMM_LAST: is_last},
             )
         )
     batches = {forward: resolve_forward(forward, modules, release=False) for forward in record.forwards}
@@ -590,7 +603,7 @@ def _optimizer_phase(record: StepRecord, phase: Callable[..., ModuleCall], batch
     ends = [last for _, last in inside]
     if backward is not None and start <= backward.start_ns and backward.end_ns <= end:
         ends.append(backward.end_ns)
-    attributes = {"torchtrace.optimizer.closure_forwards": len(inside), "torchtrace.optimizer.call_seconds":
+    attributes = {OPTIMIZER_CLOSURE_FORWARDS: len(inside), OPTIMIZER_CALL_SECONDS:
                   (end - start) / 1e9}  # fmt: skip
     return phase("optimizer.step", max(ends), end, attributes)
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtrace._semconv import LOCAL_RANK, RANK, WORLD_SIZE
+
 _logger = logging.getLogger(__name__)
 
 ENV_RUN_ID = "TORCHTRACE_RUN_ID"  # overrides TORCHELASTIC_RUN_ID (set it the same on every rank)
@@ -32,9 +34,9 @@ class RankInfo:
         """Resource attributes of this rank. service.instance.id is fixed per (run, node, rank): the same after a
         fork (DataLoader workers), unlike the SDK's random default."""
         return {
-            "torchtrace.rank": self.rank,
-            "torchtrace.local_rank": self.local_rank,
-            "torchtrace.world_size": self.world_size,
+            RANK: self.rank,
+            LOCAL_RANK: self.local_rank,
+            WORLD_SIZE: self.world_size,
             "host.name": self.node,
             "service.instance.id": f"{self.run_id}/{self.node}/rank-{self.rank}",
         }

@@ -43,6 +43,7 @@ from prometheus_client.utils import floatToGoString
 
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._distributed import rank_info
+from torchtrace._semconv import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 
@@ -58,8 +59,8 @@ OUTPUT_STATS: dict[str, tuple[str, str, str]] = {
     "abs_max": ("output_abs_max", "", "Largest absolute value of the module's main output tensor, latest call."),
     "zero_fraction": ("output_zero", "ratio", "Fraction of zeros in the module's main output tensor, latest call."),
 }
-_OUTPUT_PREFIX = "torchtrace.output"
-_GRAD_OUTPUT_PREFIX = "torchtrace.grad_output."
+_OUTPUT_PREFIX = OUTPUT_PREFIX
+_GRAD_OUTPUT_PREFIX = GRAD_OUTPUT_PREFIX + "."
 _NON_STAT_KEYS = ("truncated", "stats_error")
 
 
@@ -237,9 +238,9 @@ class MetricsSink(Collector):
                     self._add(call)
                 elif kind == "backward":
                     self._add_backward(call)
-                elif kind == "step" and "torchtrace.world_size" not in call.attributes:  # not the all-ranks root
+                elif kind == "step" and WORLD_SIZE not in call.attributes:  # not the all-ranks root
                     _observe(self._steps, self.bucket_bounds, call)
-                    self._comm_seconds += call.attributes.get("torchtrace.comm.seconds", 0.0)
+                    self._comm_seconds += call.attributes.get(COMM_SECONDS, 0.0)
             self._recorded += len(calls)
 
     def _path(self, call: ModuleCall) -> _PathEntry:

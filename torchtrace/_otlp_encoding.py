@@ -43,6 +43,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
 from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
+from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
 
 try:
     from torchtrace._native import put_span_fields as _put_span_fields
@@ -666,7 +667,7 @@ def timing_call(modules: Sequence[Any], index: int, kind: int, limits: _Limits) 
     """A stand-in call of ``modules[index]`` with only the path and type attributes under a parent of ``kind``
     (ids and times are slots): what timing templates are made from; None if such a call is over the span limits."""
     info = modules[index]
-    attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+    attributes = {MODULE_PATH: info.path, MODULE_TYPE: info.type_name}
     if len(attributes) > (limits.attributes if limits.attributes is not None else 1 << 62) or (
         limits.value_length is not None and _over_limits(attributes, limits)
     ):

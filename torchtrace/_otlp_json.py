@@ -52,6 +52,7 @@ from torchtrace._otlp_encoding import (
     timing_templates_of,
     value_slots,
 )
+from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
 
 __all__ = ["encode_otlp_json"]
 
@@ -377,7 +378,7 @@ def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> lis
             continue
         info = modules[index]
         if attributes is None:
-            attributes = {"torchtrace.module.path": info.path, "torchtrace.module.type": info.type_name}
+            attributes = {MODULE_PATH: info.path, MODULE_TYPE: info.type_name}
         texts.append(
             _templated_text(
                 batch.span_name(position),

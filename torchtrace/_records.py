@@ -19,6 +19,7 @@ from operator import attrgetter
 from typing import Any
 
 from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned, untracked
+from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
 
 _logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def pack(call: ModuleCall) -> tuple:
     return untracked((*_HEAD(call), *_TAIL(call), interned(tuple(attributes)), *attributes.values()))
 
 
-_TIMING_KEYS = ("torchtrace.module.path", "torchtrace.module.type")
+_TIMING_KEYS = (MODULE_PATH, MODULE_TYPE)
 
 
 def pack_columns(batch: CallBatch) -> Iterator[tuple]:

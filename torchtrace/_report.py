@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from torchtrace._semconv import COMM_BUCKET, GRAD_OUTPUT_PREFIX, MODULE_PATH, MODULE_TYPE, OUTPUT_PREFIX, STEP
 from torchtrace._trace_files import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
 
 __all__ = ["write_report", "report_command"]
@@ -32,12 +33,12 @@ MAX_COLUMNS = 2000  # forwards / steps in the heatmap and line charts; past it, 
 _OPEN_TRACES = 64  # traces still collecting spans (a trace's spans come in one or a few lines)
 _CHOSEN_CAP = 20  # traces with an error or NaN/Inf kept for the timeline
 _STATS = {  # the heatmap's choices: attribute, span kind
-    "abs_max": "torchtrace.output.abs_max",
-    "std": "torchtrace.output.std",
-    "zero_fraction": "torchtrace.output.zero_fraction",
-    "grad_norm": "torchtrace.grad_output.norm",
+    "abs_max": f"{OUTPUT_PREFIX}.abs_max",
+    "std": f"{OUTPUT_PREFIX}.std",
+    "zero_fraction": f"{OUTPUT_PREFIX}.zero_fraction",
+    "grad_norm": f"{GRAD_OUTPUT_PREFIX}.norm",
 }
-_PATH_KEY = "torchtrace.module.path"
+_PATH_KEY = MODULE_PATH
 
 
 def _nonfinite(span: Span) -> bool:
@@ -53,7 +54,7 @@ def _layer(span: Span) -> str | None:
     path = span.attributes.get(_PATH_KEY)
     if not isinstance(path, str):
         return None
-    return path or str(span.attributes.get("torchtrace.module.type", span.name))
+    return path or str(span.attributes.get(MODULE_TYPE, span.name))
 
 
 def _number(value: Any) -> float | None:
@@ -189,7 +190,7 @@ class _ReportData:
         return [_timeline_trace(why, spans) for why, spans in chosen.values()]
 
 
-_STEP_KEY = "torchtrace.step"
+_STEP_KEY = STEP
 
 
 def _lanes(spans: list[Span]) -> dict[str, str]:
@@ -210,7 +211,7 @@ def _lanes(spans: list[Span]) -> dict[str, str]:
                 lanes[span.span_id] = "backward"
             elif span.name == "optimizer.step":
                 lanes[span.span_id] = "optimizer"
-            elif "torchtrace.comm.bucket" in span.attributes:
+            elif COMM_BUCKET in span.attributes:
                 lanes[span.span_id] = "all-reduce"
             else:
                 lanes[span.span_id] = "other"

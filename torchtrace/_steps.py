@@ -29,6 +29,7 @@ from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, compl
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._hooks import FEATURE_ERROR
 from torchtrace._schedule import StepSchedule
+from torchtrace._semconv import PARAM_GRAD_NORM, PARAM_NORM
 from torchtrace._stats import (
     device_stats,
     find_tensors,
@@ -238,9 +239,9 @@ class StepTracker:
             grads = [p.grad for p in params if p.grad is not None]
             stats = self._param_stats.setdefault(call, {})
             if params:
-                stats["torchtrace.param.norm"] = self._joint_norm(params)
+                stats[PARAM_NORM] = self._joint_norm(params)
             if grads:
-                stats["torchtrace.param_grad.norm"] = self._joint_norm(grads)
+                stats[PARAM_GRAD_NORM] = self._joint_norm(grads)
         self.parameter_owners = []
 
     def device_rows(self, device: torch.device) -> StatRows:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchtrace._calls import ModuleCall
+from torchtrace._semconv import MODULE_PATH, MODULE_TYPE, RANK
 from torchtrace._summary import SummarySink
 
 
@@ -48,8 +49,7 @@ __all__ = [
 ]
 
 _SCOPE = "torchtrace"  # instrumentation scope of torchtrace's spans
-_PATH_KEY = "torchtrace.module.path"
-_TYPE_KEY = "torchtrace.module.type"
+_PATH_KEY, _TYPE_KEY = MODULE_PATH, MODULE_TYPE
 _STATUS_ERROR = 2
 
 
@@ -79,7 +79,7 @@ class Span:
 
     @property
     def rank(self) -> int | None:
-        rank = self.resource.get("torchtrace.rank")
+        rank = self.resource.get(RANK)
         return rank if isinstance(rank, int) else None
 
 
