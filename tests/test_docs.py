@@ -102,6 +102,7 @@ def test_every_attribute_name_torchtrace_writes_is_documented() -> None:
     pages that describe them."""
     from torchtrace import _semconv
 
-    pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in ("spans.md", "training.md", "ddp.md"))
+    documenting = ("spans.md", "training.md", "ddp.md")
+    pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in documenting)
     names = {name: value for name, value in vars(_semconv).items() if name.isupper()}
     assert names and not [value for value in names.values() if value not in pages]
