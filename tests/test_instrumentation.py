@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from importlib.metadata import entry_points
@@ -425,3 +426,34 @@ def test_peft_applied_after_instrument_leaves_no_span_under_a_stale_path(caplog)
         assert names and not any("c_attn" in name for name in names)
         assert "transformer.h.0.mlp.c_fc" in names  # what was not replaced is traced as before
     assert sum("transformer.h.0.attn.c_attn (Conv1D)" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_forward_that_began_before_instrument_stays_untraced_as_a_whole():
+    """instrument() on one thread while the model runs on another: the forward that began before it is not traced,
+    and the submodules it calls afterwards make no traces of their own (they made one orphan span each)."""
+    started, instrumented = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.first(x)
+            started.set()
+            instrumented.wait(10)  # instrument() happens here, on the main thread
+            return self.second(torch.relu(x))
+
+    model = Slow()
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.append(model(torch.randn(2, 4))))
+    worker.start()
+    assert started.wait(10)
+    with capture_spans(model) as captured:
+        instrumented.set()
+        worker.join(10)
+        model.second(torch.randn(2, 4))  # called on its own: a forward of its own, as always
+        assert captured.names() == ["second"]
+        model(torch.randn(2, 4))  # a forward that begins traced: whole
+        assert sorted(captured.names()) == ["Slow", "first", "second", "second"]
+    assert len(outputs) == 1

@@ -106,7 +106,7 @@ class TraceHandle:
             self._hook_handles += added
             self._handles_by_index[index] = added
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
-        self._model_ref = weakref.ref(model)
+        self._model_ref = self._recorder.model_ref = weakref.ref(model)
         self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
         self._removed = False
         _instrumented[model] = self

@@ -31,6 +31,8 @@ from torchtrace._stats import StatComputer, StatTable, find_tensors
 from torchtrace._traced_forward import class_forward, native_traced_call
 
 _UNKNOWN = object()
+# the frames of a module call (nn.Module.__call__ and what it calls): how a model's running call is found
+_MODULE_CALL_CODES = frozenset((torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__))
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
 _compiler = torch.compiler
 
@@ -183,6 +185,7 @@ class HookRecorder:
         self.captured_bytes = 0
         self.skipped_captures = 0
         self.steps = steps  # a StepTracker when forwards belong to training steps
+        self.model_ref: Any = None  # the traced model, weakly (set by its handle)
         self.warned_compiled = False
         self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
         self._local = threading.local()  # .state: this thread's _ThreadState
@@ -398,6 +401,8 @@ class HookRecorder:
         in_step = self.steps is not None and torch.is_grad_enabled()
         parent = self._parent_if_traced(in_step) if self.enabled and not _inside_tracer_or_backward() else None
         root = self.modules[index]
+        if parent is not None and root.path and self._inside_unseen_model_call():
+            parent = None  # part of a forward of the model that began before instrument(): untraced, as a whole
         if parent is not None and not self.warned_compiled and root.path == "" and called_from_compiled_code():
             self.warned_compiled = True
             warn_region_level(root.type_name)
@@ -412,6 +417,21 @@ class HookRecorder:
         state.forward.in_step = state.stats.in_step = in_step
         state.timer = event_timer(device) if self.options.cuda_events else None
         return True
+
+    def _inside_unseen_model_call(self) -> bool:
+        """Whether the model itself is running on this thread while no traced forward is open here: a forward of
+        it that began before its hooks were in place (``instrument()`` on another thread while it ran). A submodule
+        it calls then is part of that forward, not a forward of its own (its spans would be orphans in traces of
+        their own). Walks the stack: only for a submodule beginning a forward, not once per call."""
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None:
+            return False
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in _MODULE_CALL_CODES and frame.f_locals.get("self") is model:
+                return True
+            frame = frame.f_back
+        return False
 
     def _parent_if_traced(self, in_step: bool) -> Any:
         """The span context this forward's root goes under (``in_step``: the training step's), or None when it is
