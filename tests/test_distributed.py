@@ -422,3 +422,62 @@ def test_a_dtensors_statistics_are_of_the_local_shard_and_run_no_collective(tmp_
         assert not [key for attributes in training.values() for key in attributes if key.endswith("stats_error")]
         assert training["0 backward"]["torchtrace.param_grad.norm"] > 0
         assert training["2 backward"]["torchtrace.grad_input.0.norm"] > 0
+
+
+FSDP2_NAMES_JOB = r"""
+import json, os, sys, torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import torchtrace
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+model = nn.Sequential(Block(), Block())
+for block in model:
+    fully_shard(block)
+fully_shard(model)
+with torchtrace.instrument(model, exporter="none", metrics=True) as handle:
+    model(torch.randn(2, 8)).sum().backward()
+    handle.flush()
+    names = sorted({(r.path, r.type_name) for r in handle.records})
+print(json.dumps({"names": names, "classes": [type(model).__name__, type(model[0]).__name__],
+                  "model": handle.model_name}), flush=True)
+os._exit(0)
+"""
+
+
+def test_fsdp2_modules_are_named_by_the_classes_they_were_made_from(tmp_path):
+    """fully_shard swaps each module's class for a generated FSDP<class>: spans, records and summaries name the
+    class the user wrote."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-c", FSDP2_NAMES_JOB, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["classes"] == ["FSDPSequential", "FSDPBlock"]  # what fully_shard made of them
+    assert [tuple(name) for name in report["names"]] == [
+        ("", "Sequential"),
+        ("0", "Block"),
+        ("0.linear", "Linear"),
+        ("1", "Block"),
+        ("1.linear", "Linear"),
+    ]
+    assert report["model"] == "Sequential"

@@ -26,7 +26,7 @@ from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
 from torchtrace._schedule import always
-from torchtrace._selection import is_compiled_module, select_modules
+from torchtrace._selection import is_compiled_module, select_modules, type_name
 from torchtrace._serve import forget_unmetered, note_unmetered
 from torchtrace._span_builder import SdkSpanSink
 from torchtrace._steps import StepRecord, StepTracker
@@ -107,7 +107,7 @@ class TraceHandle:
             self._handles_by_index[index] = added
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
         self._model_ref = self._recorder.model_ref = weakref.ref(model)
-        self.model_name = type(model).__name__  # kept after the model is gone (summaries printed at exit)
+        self.model_name = type_name(model)  # kept after the model is gone (summaries printed at exit)
         self._removed = False
         _instrumented[model] = self
         _live_handles.add(self)
@@ -443,7 +443,7 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
             )
     if option is not True:
         return option
-    sink = MetricsSink(registry=None, model=type(model.module if is_ddp(model) else model).__name__)
+    sink = MetricsSink(registry=None, model=type_name(model.module if is_ddp(model) else model))
     INSTRUMENTED_MODELS.add(sink)  # one collector on the global registry for every model instrumented so
     return sink
 

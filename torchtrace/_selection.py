@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from fnmatch import fnmatchcase
 
 import torch
@@ -13,6 +14,19 @@ from torchtrace._hooks import ModuleInfo, warn_region_level
 def is_compiled_module(model: torch.nn.Module) -> bool:
     """torch.compile(model) returns an OptimizedModule wrapping the original as ``_orig_mod``."""
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
+
+
+def type_name(module: torch.nn.Module) -> str:
+    """The module's class name as its user wrote it: FSDP2's ``fully_shard`` swaps the class of a module for a
+    generated subclass named ``FSDP<its class>``; spans, metrics and summaries name the class it was made from."""
+    cls = type(module)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # only where FSDP2 can be in use: never imported for it
+    generated = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
+    if generated is not None and issubclass(cls, generated) and cls is not generated:
+        for base in cls.__bases__:
+            if base is not generated:
+                return base.__name__
+    return cls.__name__
 
 
 def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch.nn.Module, ModuleInfo]]:
@@ -35,7 +49,7 @@ def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch
             continue
         if any(fnmatchcase(path, pattern) for pattern in options.exclude):
             continue
-        selected.append((module, ModuleInfo(path=path, type_name=type(module).__name__, depth=depth)))
+        selected.append((module, ModuleInfo(path=path, type_name=type_name(module), depth=depth)))
     if not selected:
         raise ValueError(
             f"no module of {type(model).__name__} matches include={list(options.include)}, "
