@@ -755,3 +755,36 @@ def test_a_closure_optimizer_keeps_forward_backward_and_optimizer_apart(make_opt
             assert update.attributes["torchtrace.optimizer.closure_forwards"] == 1
             call_seconds = update.attributes["torchtrace.optimizer.call_seconds"]
             assert call_seconds * 1e9 >= (update.end_time - update.start_time) + (forward.end_time - forward.start_time)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_modules_have_backward_spans_or_a_warning_that_says_why_not(caplog, reentrant):
+    """torch.utils.checkpoint with use_reentrant=False keeps the checkpointed modules' backward spans; with
+    use_reentrant=True they run with gradients off (and again inside backward, where nothing is traced): their
+    backward is not traced, and one warning says so and what to use instead."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    head = nn.Linear(4, 2)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head = block, head
+
+        def forward(self, x):
+            x = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=reentrant)
+            return self.head(x)
+
+    model = Model()
+    x = torch.randn(3, 4, requires_grad=True)
+    with caplog.at_level("WARNING", logger="torchtrace"), capture_spans(model, backward=True) as captured:
+        for _ in range(2):
+            model(x).sum().backward()
+            captured.handle.step()
+        names = set(captured.names())
+    warnings = [r for r in caplog.records if "use_reentrant=False keeps" in r.getMessage()]
+    assert "head backward" in names
+    if reentrant:
+        assert "block backward" not in names and len(warnings) == 1 and "block" in warnings[0].getMessage()
+    else:
+        assert {"block backward", "block.0 backward"} <= names and not warnings

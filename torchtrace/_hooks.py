@@ -9,6 +9,7 @@ record buffer.
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import threading
@@ -30,6 +31,7 @@ from torchtrace._sampling import ForwardSampler
 from torchtrace._stats import StatComputer, StatTable, find_tensors
 from torchtrace._traced_forward import class_forward, native_traced_call
 
+_logger = logging.getLogger(__name__)
 _UNKNOWN = object()
 # the frames of a module call (nn.Module.__call__ and what it calls): how a model's running call is found
 _MODULE_CALL_CODES = frozenset((torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__))
@@ -187,6 +189,7 @@ class HookRecorder:
         self.steps = steps  # a StepTracker when forwards belong to training steps
         self.model_ref: Any = None  # the traced model, weakly (set by its handle)
         self.warned_compiled = False
+        self.warned_no_backward = False
         self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
         self._local = threading.local()  # .state: this thread's _ThreadState
 
@@ -561,9 +564,25 @@ class HookRecorder:
     def _output_backward(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if self.steps.pending_calls >= self.options.max_pending_calls:
             return  # a step that is never closed: its forwards are dropped, so are their backward hooks
+        if forward.in_step and not torch.is_grad_enabled():
+            self._warn_no_backward(forward.module[position])
+            return
         on_timer = position in forward.start_events  # on the timer's device only
         timer = self._local.state.timer if on_timer else None
         self.steps.watch_backward((forward, position), module, args, output, timer)
+
+    def _warn_no_backward(self, index: int) -> None:
+        """A module of a training forward ran with gradients off: its backward (if any) runs where no hook of ours
+        sees it, so it gets no backward span. Said once."""
+        if self.warned_no_backward:
+            return
+        self.warned_no_backward = True
+        _logger.warning(
+            "torchtrace: %s ran with gradients off inside a training forward, so its backward is not traced: "
+            "torch.utils.checkpoint with use_reentrant=True runs the checkpointed modules so, and again inside "
+            "backward; use_reentrant=False keeps their backward spans",
+            self.modules[index].path or self.modules[index].type_name,
+        )
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
         tensors, truncated = find_tensors(value, self.options.max_tensors)
