@@ -108,6 +108,29 @@ def test_a_slow_collector_gets_requests_it_can_take(otlp_to) -> None:
         receiver.stop()
 
 
+def test_what_waits_for_a_stalled_endpoint_stays_within_max_pending_calls(otlp_to) -> None:
+    """max_pending_calls bounds every call held for export: the buffer, what waits for the next request, and the
+    request in flight together (they could reach twice the bound while a request stalled). Past it, whole
+    forwards are dropped, and every call is still accounted for."""
+    receiver = FaultyHttpReceiver("stall", stall_s=30).start()
+    try:
+        otlp_to(receiver.endpoint, "http/protobuf")
+        model = make_model()
+        held = []
+        forwards = 0
+        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=20, max_pending_calls=40) as handle:
+            deadline = time.monotonic() + 1.5 * TIMEOUT_S  # a request stalls, times out, and the next probe stalls
+            while time.monotonic() < deadline:
+                run_forwards(model, 1)
+                forwards += 1
+                held.append(handle.buffer.pending_calls + handle.buffer.held_elsewhere)
+                time.sleep(0.002)
+        assert max(held) <= 40 and handle.dropped_calls > 0
+        assert handle.exported_spans + handle.failed_spans + handle.dropped_calls == forwards * CALLS
+    finally:
+        receiver.stop()
+
+
 @pytest.mark.parametrize("fault", ["http-stall", "grpc-stall", "tcp-blackhole"])
 def test_forwards_are_not_held_up_while_the_endpoint_stalls(otlp_to, caplog, fault: str) -> None:
     if fault == "http-stall":

@@ -26,11 +26,12 @@ class RecordBuffer:
     """
 
     __slots__ = ("max_calls", "pending_calls", "dropped_calls", "backlog_calls", "backlog_forwards",
-                 "on_backlog", "_signalled", "_forwards", "_last_drop_log", "_lock")  # fmt: skip
+                 "on_backlog", "_signalled", "_forwards", "_last_drop_log", "_lock", "held_elsewhere")  # fmt: skip
 
     def __init__(self, max_calls: int, backlog_calls: int = 64, backlog_forwards: int = 8) -> None:
         self.max_calls = max_calls
         self.pending_calls = 0
+        self.held_elsewhere = 0  # calls taken from here and not yet exported: the bound counts them too
         self.dropped_calls = 0
         self.backlog_calls = backlog_calls
         self.backlog_forwards = backlog_forwards
@@ -48,7 +49,7 @@ class RecordBuffer:
         SIGTERM takes on a thread of its own, is handled once the forward is queued."""
         signal = False
         with self._lock:
-            queued = self.pending_calls + call_count <= self.max_calls
+            queued = self.pending_calls + self.held_elsewhere + call_count <= self.max_calls
             if queued:
                 self._forwards.append(forward)
                 self.pending_calls += call_count

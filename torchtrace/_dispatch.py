@@ -810,6 +810,7 @@ class Dispatcher:
         self._waiting: list = []  # taken from the buffer, device work not yet complete
         self._unexported: list[Sequence[ModuleCall]] = []  # resolved segments, delivered in process, to export
         self._unexported_calls = 0
+        self._exporting_calls = 0  # of those, taken by the drain running now, until its requests end
         self._behind = False  # the worker holds forwards taken from the buffer that it has not delivered yet
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
@@ -838,7 +839,8 @@ class Dispatcher:
         self.deliver_lock = threading.Lock()
         self._waiting = []
         self._unexported = []
-        self._unexported_calls = 0
+        self._unexported_calls = self._exporting_calls = 0
+        self._held_changed()
         self._behind = False
         self._resolved = 0
 
@@ -861,9 +863,10 @@ class Dispatcher:
             self._deliver(self._in_process, item)
             if not self.exporters:
                 self._resolved += calls
-            elif self._unexported_calls + calls <= self.buffer.max_calls:
+            elif self.buffer.pending_calls + self.buffer.held_elsewhere + calls <= self.buffer.max_calls:
                 self._unexported.append(item)
                 self._unexported_calls += calls
+                self._held_changed()
                 self._resolved += calls
             else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
                 self.buffer.drop(calls, FULL)
@@ -885,10 +888,21 @@ class Dispatcher:
         with self._lock:
             self._resolve(wait)
             with self.deliver_lock:
-                segments, self._unexported, self._unexported_calls = self._unexported, [], 0
+                segments, self._unexported = self._unexported, []
+                self._exporting_calls, self._unexported_calls = self._unexported_calls, 0
                 resolved, self._resolved = self._resolved, 0
-            self._deliver(self.exporters, Calls(segments))
+            try:
+                self._deliver(self.exporters, Calls(segments))
+            finally:
+                with self.deliver_lock:
+                    self._exporting_calls = 0
+                    self._held_changed()
             return resolved
+
+    def _held_changed(self) -> None:
+        """The buffer's bound counts what this dispatcher holds for the exporters too (waiting for the next drain,
+        or in a request now): max_pending_calls in all, not once in the buffer and again here."""
+        self.buffer.held_elsewhere = self._unexported_calls + self._exporting_calls
 
     def _resolve(self, wait: bool) -> None:
         with self.deliver_lock:  # from now until they are delivered, later forwards wait behind them
@@ -932,6 +946,7 @@ class Dispatcher:
             if self.exporters:
                 self._unexported.extend(calls.segments)
                 self._unexported_calls += len(calls)
+                self._held_changed()
             self._resolved += len(calls)
 
     def _deliver(self, sinks: list[Sink], calls: Sequence[ModuleCall]) -> None:
