@@ -106,7 +106,10 @@ class TraceHandle:
             self._hook_handles += added
             self._handles_by_index[index] = added
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
-        self._model_ref = self._recorder.model_ref = weakref.ref(model)
+        self._model_ref = weakref.ref(model)
+        # the traced root (DDP's inner module, where DDP wraps it), if the selection traces it: see _hooks
+        roots = [module for module, info in selected if not info.path]
+        self._recorder.model_ref = weakref.ref(roots[0]) if roots else None
         self.model_name = type_name(model)  # kept after the model is gone (summaries printed at exit)
         self._removed = False
         _instrumented[model] = self

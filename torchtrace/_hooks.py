@@ -187,7 +187,7 @@ class HookRecorder:
         self.captured_bytes = 0
         self.skipped_captures = 0
         self.steps = steps  # a StepTracker when forwards belong to training steps
-        self.model_ref: Any = None  # the traced model, weakly (set by its handle)
+        self.model_ref: Any = None  # the model's traced root, weakly (set by its handle; None if it is not traced)
         self.warned_compiled = False
         self.warned_no_backward = False
         self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
@@ -422,10 +422,11 @@ class HookRecorder:
         return True
 
     def _inside_unseen_model_call(self) -> bool:
-        """Whether the model itself is running on this thread while no traced forward is open here: a forward of
-        it that began before its hooks were in place (``instrument()`` on another thread while it ran). A submodule
-        it calls then is part of that forward, not a forward of its own (its spans would be orphans in traces of
-        their own). Walks the stack: only for a submodule beginning a forward, not once per call."""
+        """Whether the model's traced root is running on this thread while no traced forward is open here: a
+        forward of it that began before its hooks were in place (``instrument()`` on another thread while it ran).
+        A submodule it calls then is part of that forward, not a forward of its own (its spans would be orphans in
+        traces of their own). Where the root is not traced (``include`` / ``types`` leave it out), its submodules
+        begin forwards of their own, as always. Walks the stack: only for a submodule beginning a forward."""
         model = self.model_ref() if self.model_ref is not None else None
         if model is None:
             return False
