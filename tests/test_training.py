@@ -788,3 +788,27 @@ def test_checkpointed_modules_have_backward_spans_or_a_warning_that_says_why_not
         assert "block backward" not in names and len(warnings) == 1 and "block" in warnings[0].getMessage()
     else:
         assert {"block backward", "block.0 backward"} <= names and not warnings
+
+
+def test_sample_every_and_sample_ratio_pick_training_steps():
+    """In training the step is what is traced: sample_every=N traces every N-th step (as schedule=every(N)), and
+    sample_ratio a share of steps chosen by the step number alone, the same on every rank; schedule= wins."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer, sample_every=5) as captured:
+        train(model, optimizer, steps=20)
+        steps = captured.spans_named("train_step")
+        assert sorted(span.attributes["torchtrace.step"] for span in steps) == [0, 5, 10, 15]
+    traced_steps = []
+    for _ in range(2):  # two ranks (two models and handles) trace the same steps
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with capture_spans(model, backward=True, optimizer=optimizer, sample_ratio=0.5) as captured:
+            train(model, optimizer, steps=40)
+            traced_steps.append(sorted(s.attributes["torchtrace.step"] for s in captured.spans_named("train_step")))
+    assert traced_steps[0] == traced_steps[1] and 10 <= len(traced_steps[0]) <= 30
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, optimizer=optimizer, schedule=torchtrace.every(2), sample_every=5) as captured:
+        train(model, optimizer, steps=4)
+        assert sorted(s.attributes["torchtrace.step"] for s in captured.spans_named("train_step")) == [0, 2]

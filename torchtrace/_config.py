@@ -429,8 +429,11 @@ OPTION_DOCS: dict[str, tuple[str, str]] = {
     "inputs": ("Statistics", "statistics of inputs too"),
     "max_tensors": ("Statistics", "tensors summarised per output / input"),
     "stats_sample": ("Statistics", "`None`: every element; else summarise larger tensors from about this many"),
-    "sample_every": ("Sampling", "trace every Nth outermost forward"),
-    "sample_ratio": ("Sampling", "trace this fraction of outermost forwards"),
+    "sample_every": ("Sampling", "trace every Nth outermost forward (in training: every Nth step)"),
+    "sample_ratio": (
+        "Sampling",
+        "trace this fraction of outermost forwards (in training: of steps, the same on every rank)",
+    ),
     "max_records": ("Records API", "in-memory records kept (oldest dropped first, counted)"),
     "function_on_output": ("Records API", "`f(output)` kept in `record.output_value`"),
     "function_on_input": ("Records API", "`f(input)` kept in `record.input_value`"),

@@ -25,7 +25,7 @@ from torchtrace._dispatch import Dispatcher, first_nonfinite, resolve_forward
 from torchtrace._distributed import rank_info
 from torchtrace._hooks import HookRecorder
 from torchtrace._records import RecordStore
-from torchtrace._schedule import always
+from torchtrace._schedule import always, sampled
 from torchtrace._selection import is_compiled_module, select_modules, type_name
 from torchtrace._serve import forget_unmetered, note_unmetered
 from torchtrace._span_builder import SdkSpanSink
@@ -397,8 +397,12 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
     same_class = sum(
         1 for handle in _live_handles if handle._steps is not None and handle._steps.model_key.split("#")[0] == name
     )
+    steps = options.schedule
+    if steps is None:  # sample_every / sample_ratio pick steps here: the step, not each forward, is what is traced
+        sampling = options.sample_every > 1 or options.sample_ratio < 1
+        steps = sampled(options.sample_every, options.sample_ratio) if sampling else always
     return StepTracker(
-        options.schedule or always,
+        steps,
         backward=options.backward,
         param_stats=options.param_stats,
         on_grad_output=options.function_on_grad_output,

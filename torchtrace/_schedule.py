@@ -54,3 +54,21 @@ def every(n: int) -> StepSchedule:
 
 def always(step: int) -> bool:
     return True
+
+
+def sampled(every_n: int = 1, ratio: float = 1.0) -> StepSchedule:
+    """``sample_every`` / ``sample_ratio`` as a step schedule (step tracing decides per step, not per forward):
+    every ``every_n``-th step, and of those about ``ratio``, chosen by the step number alone, so that every rank of
+    a job traces the same steps without a word between them."""
+
+    def traced(step: int) -> bool:
+        if step % every_n:
+            return False
+        return ratio >= 1.0 or ((step * _GOLDEN) & _MASK) / (_MASK + 1) < ratio
+
+    traced.__qualname__ = traced.__name__ = f"sampled(every={every_n}, ratio={ratio})"
+    return traced
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: consecutive steps spread evenly over [0, 1)
+_MASK = (1 << 64) - 1
