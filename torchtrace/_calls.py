@@ -1,8 +1,9 @@
-"""The record stream: one resolved ``ModuleCall`` per traced module call.
+"""The record stream's types: ``ModuleCall`` (one traced call as a sink reads it), ``CallBatch`` (a forward's calls
+as columns, each ``ModuleCall`` made only when read) and ``Calls`` (the batches of one delivery).
 
-The hot path (``_hooks``) leaves each forward's columns in a buffer; ``_dispatch`` resolves each finished forward into
-``ModuleCall`` objects (ids assigned, timestamps on the epoch clock, statistics turned into attributes) and hands
-the batch to every sink: span builder, OTLP encoder, in-memory records, summary, metrics.
+The hot path (``_hooks``) leaves each forward's columns; ``_dispatch`` resolves them into a ``CallBatch`` (ids
+assigned, timestamps on the epoch clock, statistics as attributes) and hands it to every sink: span builder, OTLP
+encoders, in-memory records, summary, metrics.
 """
 
 from __future__ import annotations

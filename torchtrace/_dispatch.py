@@ -1,7 +1,10 @@
-"""Off the hot path: turns raw forwards into ``ModuleCall`` records and hands each batch to every sink.
+"""Raw forwards and training steps become calls as columns (``CallBatch``: ids, epoch times, attributes; a
+``ModuleCall`` object is made only for what reads one), handed to every sink.
 
-Runs on a background worker every ``export_interval_ms``, and synchronously on ``flush()`` or when records are
-read. A failing sink is logged and counted; it never stops the others or reaches user code.
+A CPU forward with nothing left on a device is resolved by the hooks at its end (``resolve_forward``, on the model's
+thread, while its values are in cache); the rest (device work, read once complete; steps) on the background worker
+every ``export_interval_ms``, and synchronously on ``flush()`` or when records are read. A failing sink is logged
+and counted; it never stops the others or reaches user code.
 """
 
 from __future__ import annotations
