@@ -38,7 +38,6 @@ _NUMERIC = tuple(name for name in STAT_NAMES if name not in _METADATA)
 MAX_NESTING = 4  # containers deeper than this are not searched for tensors
 
 
-ROWS_FULL = "device statistics rows full: close each training step with handle.step()"
 SMALL_TENSOR = 4096  # at most this many elements: copied in the hook, summarised in one batch per forward
 
 # One tuple per shape seen: the collector untracks a long-lived tuple of ints, and a dict holding only untracked
@@ -59,7 +58,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
         "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "_counted", "in_step",
+        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "in_step",
     )  # fmt: skip
 
     def __init__(
@@ -100,9 +99,8 @@ class StatComputer:
         # costs a lookup and a copy
         self._staged: dict[tuple, tuple[dict, _Staging | None]] = {}
         # (dtype, shape, device index) of a device tensor the fused kernel took -> (its stats before the values, its
-        # sampling stride, the elements it reads, its device): see _remember_device_kind
-        self._on_device: dict[tuple, tuple[dict, int, int, torch.device]] = {}
-        self._counted = "zero_fraction" in self.wanted
+        # sampling stride, its device): see _remember_device_kind
+        self._on_device: dict[tuple, tuple[dict, int, torch.device]] = {}
 
     def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
         """Reduces every small tensor copied during this forward into the forward's ``StatTable`` (a row each, which
@@ -224,25 +222,18 @@ class StatComputer:
             self._last, self._last_version, self._last_stats = tensor, version, stats
         return stats
 
-    def _remember_device_kind(self, tensor: torch.Tensor, head: dict, stride: int, n: int) -> None:
+    def _remember_device_kind(self, tensor: torch.Tensor, head: dict, stride: int) -> None:
         """A device tensor the fused kernel reduced: the next one of its dtype, shape and device gets the same stats
         before the values, and its row and launch, without the general path's checks (~5 us a call on an H200
         host, where the device waits for the host)."""
         if len(self._on_device) < _MAX_STAGED_KINDS:
-            self._on_device[tensor.dtype, tensor.shape, tensor.get_device()] = (head, stride, n, tensor.device)
+            self._on_device[tensor.dtype, tensor.shape, tensor.get_device()] = (head, stride, tensor.device)
 
-    def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, n: int, device: torch.device) -> dict:
+    def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device) -> dict:
         stats = head.copy()
         try:
-            rows = self._device_rows(device)
-            reserved = rows.reserve()
-            if reserved is None:
-                stats["stats_error"] = ROWS_FULL
-                return stats
-            values, counts, index = reserved
             x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
-            raw = reduce(x, values, counts, self._counted, stride, True)
-            stats["_pending"] = (rows, index, n, self.wanted, raw, 1)
+            device_stats(x, self._device_rows(device), self.wanted, stats, stride, taken=True)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats["stats_error"] = error_text(error)
@@ -317,7 +308,7 @@ class StatComputer:
                         reduce_now(x, self.wanted, stats, stride, self._device_rows)
                         pending = stats.get("_pending")
                         if head is not None and pending is not None and pending[4] and tensor.is_contiguous():
-                            self._remember_device_kind(tensor, head, stride, pending[2])
+                            self._remember_device_kind(tensor, head, stride)
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
@@ -676,21 +667,30 @@ def reduce_now(
 
 
 def device_stats(
-    tensor: torch.Tensor, rows: StatRows, wanted: frozenset, stats: dict[str, Any], stride: int = 1, repeats: int = 1
+    tensor: torch.Tensor,
+    rows: StatRows,
+    wanted: frozenset,
+    stats: dict[str, Any],
+    stride: int = 1,
+    repeats: int = 1,
+    taken: bool = False,
 ) -> None:
     """Reduces a tensor (every ``stride``-th element) into a row of ``rows`` on its device; ``resolve`` reads the
-    row once it is on the host (and scales it to ``repeats``, see ``scale_for_repeats``)."""
+    row once it is on the host (and scales it to ``repeats``, see ``scale_for_repeats``). ``taken``: a tensor of a
+    kind the fused kernel took before (real, of a dtype it reads: no conversion, no checks)."""
     reserved = rows.reserve()
     if reserved is None:
-        stats["stats_error"] = ROWS_FULL
+        stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
         return
     values, counts, index = reserved
-    x = tensor.dequantize() if tensor.is_quantized else tensor
-    if x.is_complex():
-        x = x.abs()
-    elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are summarised in float32
-        x = x.float()
-    raw = reduce(x, values, counts, "zero_fraction" in wanted, stride)
+    x = tensor
+    if not taken:
+        x = tensor.dequantize() if tensor.is_quantized else tensor
+        if x.is_complex():
+            x = x.abs()
+        elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are summarised in float32
+            x = x.float()
+    raw = reduce(x, values, counts, "zero_fraction" in wanted, stride, taken)
     stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw, repeats)
 
 
