@@ -168,12 +168,17 @@ def fill_table_rows(forward: RawForward) -> None:
     table = forward.stat_table
     if table is None:
         return
-    for stats in forward.output_stats.values():
+    for stats in _tensor_summaries(forward):
         table.fill(stats)
+
+
+def _tensor_summaries(forward: RawForward) -> Iterable[dict]:
+    """Every stats dict of a forward's calls: bare tensor outputs', then the tensors of other outputs and inputs."""
+    yield from forward.output_stats.values()
     for extras in forward.extras.values():
         for summaries in (extras[OUTPUTS], extras[INPUTS]):
-            for stats in (summaries or {}).values():
-                table.fill(stats)
+            if summaries:
+                yield from summaries.values()
 
 
 def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release: bool = True) -> CallBatch:
@@ -249,12 +254,7 @@ def resolve_forward(forward: RawForward, modules: Sequence[ModuleInfo], release:
 def _tabulate_device_rows(forward: RawForward) -> None:
     """A forward's statistics still in device rows become its table (read as a CPU forward's small tensors are),
     and it says whether any holds NaN or Inf."""
-    summaries = list(forward.output_stats.values())
-    for extras in forward.extras.values():
-        for summary in (extras[OUTPUTS], extras[INPUTS]):
-            if summary:
-                summaries += summary.values()
-    made = device_table(summaries)
+    made = device_table(_tensor_summaries(forward))
     if made is not None:
         forward.stat_table, forward.all_finite = made
 
