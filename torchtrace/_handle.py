@@ -142,18 +142,24 @@ class TraceHandle:
                 type(new).__qualname__, len(stale) - 1,
             )  # fmt: skip
 
+    def _remove_hooks(self, model: torch.nn.Module | None) -> None:
+        """Takes out every hook, traced forward and optimizer hook this handle put in, and stops watching the
+        model's modules for replacement."""
+        for handle in [*self._hook_handles, *self._optimizer_hooks]:
+            handle.remove()
+        self._hook_handles.clear()
+        self._handles_by_index.clear()
+        self._optimizer_hooks.clear()
+        if model is not None:
+            _replaced.unwatch(model, self.monitored_layers)
+
     def _flush_within(self, seconds: float) -> None:
         self.flush(timeout_millis=int(seconds * 1000))
 
     def _undo_partial(self, model: torch.nn.Module) -> None:
         """instrument() failed part way: remove what it set up, so the model runs exactly as before."""
         self._removed = True  # a MetricsSink it claimed may serve another handle
-        for handle in [*self._hook_handles, *self._optimizer_hooks]:
-            handle.remove()
-        self._hook_handles.clear()
-        self._handles_by_index.clear()
-        _replaced.unwatch(model, self.monitored_layers)
-        self._optimizer_hooks.clear()
+        self._remove_hooks(model)
         if self._steps is not None and is_ddp(model):
             unwatch_ddp(model, self._steps)
         for sink in self._export_sinks:
@@ -222,14 +228,7 @@ class TraceHandle:
         if self._removed:
             return
         self._removed = True
-        for handle in [*self._hook_handles, *self._optimizer_hooks]:
-            handle.remove()
-        self._hook_handles.clear()
-        self._handles_by_index.clear()
-        model = self._model_ref()
-        if model is not None:
-            _replaced.unwatch(model, self.monitored_layers)
-        self._optimizer_hooks.clear()
+        self._remove_hooks(self._model_ref())
         self._recorder.enabled = False  # a copy that kept our forward (see TracedForward.__deepcopy__) traces nothing
         self._recorder.close_interrupted()
         if self._steps is not None:
