@@ -271,18 +271,20 @@ os._exit(0)
 """
 
 
-def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
+def run_one_rank(tmp_path, job: str) -> dict:
+    """Runs ``job`` (a script that initialises a one-rank gloo group on the file store it is given) in a process of
+    its own; returns the JSON object it prints last."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-c", USER_COMM_HOOK_JOB, str(tmp_path / "store")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
+        [sys.executable, "-c", job, str(tmp_path / "store")], env=env, capture_output=True, text=True, timeout=180
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
+    report = run_one_rank(tmp_path, USER_COMM_HOOK_JOB)
     assert report["calls"], "the user's hook still runs"
     names = report["names"]
     assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
@@ -461,17 +463,7 @@ os._exit(0)
 def test_fsdp2_modules_are_named_by_the_classes_they_were_made_from(tmp_path):
     """fully_shard swaps each module's class for a generated FSDP<class>: spans, records and summaries name the
     class the user wrote."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    result = subprocess.run(
-        [sys.executable, "-c", FSDP2_NAMES_JOB, str(tmp_path / "store")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_one_rank(tmp_path, FSDP2_NAMES_JOB)
     assert report["classes"] == ["FSDPSequential", "FSDPBlock"]  # what fully_shard made of them
     assert [tuple(name) for name in report["names"]] == [
         ("", "Sequential"),
