@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -185,6 +186,43 @@ def test_module_durations_are_device_time_within_five_percent(event_backend):
         model(x)
         span = captured.spans_named("0")[-1]
         assert (span.end_time - span.start_time) / 1e6 < statistics.median(alone) / 2
+
+
+def test_reading_event_times_on_the_worker_lets_the_models_thread_run():
+    """The worker reads a forward's event times (``elapsed_since``: a few microseconds each, two per traced call)
+    with the GIL released, so the model's thread, which needs the GIL back after every torch op, is not held up for
+    the whole read. A thread counting beside the read shows no gap as long as the read; holding the GIL, it would."""
+    cuda = _cuda_driver.driver()
+    if cuda is None or _device._elapsed_since is None:
+        pytest.skip("no CUDA driver library, or torchtrace._native not built")
+    device = torch.device("cuda", torch.cuda.current_device())
+    events = [_cuda_driver.DriverEvent(device, cuda) for _ in range(4000)]
+    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    for event in events:
+        event.record(stream)
+    torch.cuda.synchronize()
+    ticks: list[int] = []
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter_ns())
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        while not ticks:
+            time.sleep(0.001)
+        start = time.perf_counter_ns()
+        offsets = _device.elapsed_since(events[0], events[1:])
+        end = time.perf_counter_ns()
+    finally:
+        stop.set()
+        counter.join()
+    assert len(offsets) == len(events) - 1 and all(offset >= 0 for offset in offsets)
+    during = [tick for tick in ticks if start <= tick <= end]
+    gaps = [later - earlier for earlier, later in zip([start, *during], [*during, end])]
+    assert max(gaps) < (end - start) / 2, f"the counter stopped for {max(gaps)} of the read's {end - start} ns"
 
 
 def test_a_forward_on_a_side_stream_is_timed_on_that_stream(event_backend):

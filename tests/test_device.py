@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import StatusCode
-from test_statistics import assert_stats_match, output_attributes, torch_stats
+from test_statistics import Emit, assert_stats_match, output_attributes, torch_stats
 from torch import nn
 
 import torchtrace
@@ -251,6 +251,58 @@ def test_tensors_the_kernel_cannot_read_take_the_torch_path(triton_kernel):
     tensor = torch.arange(24.0).reshape(4, 6)[:, ::2]  # every other column: gaps in its memory
     assert_stats_match(output_attributes(tensor), tensor)
     assert triton_kernel == []
+
+
+class Transposed(nn.Module):
+    """Returns a permuted view, as attention does (its output transposed back to batch-first)."""
+
+    def forward(self, x):
+        return (x * 2).transpose(0, 1)
+
+
+class Shifted(nn.Module):
+    def forward(self, x):
+        return x.contiguous() + 1
+
+
+def test_a_permuted_output_of_a_kind_seen_before_takes_the_short_path(triton_kernel, monkeypatch):
+    """After its first call, a permuted output of a known dtype, shape and strides goes straight to its row and
+    launch, as a contiguous one does; a contiguous tensor of the same shape keeps a kind of its own. Every
+    forward's statistics stay torch's."""
+    general = []
+    compute_in_full = torchtrace._stats.StatComputer._compute_in_full
+
+    def counted(computer, tensor):
+        general.append(tensor.stride())
+        return compute_in_full(computer, tensor)
+
+    monkeypatch.setattr(torchtrace._stats.StatComputer, "_compute_in_full", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(Transposed(), Shifted())
+    inputs = [torch.randn(3, 4, 5) for _ in range(3)]
+    with capture_spans(model) as captured:
+        for x in inputs:
+            model(x)
+        transposed, shifted = captured.spans_named("Transposed"), captured.spans_named("Shifted")
+    # the first forward's two kinds, then nothing (the Sequential returns Shifted's tensor: its statistics reused)
+    assert general == [(5, 20, 1), (15, 5, 1)]
+    for x, span_of_transposed, span_of_shifted in zip(inputs, transposed, shifted):
+        assert_stats_match(span_of_transposed.attributes, (x * 2).transpose(0, 1), prefix="torchtrace.output.")
+        assert_stats_match(span_of_shifted.attributes, (x * 2).transpose(0, 1) + 1, prefix="torchtrace.output.")
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # torch's "casting complex values to real" would be a wrong mean
+def test_a_tensor_converted_for_the_kernel_is_converted_on_every_call(triton_kernel):
+    """A complex output is summarised by its magnitudes (and float64 in float32): the converted tensor is what the
+    kernel reads, so such a kind is never sent down the short path that launches on the tensor itself."""
+    torch.manual_seed(0)
+    for tensor in (torch.randn(4, 6, dtype=torch.complex64), torch.randn(4, 6, dtype=torch.float64)):
+        module = Emit(tensor)
+        with capture_spans(module) as captured:
+            for _ in range(3):
+                module()
+            for span in captured.spans_named("Emit"):
+                assert_stats_match(span.attributes, tensor, prefix="torchtrace.output.", rel=1e-5)
 
 
 def test_a_failing_triton_kernel_falls_back_to_torch_ops_once_and_for_all(device_rows, monkeypatch, caplog):

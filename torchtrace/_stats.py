@@ -98,7 +98,8 @@ class StatComputer:
         # small, else None: the compiled pass): what every tensor of that kind gets, decided once, so the next one
         # costs a lookup and a copy
         self._staged: dict[tuple, tuple[dict, _Staging | None]] = {}
-        # (dtype, shape, device index) of a device tensor the fused kernel took -> (its stats before the values, its
+        # (dtype, shape, device index) of a contiguous device tensor the fused kernel took, or (dtype, shape, device
+        # index, strides) of a permuted one (attention's transposed output) -> (its stats before the values, its
         # sampling stride, its device): see _remember_device_kind
         self._on_device: dict[tuple, tuple[dict, int, torch.device]] = {}
 
@@ -190,10 +191,12 @@ class StatComputer:
             if tensor.is_cpu:  # inline, not reduced_on_device(): a call costs ~1% of a traced CPU call
                 staged = self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
                 if staged is None and self._on_device:  # CPU tensors reduced as on a device (tests/test_device.py)
-                    on_device = self._on_device.get((tensor.dtype, tensor.shape, -1))
+                    kind = (tensor.dtype, tensor.shape, -1)
+                    on_device = self._on_device.get(kind if tensor.is_contiguous() else (*kind, tensor.stride()))
             else:
-                on_device = self._on_device.get((tensor.dtype, tensor.shape, tensor.get_device()))
-        if on_device is not None and tensor.is_contiguous() and not _in_transform(tensor):  # as the kernel took
+                kind = (tensor.dtype, tensor.shape, tensor.get_device())
+                on_device = self._on_device.get(kind if tensor.is_contiguous() else (*kind, tensor.stride()))
+        if on_device is not None and not _in_transform(tensor):  # laid out as the kernel took it before
             stats = self._reduce_on_device(tensor, *on_device)
         # raw memory as numpy would read it: contiguous, no lazy negation (a neg view)
         elif staged is not None and tensor.is_contiguous() and not tensor.is_neg():
@@ -223,11 +226,15 @@ class StatComputer:
         return stats
 
     def _remember_device_kind(self, tensor: torch.Tensor, head: dict, stride: int) -> None:
-        """A device tensor the fused kernel reduced: the next one of its dtype, shape and device gets the same stats
-        before the values, and its row and launch, without the general path's checks (~5 us a call on an H200
-        host, where the device waits for the host)."""
-        if len(self._on_device) < _MAX_STAGED_KINDS:
-            self._on_device[tensor.dtype, tensor.shape, tensor.get_device()] = (head, stride, tensor.device)
+        """A device tensor the fused kernel reduced as it is (a dtype it reads, one block of memory): the next one of
+        its dtype, shape, device and layout gets the same stats before the values, and its row and launch, without
+        the general path's checks (~5 us a call on an H200 host, where the device waits for the host). One that
+        was converted first (float64, integer, complex) is not remembered: the short path launches on the tensor
+        itself."""
+        if len(self._on_device) < _MAX_STAGED_KINDS and tensor.dtype in READ_AS_IS:
+            kind = (tensor.dtype, tensor.shape, tensor.get_device())
+            layout = kind if tensor.is_contiguous() else (*kind, tensor.stride())
+            self._on_device[layout] = (head, stride, tensor.device)
 
     def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device) -> dict:
         stats = head.copy()
@@ -307,7 +314,7 @@ class StatComputer:
                         head = None if self.extra or not plain_input else dict(stats)
                         reduce_now(x, self.wanted, stats, stride, self._device_rows)
                         pending = stats.get("_pending")
-                        if head is not None and pending is not None and pending[4] and tensor.is_contiguous():
+                        if head is not None and pending is not None and pending[4]:  # the fused kernel took it
                             self._remember_device_kind(tensor, head, stride)
                     if "_pending" in stats or stats.get("nan_count") or stats.get("inf_count"):
                         self._all_finite = False

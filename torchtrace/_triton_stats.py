@@ -25,6 +25,8 @@ except ImportError:  # not built: Triton's launcher
     _launch_kernel = None
 
 _logger = logging.getLogger(__name__)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)  # CUDA builds of torch only
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 BLOCK = 1024
 PROGRAMS_PER_SM = 4
@@ -129,11 +131,23 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
     ``_device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
     n = -(-x.numel() // stride)
     index = x.get_device()  # an int, no device object made; -1 on the CPU (Triton's interpreter)
-    programs = min(-(-n // BLOCK), _max_programs(index))
-    if index >= 0 and index != torch._C._cuda_getDevice():
+    programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))
+    if index >= 0 and index != _current_device():
         with torch.cuda.device(index):  # Triton launches on the current device, torch ops on the tensor's
             _launch(x, values, counts, n, stride, counted, programs, index)
         return
+    if launch_directly and index >= 0:  # every launch after a kind's first, in this one frame (see _direct)
+        address = x.data_ptr()
+        native = _direct.get((index, x.dtype, address % 16 == 0, counted, stride == 1))
+        if native is not None:
+            result = _launch_kernel(
+                native.launch, native.function, programs, native.threads, native.shared, _current_raw_stream(index),
+                native.sizes, address, values.data_ptr(), counts.data_ptr(), n, stride,
+            )  # fmt: skip
+            if not result:
+                return
+            if result != _NO_CONTEXT:  # else a thread new to the device: Triton's launcher sets its context
+                raise RuntimeError(f"torchtrace: launching the statistics kernel failed with CUDA error {result}")
     _launch(x, values, counts, n, stride, counted, programs, index)
 
 
@@ -196,29 +210,19 @@ def direct_launch(kernel: Any) -> DirectLaunch | None:
 
 def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int, stride: int, counted: bool,
             programs: int, index: int) -> None:  # fmt: skip
+    """A launch through Triton: its launcher for a kernel compiled before, else the JIT (which compiles it; whether
+    it can be launched from C next time is found out then)."""
     global launch_directly
     direct = launch_directly and x.is_cuda  # not under Triton's interpreter (CPU tensors)
     contiguous = stride == 1
+    key = (index, x.dtype, x.data_ptr() % 16 == 0, counted, contiguous)
     if direct:
-        key = (index, x.dtype, x.data_ptr() % 16 == 0, counted, contiguous)
-        native = _direct.get(key)
-        if native is not None:
-            stream = torch._C._cuda_getCurrentRawStream(index)
-            result = _launch_kernel(
-                native.launch, native.function, programs, native.threads, native.shared, stream, native.sizes,
-                x.data_ptr(), values.data_ptr(), counts.data_ptr(), n, stride,
-            )  # fmt: skip
-            if not result:
-                return
-            if result != _NO_CONTEXT:
-                raise RuntimeError(f"torchtrace: launching the statistics kernel failed with CUDA error {result}")
         launcher = _launchers.get((key, programs))
         if launcher is None and key in _compiled:
             launcher = _launchers[key, programs] = _compiled[key][(programs, 1, 1)]
         if launcher is not None:
             try:  # constexprs included, as Triton 3.6's JIT passes them; a mismatch fails before any launch
-                stream = torch._C._cuda_getCurrentRawStream(index)
-                launcher(x, values, counts, n, stride, counted, contiguous, BLOCK, stream=stream)
+                launcher(x, values, counts, n, stride, counted, contiguous, BLOCK, stream=_current_raw_stream(index))
                 return
             except TypeError as error:  # the compiled kernel's launcher takes another argument list
                 launch_directly = direct = False
