@@ -4,6 +4,8 @@ NaN/Inf provenance and torch.compile behaviour."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -345,11 +347,46 @@ def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one
         # the root's hooks run outside the graph (the only graph breaks, if any); its modules' traced forwards fold
         # away: all three of the model's ops are compiled (how many frames around the break dynamo counts varies)
         breaks = list(torch._dynamo.utils.counters["graph_break"])
-        assert all("HookRecorder.forward_pre_hook" in reason for reason in breaks)
+        assert all("_call_uncompiled" in reason for reason in breaks)  # how torchtrace calls the model's hooks
         assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 3
         stats = captured.spans()[-1].attributes
         assert stats["torchtrace.output.shape"] == (3, 2) and math.isfinite(stats["torchtrace.output.mean"])
     torch._dynamo.reset()
+
+
+def test_where_the_compiled_module_is_missing_torch_compiler_disable_keeps_the_models_hooks_outside(monkeypatch):
+    monkeypatch.setattr(torchtrace._hooks, "_UNCOMPILED", False)  # as where torchtrace._native is not built
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = MLP()
+    with capture_spans(model) as captured:
+        compiled = torch.compile(model, backend="eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                compiled(torch.randn(3, 4))
+        assert captured.names() == ["MLP"] * 2
+        assert [str(w.message) for w in caught if "torchtrace" in str(w.message)] != []
+        assert torch._dynamo.utils.counters["stats"]["calls_captured"] == 3
+    torch._dynamo.reset()
+
+
+def test_instrumenting_and_tracing_do_not_import_torch_dynamo():
+    """torch.compile's machinery (torch._dynamo, ~1-2.6 s to import) is left alone by a process that never compiles:
+    the model's own hooks reach their compiled-region behaviour without it."""
+    script = """
+import sys, torch, torchtrace
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+    model(torch.randn(3, 4)).sum().backward()
+    handle.step()
+    handle.flush()
+    assert len([record for record in handle.records if record.kind == "forward"]) == 4, handle.records
+print("torch._dynamo" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
 
 
 @pytest.mark.skipif(CONTAINERS_COMPILE, reason="this torch compiles a container's forward after the hooks' break")

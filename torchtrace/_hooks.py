@@ -9,6 +9,7 @@ record buffer.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -37,6 +38,41 @@ _UNKNOWN = object()
 _MODULE_CALL_CODES = frozenset((torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__))
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
 _compiler = torch.compiler
+try:
+    from torchtrace._native import run_uncompiled as _run_uncompiled
+except ImportError:  # not built: torch.compiler.disable
+    _run_uncompiled = None
+_eval_frame = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "eval_frame", None)
+
+
+def _call_uncompiled(hook: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+    return _run_uncompiled(_eval_frame.set_eval_frame, hook, *args, **kwargs)
+
+
+def _mark_uncompiled() -> bool:
+    """Whether dynamo will treat ``_call_uncompiled`` as torch.compiler.disable's wrappers: its attribute makes the
+    tracer break the graph at a call of it, without a warning; its code's frames are never compiled (the C
+    module's own skip list, which torch._dynamo.skip_code writes)."""
+    try:
+        strategy = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.DEFAULT)
+        _eval_frame.set_code_exec_strategy(_call_uncompiled.__code__, strategy)
+    except Exception:  # AttributeError, TypeError: a torch without them (the wrapper is then not used)
+        return False
+    _call_uncompiled._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return True
+
+
+_UNCOMPILED = _run_uncompiled is not None and _eval_frame is not None and _mark_uncompiled()
+
+
+def outside_compiled_regions(hook: Callable[..., None]) -> Callable[..., None]:
+    """The model's own hook, run eagerly where torch.compile'd code calls the model: dynamo breaks its graph around
+    the call (so a compiled model keeps its outermost span: region-level tracing), and no frame of the hook is
+    compiled. What torch.compiler.disable does, without importing torch._dynamo (~1-2.6 s) into a process that
+    never compiles: ``_native.run_uncompiled`` calls the hook with dynamo's frame callback off."""
+    if not _UNCOMPILED:
+        return torch.compiler.disable(hook)
+    return functools.partial(_call_uncompiled, hook)
 
 
 class SummaryMarker:
@@ -245,7 +281,7 @@ class HookRecorder:
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
         # model still gets its outermost span: region-level tracing, announced once by warn_region_level.
-        return torch.compiler.disable(pre_hook) if self.modules[index].path == "" else pre_hook
+        return outside_compiled_regions(pre_hook) if self.modules[index].path == "" else pre_hook
 
     def traced_forward(self, index: int) -> tuple[Callable[..., Any], tuple | None]:
         """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``) and its context: called as
@@ -376,7 +412,7 @@ class HookRecorder:
             if not stack:
                 self._end_forward(state)
 
-        return torch.compiler.disable(post_hook) if self.modules[index].path == "" else post_hook
+        return outside_compiled_regions(post_hook) if self.modules[index].path == "" else post_hook
 
     # -- per forward ---------------------------------------------------------------------------------------------
 
@@ -748,9 +784,14 @@ def _argument_device(args: tuple) -> torch.device | None:
 
 def _torch_call_frame() -> Any:
     """torch's frame running the hooked call: above _begin_forward, the hook and any graph-break wrapper."""
-    frame = sys._getframe(3)
-    if "_dynamo" in frame.f_code.co_filename:  # torch.compiler.disable around the model's own hooks
-        frame = frame.f_back
+    return _past_hook_wrapper(sys._getframe(3))
+
+
+def _past_hook_wrapper(frame: Any) -> Any:
+    """The frame that called a model's own hook: past what it was wrapped in (``outside_compiled_regions``)."""
+    code = frame.f_code
+    if code is _call_uncompiled.__code__ or "_dynamo" in code.co_filename:  # or torch.compiler.disable's wrapper
+        return frame.f_back
     return frame
 
 
@@ -764,7 +805,7 @@ def called_from_compiled_code() -> bool:
     counters = getattr(utils, "counters", None)
     if counters is not None and not counters["frames"]["total"]:
         return False
-    frame = sys._getframe(4)  # past this check, _begin_forward, the hook, and torch.compiler.disable's wrapper
+    frame = _past_hook_wrapper(sys._getframe(3))  # past this check, _begin_forward and the hook
     for _ in range(24):
         if frame is None:
             return False

@@ -1012,6 +1012,42 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
     return PyLong_FromLong(result);
 }
 
+/* run_uncompiled(set_eval_frame, function, *args, **kwargs): function(*args, **kwargs) with torch.compile's frame
+   callback off (``torch._C._dynamo.eval_frame.set_eval_frame``), restored after. The model's own hooks are called
+   through it: dynamo cannot trace a compiled function, so it breaks the graph around the call and runs it eagerly,
+   and no frame of the hook is compiled then (what torch.compiler.disable does, without importing torch._dynamo,
+   ~1-2.6 s, into a process that never compiles). */
+static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    (void)module;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "run_uncompiled(set_eval_frame, function, *args, **kwargs)");
+        return NULL;
+    }
+    PyObject *none = Py_None;
+    PyObject *prior = PyObject_Vectorcall(args[0], &none, 1, NULL);
+    if (prior == NULL) return NULL;
+    PyObject *result = PyObject_Vectorcall(args[1], args + 2, (size_t)(nargs - 2), kwnames);
+    if (prior == Py_None) { /* no callback was set: nothing to restore (every call outside torch.compile) */
+        Py_DECREF(prior);
+        return result;
+    }
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback); /* the function's error, if any, survives the restore */
+    PyObject *restored = PyObject_Vectorcall(args[0], &prior, 1, NULL);
+    Py_DECREF(prior);
+    if (restored == NULL) {
+        Py_XDECREF(result);
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        return NULL;
+    }
+    Py_DECREF(restored);
+    PyErr_Restore(type, value, traceback);
+    return result;
+}
+
 /* traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward inside a traced forward
    (``HookRecorder.traced_forward``'s Python body, for the common call), in C: no Python frame and no bytecode per
    call (the Python body cost ~1 us a call inside a forward, most of a call's cost without statistics, 2026-11-26).
@@ -1296,6 +1332,8 @@ static PyMethodDef methods[] = {
      "same types (lengths: tuples or lists of those lengths)"},
     {"untracked", (PyCFunction)(void (*)(void))untracked, METH_FASTCALL,
      "untracked(t) -> t: a tuple of atomic items no longer tracked by the garbage collector"},
+    {"run_uncompiled", (PyCFunction)(void (*)(void))run_uncompiled, METH_FASTCALL | METH_KEYWORDS,
+     "run_uncompiled(set_eval_frame, function, *args, **kwargs): the call with torch.compile's frame callback off"},
     {"traced_call", (PyCFunction)(void (*)(void))traced_call, METH_FASTCALL | METH_KEYWORDS,
      "traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward, recorded"},
     {NULL, NULL, 0, NULL},
