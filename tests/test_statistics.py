@@ -8,8 +8,11 @@ import ctypes
 import dataclasses
 import gc
 import importlib.metadata
+import json
 import math
 import resource
+import subprocess
+import sys
 import warnings
 from array import array
 from itertools import chain
@@ -1251,6 +1254,70 @@ def test_a_huge_expanded_view_costs_no_memory():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 100_000  # KiB: no copy was made
     assert got["shape"] == (2**16, 2**16) and "stats_error" not in got
     assert (got["mean"], got["std"], got["norm"], got["zero_fraction"], got["nan_count"]) == (0.0, 0.0, 0.0, 1.0, 0)
+
+
+_PIECEWISE_SCRIPT = """
+import json, resource, sys, torch, torchtrace
+from torch import nn
+torch.manual_seed(0)
+big = torch.empty(4096, 8192, dtype=getattr(torch, sys.argv[1])).normal_(1, 2)  # 32M values: 128 MiB in float32
+small = torch.randn(64, 32)
+class Emit(nn.Module):
+    def forward(self, which):
+        return which.t()
+module = Emit()
+with torchtrace.instrument(module, exporter="none", print_summary=False) as handle:
+    module(small)  # everything torchtrace sets up once, before the peak is read
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    module(big)
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    handle.flush()
+    attributes = handle.records[-1].attributes
+    got = {k.rsplit(".", 1)[1]: v for k, v in attributes.items() if k.startswith("torchtrace.output.")}
+x = big.t().double()
+expected = {"mean": float(x.mean()), "std": float(x.std()), "min": float(x.min()), "max": float(x.max()),
+            "norm": float(x.norm()), "zero_fraction": float((x == 0).double().mean())}
+print(json.dumps({"grew_kib": grew, "got": got, "expected": expected}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_large_strided_or_converted_tensor_is_summarised_in_pieces_of_bounded_memory(dtype):
+    """A transposed activation of 32M values (128 MiB as float32; bfloat16 read through float32) is summarised piece
+    by piece: the traced call's peak memory grows by a piece (8 MiB at most), not by a copy of the whole tensor,
+    and every statistic equals torch's over the whole."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PIECEWISE_SCRIPT, dtype], capture_output=True, text=True, timeout=300, check=True
+    )
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["grew_kib"] < 40 * 1024  # a whole copy: 128 MiB and more
+    for name, value in report["expected"].items():
+        assert report["got"][name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_pieces_of_a_strided_view_merge_into_torchs_statistics(monkeypatch):
+    """The merge of pieces (small pieces here) against torch on views with NaN, Inf of one and of both signs,
+    integers, complex values and one piece per row of a wide tensor."""
+    monkeypatch.setattr(_stats, "PIECE", 1000)
+    torch.manual_seed(0)
+    with_nan, with_inf, with_both = torch.randn(80, 50), torch.randn(80, 50), torch.randn(80, 50)
+    with_nan[3, 4] = math.nan
+    with_inf[3, 4] = math.inf
+    with_both[3, 4], with_both[7, 7] = math.inf, -math.inf
+    for tensor in (
+        torch.randn(60, 70).t() * 3 + 5,
+        torch.randn(3, 50, 40).transpose(1, 2),
+        torch.randn(2, 3000)[:, ::2],  # rows larger than a piece, with gaps
+        (torch.randn(5000) * 2 + 1e4).to(torch.bfloat16),
+        torch.arange(3000).reshape(30, 100).t(),
+        torch.randn(40, 40, dtype=torch.complex64).t(),
+        with_nan.t(),
+        with_inf.t(),
+        with_both.t(),
+    ):
+        got: dict[str, Any] = {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype)[6:], "device": "cpu"}
+        _stats.numeric_stats(tensor, _stats._ALL_NUMERIC, got)
+        assert_stats_match(got, tensor, rel=1e-5)
 
 
 def test_an_expanded_gradient_is_summarised_without_a_copy():

@@ -34,11 +34,13 @@ _logger = logging.getLogger(__name__)
 
 _METADATA = frozenset({"shape", "dtype", "device"})
 _NUMERIC = tuple(name for name in STAT_NAMES if name not in _METADATA)
+_ALL_NUMERIC = frozenset(_NUMERIC)
 
 MAX_NESTING = 4  # containers deeper than this are not searched for tensors
 
 
 SMALL_TENSOR = 4096  # at most this many elements: copied in the hook, summarised in one batch per forward
+PIECE = 1 << 20  # elements: the most a CPU tensor's statistics copy or convert at once (a strided view, bfloat16)
 
 # One tuple per shape seen: the collector untracks a long-lived tuple of ints, and a dict holding only untracked
 # values stays untracked, so a call's statistics never enter the collector's generations (a fresh shape tuple
@@ -704,10 +706,60 @@ def device_stats(
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
     """One CPU tensor, reduced at once: in one pass (``_native.float_stats``) where its values are finite and
     contiguous, else in a torch sum and numpy's SIMD passes over the same memory, which count NaN and Inf as torch
-    does."""
+    does. One that would be copied whole first (strided, or of a dtype read through a conversion) and holds more than
+    ``PIECE`` elements is reduced piece by piece (``_stats_by_pieces``)."""
+    if tensor.numel() > PIECE and not (tensor.dtype in _COPIED_AS_IS and tensor.is_contiguous()):
+        _stats_by_pieces(tensor, wanted, stats)
+        return
     x = _as_real_float(tensor)
     if not plain_float_stats(x, wanted, stats):
         _numpy_stats(x, x.numel(), wanted, stats)
+
+
+def _stats_by_pieces(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
+    """The statistics of a large CPU tensor from those of its pieces of at most ``PIECE`` elements, each copied (or
+    converted) alone: memory bounded by a piece, not the tensor (a transposed 1 GB activation copied whole costs 1
+    GB more inside the hook). Merged as the whole would give them: counts and the zero fraction add up, the mean
+    weighs each piece by its size, the std combines the pieces' spreads about the overall mean (Chan et al.'s
+    pairwise update, no cancellation), the norm is the pieces' norms' hypotenuse; NaN and Inf as torch gives them."""
+    parts = []
+    for piece in _pieces(tensor.detach(), PIECE):
+        part: dict[str, Any] = {}
+        numeric_stats(piece.contiguous(), _ALL_NUMERIC, part)
+        parts.append((piece.numel(), part))
+    n = sum(count for count, _ in parts)
+    nan_count = sum(part["nan_count"] for _, part in parts)
+    inf_count = sum(part["inf_count"] for _, part in parts)
+    mean = sum(count * part["mean"] for count, part in parts) / n
+    if nan_count or inf_count:
+        std = math.nan  # as torch.std of NaN / Inf data
+    else:
+        spread = sum((count - 1) * part["std"] ** 2 + count * (part["mean"] - mean) ** 2 for count, part in parts)
+        std = math.sqrt(spread / (n - 1)) if n > 1 else 0.0
+    if nan_count:
+        low = high = math.nan  # as torch.min / torch.max
+    else:
+        low, high = min(part["min"] for _, part in parts), max(part["max"] for _, part in parts)
+    norm = math.hypot(*(part["norm"] for _, part in parts))
+    nonzero = sum(round(count * (1 - part["zero_fraction"])) for count, part in parts)
+    _fill(stats, wanted, n, mean, std, low, high, norm, nonzero, nan_count, inf_count)
+
+
+def _pieces(x: torch.Tensor, limit: int) -> Iterable[torch.Tensor]:
+    """Views of ``x`` of at most ``limit`` elements each that together hold every element once: slices of its
+    first dimension, or of each of its rows where one row is larger."""
+    if x.numel() <= limit or x.dim() == 0:
+        yield x
+        return
+    rows = x.shape[0]
+    per_row = x.numel() // rows
+    if per_row > limit:
+        for row in range(rows):
+            yield from _pieces(x[row], limit)
+        return
+    step = limit // per_row
+    for start in range(0, rows, step):
+        yield x[start : start + step]
 
 
 def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> bool:
@@ -719,9 +771,9 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     half of the sum of squares or more (as ``_std`` does). A NaN or Inf makes its sum of squares non-finite, and so
     does, for float32, a sum of squares past float32's range (torch's float32 norm is inf there). What a hook calls
     first for a tensor of more than ``SMALL_TENSOR`` elements (activations and gradients of a training step): no
-    detached view, no layers of calls. A strided tensor (a transpose; the expanded gradient of a ``sum()`` loss) is
-    copied contiguous first: numpy's passes copy it too (flattening), and then take 2-10x as long (2026-11-26: an
-    expanded 64 x 256 gradient 51 -> 5 us, a transposed one 28 -> 14 us).
+    detached view, no layers of calls. A strided tensor (a transpose; the expanded gradient of a ``sum()`` loss) of
+    at most ``PIECE`` elements is copied contiguous first (a larger one: False, for ``numeric_stats``'s pieces):
+    numpy's passes copy it too (flattening), and then take 2-10x as long.
     """
     if _one_pass is None or type(x) is not torch.Tensor:
         return False
@@ -732,6 +784,8 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     if not n:
         return False
     if not x.is_contiguous():
+        if n > PIECE:  # a copy of a large view: numeric_stats takes it piece by piece
+            return False
         x = x.detach().contiguous()
     one_pass_stats(x, n, wanted, stats)
     return True
