@@ -428,6 +428,67 @@ def test_peft_applied_after_instrument_leaves_no_span_under_a_stale_path(caplog)
     assert sum("transformer.h.0.attn.c_attn (Conv1D)" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_remove_lets_a_forward_running_on_another_thread_finish_traced_whole():
+    """remove() while another thread is inside a forward: no forward begins to be traced from then on, the running
+    one is waited for (a second here) and delivered whole, then the hooks come out."""
+    paused, go = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.first(x)
+            paused.set()
+            go.wait(10)
+            return self.second(x)
+
+    model = Slow()
+    with capture_spans(model) as captured:
+        worker = threading.Thread(target=model, args=(torch.randn(2, 4),))
+        worker.start()
+        assert paused.wait(10)
+        threading.Timer(0.2, go.set).start()
+        captured.handle.remove()
+        assert not worker.is_alive() or worker.join(10) is None
+        assert sorted(captured.names()) == ["Slow", "first", "second"]
+        model(torch.randn(2, 4))  # untraced now
+        assert len(captured.names()) == 3
+
+
+def test_instrument_and_remove_while_other_threads_run_forwards_leave_only_whole_traces():
+    """Four threads run a model while it is instrumented and removed again and again: every trace holds all six of
+    its spans under the model's root; none is a submodule's orphan span or a forward cut short by the hooks coming
+    in or out (there were both)."""
+    provider, exporter = TracerProvider(), InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            model(torch.randn(2, 8))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(30):
+            handle = torchtrace.instrument(model, tracer_provider=provider, print_summary=False)
+            time.sleep(0.002)
+            handle.remove()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    traces: dict[int, list[str]] = {}
+    for span in exporter.get_finished_spans():
+        traces.setdefault(span.context.trace_id, []).append(span.name)
+    assert traces
+    assert all(sorted(names) == ["0", "1", "2", "2.0", "2.1", "Sequential"] for names in traces.values())
+
+
 def test_a_forward_that_began_before_instrument_stays_untraced_as_a_whole():
     """instrument() on one thread while the model runs on another: the forward that began before it is not traced,
     and the submodules it calls afterwards make no traces of their own (they made one orphan span each)."""

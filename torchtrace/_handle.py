@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ from torchtrace._traced_forward import can_wrap, wrap_forward
 from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
+REMOVE_WAIT_S = 1.0  # how long remove() waits for forwards running on other threads to finish traced
 _instrumented: weakref.WeakKeyDictionary[torch.nn.Module, TraceHandle] = weakref.WeakKeyDictionary()
 _live_handles: weakref.WeakSet[TraceHandle] = weakref.WeakSet()
 
@@ -90,7 +92,12 @@ class TraceHandle:
             watch_ddp(model, self._steps, hook, state)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
         with_kwargs = options.inputs
-        for index, (module, info) in enumerate(selected):
+        # the traced root (DDP's inner module, where DDP wraps it), if the selection traces it: see _hooks
+        roots = [module for module, info in selected if not info.path]
+        self._recorder.model_ref = weakref.ref(roots[0]) if roots else None
+        # the root's hooks last: a forward other threads start meanwhile is traced whole or not at all (before
+        # them, its submodules see its call on the stack: _inside_unseen_model_call)
+        for index, (module, info) in reversed(list(enumerate(selected))):
             # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
             if info.path and can_wrap(module):
                 added = [wrap_forward(module, *self._recorder.traced_forward(index))]
@@ -107,9 +114,6 @@ class TraceHandle:
             self._handles_by_index[index] = added
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
         self._model_ref = weakref.ref(model)
-        # the traced root (DDP's inner module, where DDP wraps it), if the selection traces it: see _hooks
-        roots = [module for module, info in selected if not info.path]
-        self._recorder.model_ref = weakref.ref(roots[0]) if roots else None
         self.model_name = type_name(model)  # kept after the model is gone (summaries printed at exit)
         self._removed = False
         _instrumented[model] = self
@@ -224,12 +228,24 @@ class TraceHandle:
         return Path(path)
 
     def remove(self) -> None:
-        """Remove every hook, deliver what was recorded, stop the worker. Safe to call twice."""
+        """Remove every hook, deliver what was recorded, stop the worker. Safe to call twice.
+
+        No forward begins to be traced from the call on; forwards other threads are running then are waited for
+        (up to ``REMOVE_WAIT_S``) so that each is traced whole, then the hooks come out."""
         if self._removed:
             return
         self._removed = True
+        recorder = self._recorder
+        recorder.enabled = False  # also for a copy that kept our forward (see TracedForward.__deepcopy__)
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        while recorder.running_elsewhere() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if running := recorder.running_elsewhere():
+            _logger.warning(
+                "torchtrace: remove() went on while %d forward(s) ran on other threads for over %.0f s: their later "
+                "calls are not traced", running, REMOVE_WAIT_S,
+            )  # fmt: skip
         self._remove_hooks(self._model_ref())
-        self._recorder.enabled = False  # a copy that kept our forward (see TracedForward.__deepcopy__) traces nothing
         self._recorder.close_interrupted()
         if self._steps is not None:
             model = self._model_ref()

@@ -228,6 +228,7 @@ class HookRecorder:
         self.warned_no_backward = False
         self._first_parameter: dict[int, Any] = {}  # module index -> its first own Parameter, or None
         self._local = threading.local()  # .state: this thread's _ThreadState
+        self._open: dict[int, _ThreadState] = {}  # thread id -> its state, while a traced forward is open there
 
     def _thread_state(self) -> _ThreadState:
         try:
@@ -452,7 +453,9 @@ class HookRecorder:
             state.skip_depth = 1
             state.skip_root = index
             return False
-        state.forward = RawForward(parent, threading.get_ident(), time.time_ns() - time.perf_counter_ns())
+        thread = threading.get_ident()
+        state.forward = RawForward(parent, thread, time.time_ns() - time.perf_counter_ns())
+        self._open[thread] = state
         state.forward.in_step = state.stats.in_step = in_step
         state.timer = event_timer(device) if self.options.cuda_events else None
         return True
@@ -485,6 +488,12 @@ class HookRecorder:
             return None  # the caller's trace is not sampled: neither are we (ParentBased)
         return parent if self.sampler.should_trace() else None
 
+    def running_elsewhere(self) -> int:
+        """How many traced forwards other live threads have open now (one interrupted there, rare, counts until that
+        thread calls the model again)."""
+        here, alive = threading.get_ident(), {thread.ident for thread in threading.enumerate()}
+        return sum(thread != here and thread in alive for thread in list(self._open))
+
     def close_interrupted(self) -> None:
         """At flush / remove / exit: close this thread's open forward if it no longer runs (see
         ``_close_interrupted``); a Ctrl-C lands on the main thread, where these are called."""
@@ -516,6 +525,7 @@ class HookRecorder:
         forward = state.forward
         state.forward = None
         state.root_frame = None
+        self._open.pop(forward.thread_id, None)
         rows, forward.all_finite, forward.stat_table = state.stats.finish_forward()
         if rows or state.timer is not None:
             forward.device = DeviceWork(rows, state.timer)
