@@ -5,7 +5,7 @@ process (the garbage collector's state is per process: one variant's objects mus
 collections), and the processes take turns in slices of --slice seconds (the starting variant rotates every
 round), so machine noise hits all variants alike. Before the first timed slice each process warms up for
 --warmup seconds (the records fill up to max_records) and then runs one full collection, as a long-running server
-has long since had: the objects made at start-up (instrument() imports torch._dynamo: ~128k) count as new to the
+has long since had: the objects made at start-up (torch's and the model's, tens of thousands) count as new to the
 collector, so the process's next full collection (100-150 ms) comes as soon as its young generations have been
 collected ten more times, whatever the process keeps afterwards, and would otherwise land in the timed slices of
 whichever variant collects most often.

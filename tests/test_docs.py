@@ -97,12 +97,45 @@ def test_the_readme_stays_one_page_and_its_links_resolve() -> None:
     assert "scripts/dev demo" in readme and "scripts/dev test" in readme
 
 
+def test_no_attribute_name_is_spelled_outside_torchtrace_attributes() -> None:
+    """Every writer and reader of span attributes takes the names from ``torchtrace.attributes``: no string in the
+    package (docstrings aside) is one of its names, or a statistic's key under one of its prefixes."""
+    import ast
+
+    from torchtrace import attributes
+
+    names = {value for name, value in vars(attributes).items() if name.isupper()}
+    spelled = []
+    for path in sorted((ROOT / "torchtrace").rglob("*.py")):
+        if path.name == "attributes.py" or "_vendor" in path.parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        strings = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+        ]
+        spelled += [
+            f"{path.name}:{node.lineno}: {node.value}"
+            for node in strings
+            if any(node.value == name or node.value.startswith(name + ".") for name in names)
+        ]
+    assert not spelled
+
+
 def test_every_attribute_name_torchtrace_writes_is_documented() -> None:
-    """The names in ``torchtrace._semconv`` (every key and prefix written on spans and resources) each appear in the
+    """The names in ``torchtrace.attributes`` (every key and prefix written on spans and resources) each appear in the
     pages that describe them."""
-    from torchtrace import _semconv
+    from torchtrace import attributes
 
     documenting = ("spans.md", "training.md", "ddp.md")
     pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in documenting)
-    names = {name: value for name, value in vars(_semconv).items() if name.isupper()}
+    names = {name: value for name, value in vars(attributes).items() if name.isupper()}
     assert names and not [value for value in names.values() if value not in pages]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
+from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 try:
     from torchtrace._native import untracked

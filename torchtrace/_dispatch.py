@@ -35,7 +35,10 @@ from torchtrace._hooks import (
     RawForward,
     SummaryMarker,
 )
-from torchtrace._semconv import (
+from torchtrace._stats import StatTable, device_table, resolve
+from torchtrace._steps import BACKWARD_START, StepRecord
+from torchtrace._worker import WORKER
+from torchtrace.attributes import (
     COMM_BUCKET,
     COMM_BYTES,
     COMM_LAST,
@@ -53,9 +56,6 @@ from torchtrace._semconv import (
     STEP,
     WORLD_SIZE,
 )
-from torchtrace._stats import StatTable, device_table, resolve
-from torchtrace._steps import BACKWARD_START, StepRecord
-from torchtrace._worker import WORKER
 
 try:
     from torchtrace._native import call_columns as _call_columns

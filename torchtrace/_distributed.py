@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtrace._semconv import LOCAL_RANK, RANK, WORLD_SIZE
+from torchtrace.attributes import LOCAL_RANK, RANK, WORLD_SIZE
 
 _logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 
 from torchtrace._calls import ModuleCall, NonFiniteError
 from torchtrace._distributed import rank_info
-from torchtrace._semconv import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE
+from torchtrace.attributes import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 

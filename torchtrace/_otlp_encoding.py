@@ -43,7 +43,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
 from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
-from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
+from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 try:
     from torchtrace._native import put_span_fields as _put_span_fields

@@ -52,7 +52,7 @@ from torchtrace._otlp_encoding import (
     timing_templates_of,
     value_slots,
 )
-from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
+from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 __all__ = ["encode_otlp_json"]
 

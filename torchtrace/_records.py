@@ -19,7 +19,7 @@ from operator import attrgetter
 from typing import Any
 
 from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned, untracked
-from torchtrace._semconv import MODULE_PATH, MODULE_TYPE
+from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 _logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchtrace._semconv import COMM_BUCKET, GRAD_OUTPUT_PREFIX, MODULE_PATH, MODULE_TYPE, OUTPUT_PREFIX, STEP
 from torchtrace._trace_files import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
+from torchtrace.attributes import COMM_BUCKET, GRAD_OUTPUT_PREFIX, MODULE_PATH, MODULE_TYPE, OUTPUT_PREFIX, STEP
 
 __all__ = ["write_report", "report_command"]
 
@@ -165,7 +165,7 @@ class _ReportData:
                     values[stat][row] = value
             if _nonfinite(span):
                 nonfinite.append(row)
-        label = f"step {step.attributes.get('torchtrace.step')}" if step is not None else f"#{index}"
+        label = f"step {step.attributes.get(STEP)}" if step is not None else f"#{index}"
         self.columns.append({"label": label, "values": values, "nonfinite": sorted(set(nonfinite))})
 
     def timeline(self, parts: Sequence[Path]) -> list[dict[str, Any]]:

@@ -29,7 +29,6 @@ from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, compl
 from torchtrace._distributed import RankInfo, derived_id
 from torchtrace._hooks import FEATURE_ERROR
 from torchtrace._schedule import StepSchedule
-from torchtrace._semconv import PARAM_GRAD_NORM, PARAM_NORM
 from torchtrace._stats import (
     device_stats,
     find_tensors,
@@ -37,6 +36,7 @@ from torchtrace._stats import (
     reduce_view,
     reduced_on_device,
 )
+from torchtrace.attributes import PARAM_GRAD_NORM, PARAM_NORM
 
 MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step
 

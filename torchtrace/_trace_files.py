@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from torchtrace._calls import ModuleCall
-from torchtrace._semconv import MODULE_PATH, MODULE_TYPE, RANK
 from torchtrace._summary import SummarySink
+from torchtrace.attributes import MODULE_PATH, MODULE_TYPE, RANK
 
 
 @contextlib.contextmanager

@@ -1,8 +1,15 @@
-"""The names of the attributes torchtrace writes on spans and resources: one owner for every key and prefix.
+"""The names of the attributes torchtrace writes on spans and resources, for code that reads them.
 
 OpenTelemetry's semantic conventions have nothing for layers or tensor statistics, so these are torchtrace's own,
-under the ``torchtrace.`` namespace (docs/spans.md lists them). A tensor's statistics are ``<prefix>.<stat>`` for a
-bare tensor and ``<prefix>.<name>.<stat>`` for one inside a container.
+under the ``torchtrace.`` namespace (docs/spans.md describes each). A tensor's statistics are ``<prefix>.<stat>``
+for a bare tensor and ``<prefix>.<name>.<stat>`` for one inside a container::
+
+    from torchtrace import attributes
+
+    mean = span.attributes[f"{attributes.OUTPUT_PREFIX}.mean"]
+    layer = span.attributes[attributes.MODULE_PATH]
+
+torchtrace's own writers and readers import them from here; no name is spelled anywhere else in the package.
 """
 
 from __future__ import annotations
