@@ -145,11 +145,14 @@ def test_gpu_models_benchmark_runs_each_variant_on_a_real_model() -> None:
     assert case["x_none"]["none"] == 1.0 and case["target"] == 1.15 and isinstance(case["met"], bool)
 
 
-@pytest.mark.parametrize("script", ["gpu_models.py", "gpu_host_costs.py"])
-def test_gpu_only_benchmarks_skip_cleanly_without_cuda(script: str) -> None:
+@pytest.mark.parametrize(
+    ("script", "argument"),
+    [("gpu_models.py", "--quick"), ("gpu_host_costs.py", "--loops=10"), ("gpu_host_profile.py", "--forwards=2")],
+)
+def test_gpu_only_benchmarks_skip_cleanly_without_cuda(script: str, argument: str) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: scripts/gpu-check runs these")
-    (report,) = run_benchmark(script, "--quick" if script == "gpu_models.py" else "--loops=10")[0].values()
+    (report,) = run_benchmark(script, argument)[0].values()
     assert report == {"skipped": "no CUDA device"}
 
 
