@@ -428,6 +428,25 @@ def test_peft_applied_after_instrument_leaves_no_span_under_a_stale_path(caplog)
     assert sum("transformer.h.0.attn.c_attn (Conv1D)" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_module_replaced_behind_torchs_registration_hook_stops_being_traced_with_one_warning(caplog):
+    """``quantize_dynamic(..., inplace=True)`` writes ``parent._modules`` directly, so torch calls no registration
+    hook: the replaced layers are found at the next drain (the worker's, or flush()), stop being traced and are
+    named once, as a ``setattr`` replacement is."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    with caplog.at_level(logging.WARNING, logger="torchtrace"), capture_spans(model) as captured:
+        model(torch.randn(2, 8))
+        torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        captured.handle.flush()
+        replaced = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+        assert len(replaced) == 1 and replaced[0].startswith("torchtrace: 0 (Linear) of Sequential was replaced")
+        captured.clear()
+        x = torch.randn(2, 8)
+        expected = model(x)
+        assert captured.names() == ["Sequential", "1"]
+        mean = captured.spans_named("Sequential")[0].attributes["torchtrace.output.mean"]
+        assert mean == pytest.approx(float(expected.mean()), rel=1e-6)
+
+
 def test_remove_lets_a_forward_running_on_another_thread_finish_traced_whole():
     """remove() while another thread is inside a forward: no forward begins to be traced from then on, the running
     one is waited for (a second here) and delivered whole, then the hooks come out."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
-from torchtrace import _signals
+from torchtrace import _replaced, _signals
 from torchtrace._buffer import FULL, RecordBuffer
 from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
 from torchtrace._device import elapsed_ns, elapsed_since
@@ -888,6 +888,7 @@ class Dispatcher:
         Forwards whose device work is still running are read once it completes: waited for when ``wait``, else
         kept (in order) for a later drain, so the worker never blocks on a GPU.
         """
+        _replaced.sweep()  # modules replaced behind torch's registration hook stop being traced (one warning)
         with self._lock:
             self._resolve(wait)
             with self.deliver_lock:
