@@ -428,6 +428,30 @@ def test_peft_applied_after_instrument_leaves_no_span_under_a_stale_path(caplog)
     assert sum("transformer.h.0.attn.c_attn (Conv1D)" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_accelerate_hooks_added_and_removed_after_instrument_keep_the_module_traced_and_picklable():
+    """accelerate wraps a module's forward in its own (``add_hook_to_module``: the traced forward inside it) and
+    puts the one it found back (``remove_hook_from_module``): the module is traced under its path throughout, with
+    its own output's statistics, and the model still pickles (``torch.save``)."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(2, 8)
+    with capture_spans(model) as captured:
+        hooks.add_hook_to_module(model[0], hooks.ModelHook())
+        model(x)
+        assert captured.names() == ["Sequential", "0", "1", "2"]
+        hooks.remove_hook_from_module(model, recurse=True)
+        captured.clear()
+        model(x)
+        assert captured.names() == ["Sequential", "0", "1", "2"]
+        mean = captured.spans_named("0")[0].attributes["torchtrace.output.mean"]
+        assert mean == pytest.approx(float(model[0](x).mean()), rel=1e-6)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+
+
 def test_a_module_replaced_behind_torchs_registration_hook_stops_being_traced_with_one_warning(caplog):
     """``quantize_dynamic(..., inplace=True)`` writes ``parent._modules`` directly, so torch calls no registration
     hook: the replaced layers are found at the next drain (the worker's, or flush()), stop being traced and are
