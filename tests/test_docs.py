@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -95,6 +96,31 @@ def test_the_readme_stays_one_page_and_its_links_resolve() -> None:
     targets = re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", readme)
     assert targets and all((ROOT / target).exists() for target in targets), targets
     assert "scripts/dev demo" in readme and "scripts/dev test" in readme
+
+
+def _recipes() -> dict[str, str]:
+    page = (ROOT / "docs" / "training.md").read_text(encoding="utf-8")
+    return dict(re.findall(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```", page, flags=re.S))
+
+
+@pytest.mark.parametrize("name", ["trainer", "accelerate"])
+def test_each_training_recipe_runs_as_written_and_traces_every_step(name: str, tmp_path: Path) -> None:
+    """docs/training.md's recipes, run as they are on the page (in a fresh process): one ``train_step`` trace per
+    optimizer step, each with the model's forward and backward under it."""
+    require_modules("transformers" if name == "trainer" else "accelerate")
+    report = "import json\nprint(json.dumps({row.path: row.calls for row in handle.summary_rows()}))\n"
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["TORCHTRACE_EXPORTER"] = "none"  # the recipe's default exporter would write a trace file: not needed here
+    result = subprocess.run(
+        [sys.executable, "-c", _recipes()[name] + report], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = json.loads(result.stdout.strip().splitlines()[-1])
+    assert calls["train_step"] == 4
+    model = "GPT2LMHeadModel" if name == "trainer" else "Sequential"
+    assert calls[model] == 4 and calls[f"{model} backward"] == 4
 
 
 def test_no_attribute_name_is_spelled_outside_torchtrace_attributes() -> None:
