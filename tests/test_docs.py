@@ -103,11 +103,17 @@ def _recipes() -> dict[str, str]:
     return dict(re.findall(r"<!-- recipe: (\w+) -->\n```python\n(.*?)```", page, flags=re.S))
 
 
-@pytest.mark.parametrize("name", ["trainer", "accelerate"])
-def test_each_training_recipe_runs_as_written_and_traces_every_step(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "library", "model"),
+    [("trainer", "transformers", "GPT2LMHeadModel"), ("accelerate", "accelerate", "Sequential"),
+     ("lightning", "lightning", "net")],
+)  # fmt: skip
+def test_each_training_recipe_runs_as_written_and_traces_every_step(
+    name: str, library: str, model: str, tmp_path: Path
+) -> None:
     """docs/training.md's recipes, run as they are on the page (in a fresh process): one ``train_step`` trace per
     optimizer step, each with the model's forward and backward under it."""
-    require_modules("transformers" if name == "trainer" else "accelerate")
+    require_modules(library)
     report = "import json\nprint(json.dumps({row.path: row.calls for row in handle.summary_rows()}))\n"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -119,7 +125,6 @@ def test_each_training_recipe_runs_as_written_and_traces_every_step(name: str, t
     assert result.returncode == 0, result.stderr[-3000:]
     calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert calls["train_step"] == 4
-    model = "GPT2LMHeadModel" if name == "trainer" else "Sequential"
     assert calls[model] == 4 and calls[f"{model} backward"] == 4
 
 
