@@ -1,6 +1,6 @@
 """GPU overhead and timing accuracy of torchtrace on 12 x TransformerEncoderLayer(768) in bfloat16.
 
-Three questions, answered on one CUDA device in one run:
+Four questions, answered on one CUDA device in one run:
 
 1. Overhead. Variants, each on its own copy of the model, timed round-robin (the starting variant rotates every
    round): `none` (no hooks), `empty_hooks` (a no-op forward pre-hook and hook on every module: the floor of any
@@ -21,6 +21,8 @@ Three questions, answered on one CUDA device in one run:
    holds its children's statistics kernels).
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
    torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
+4. Peak memory. The device memory a B16 S512 forward peaks at, traced with every statistic against untraced
+   (the same model, after warm-up). Target: at most 64 MiB added.
 
 Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--worker-at-flush]
 The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
@@ -58,6 +60,7 @@ from overhead import make_empty_hooks  # noqa: E402
 CONFIGS = ({"batch": 16, "seq": 512, "target": 1.12}, {"batch": 1, "seq": 128, "target": 1.35})
 TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "layers.5", "layers.11.linear2")
 TIMING_TARGET = 0.05
+PEAK_TARGET_MIB = 64  # device memory a traced B16 S512 forward may add at its peak (issue 41's bound)
 SAMPLE = 65536  # the torchtrace_sampled variant's stats_sample
 WORKER_AT_FLUSH = False  # --worker-at-flush: an experiment (see main's help)
 GRAD_MODE: Callable[[], Any] = torch.inference_mode  # --grad-mode no_grad: tensors keep version counters, so a
@@ -254,6 +257,36 @@ def host_syncs(base: nn.Module) -> dict[str, int]:
     return {"untraced": untraced, "traced": traced, "added": traced - untraced}
 
 
+def peak_memory(base: nn.Module, batch: int = 16, seq: int = 512, device: str = "cuda") -> dict[str, Any]:
+    """Device memory a forward peaks at above what was allocated before it (MiB), untraced and then traced with
+    every statistic (the same model, instrumented after its untraced forwards): the statistics rows, the event pools
+    and anything tracing holds or defers. Target: at most PEAK_TARGET_MIB added."""
+    model = copy.deepcopy(base)
+    x = torch.randn(batch, seq, 768, device=device, dtype=torch.bfloat16)
+
+    def peak_above(allocated: int) -> float:
+        with GRAD_MODE():
+            model(x)  # warm-up: allocator, kernels, and the traced model's pools
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            model(x)
+            torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - allocated) / 2**20
+
+    allocated = torch.cuda.memory_allocated()  # the model and its input
+    untraced = peak_above(allocated)
+    with torchtrace.instrument(model, exporter="none"):
+        traced = peak_above(allocated)
+    added = traced - untraced
+    return {
+        "untraced_mib": round(untraced, 1),
+        "traced_mib": round(traced, 1),
+        "added_mib": round(added, 1),
+        "target_mib": PEAK_TARGET_MIB,
+        "met": added <= PEAK_TARGET_MIB,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few repetitions (smoke test)")
@@ -296,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         worst = max(entry["error"] for entry in accuracy.values())
         report[name] = {"modules": accuracy, "max_error": worst, "target": TIMING_TARGET, "met": worst <= TIMING_TARGET}
     report["host_syncs"] = host_syncs(base)
+    report["peak_memory"] = peak_memory(base)
     # a kernel that failed to compile or launch is replaced by torch ops for good (one warning): say if it happened
     report["fused_kernel_failed"] = _device._triton is False and report["fused_kernel"]
     print(json.dumps({"gpu": report}))

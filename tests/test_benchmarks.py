@@ -113,6 +113,35 @@ def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monk
         assert "torchtrace.output.mean" not in attributes[name], name
 
 
+def test_gpu_benchmark_peak_memory_compares_the_traced_forward_with_the_untraced_one(monkeypatch) -> None:
+    """gpu.py's peak-memory question, wired on the CPU with the device's counters stood in for (every forward
+    "allocates" 10 MiB above the input, the traced one 3 MiB more): the added peak is the difference, checked
+    against the bound."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(gpu)
+    from torchtrace import _handle
+
+    base = torch.nn.Sequential(torch.nn.Linear(768, 768)).to(torch.bfloat16).eval()
+    counters = {"allocated": 100 * 2**20, "peak": 0}
+    traced_now = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: counters["peak"])
+
+    def reset() -> None:  # the peak the next forward reaches: 3 MiB more while a handle traces
+        traced = bool(_handle._live_handles)
+        counters["peak"] = counters["allocated"] + (13 if traced else 10) * 2**20
+        traced_now.append(traced)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    report = gpu.peak_memory(base, batch=2, seq=4, device="cpu")
+    assert traced_now == [False, True]
+    assert report == {"untraced_mib": 10.0, "traced_mib": 13.0, "added_mib": 3.0, "target_mib": 64, "met": True}
+
+
 def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> None:
     report = run_benchmark("gpu.py", "--quick", timeout=600)[0]["gpu"]
     if not torch.cuda.is_available():
@@ -133,6 +162,7 @@ def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> Non
         }
     )
     assert report["host_syncs"]["added"] == 0
+    assert report["peak_memory"]["target_mib"] == 64 and isinstance(report["peak_memory"]["added_mib"], float)
 
 
 def test_gpu_models_benchmark_runs_each_variant_on_a_real_model() -> None:
