@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from torch import nn
 
 import torchtrace
+from torchtrace._config import Options
 from torchtrace._metrics import OVERFLOW_MODULE, MetricsSink
 from torchtrace._serve import metrics_from_env, serve_metrics
 
@@ -503,6 +504,44 @@ def test_deploy_files_parse_and_fit_together():
     rule = yaml.safe_load((ROOT / "deploy/k8s/prometheusrule.yaml").read_text())
     alerts = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
     assert rule["spec"]["groups"] == alerts["groups"]  # the Operator's copy of the promtool-tested rules
+
+
+# tail_sampling's policy types and the loadbalancing exporter's routing keys, as the collector-contrib READMEs
+# document them (the collector cannot be installed here to run its own `validate`)
+TAIL_SAMPLING_POLICIES = {
+    "always_sample", "latency", "numeric_attribute", "probabilistic", "status_code", "string_attribute",
+    "rate_limiting", "span_count", "boolean_attribute", "ottl_condition", "trace_state", "and", "composite",
+}  # fmt: skip
+ROUTING_KEYS = {"traceID", "service", "resource", "metric", "streamID", "attributes"}
+
+
+def test_the_large_job_collector_routes_each_step_to_one_sampler_that_keeps_errors_and_slow_steps():
+    """deploy/otel-collector/large-jobs.yaml: every pipeline's parts defined; the agent tier routes by trace id (a
+    training step is one trace across all ranks, so one sampler sees it whole); the sampler keeps status ERROR
+    (exceptions, the span where a NaN started), slow traces and a share of the rest; its decision waits longer
+    than torchtrace's export interval."""
+    collector = yaml.safe_load((ROOT / "deploy/otel-collector/large-jobs.yaml").read_text())
+    pipelines = collector["service"]["pipelines"]
+    assert set(pipelines) == {"traces/agent", "traces/sampler"}
+    for pipeline in pipelines.values():
+        assert set(pipeline["receivers"]) <= set(collector["receivers"])
+        assert set(pipeline["processors"]) <= set(collector["processors"])
+        assert set(pipeline["exporters"]) <= set(collector["exporters"])
+        assert pipeline["processors"][0] == "memory_limiter" and pipeline["processors"][-1] == "batch"
+    agent, sampler = pipelines["traces/agent"], pipelines["traces/sampler"]
+    assert agent["exporters"] == ["loadbalancing"] and "tail_sampling" not in agent["processors"]
+    balancing = collector["exporters"]["loadbalancing"]
+    assert balancing["routing_key"] == "traceID" and balancing["routing_key"] in ROUTING_KEYS
+    assert set(balancing["resolver"]) == {"dns"} and "otlp" in balancing["protocol"]
+    assert "tail_sampling" in sampler["processors"] and "loadbalancing" not in sampler["exporters"]
+    sampling = collector["processors"]["tail_sampling"]
+    policies = {policy["type"]: policy for policy in sampling["policies"]}
+    assert set(policies) <= TAIL_SAMPLING_POLICIES and all(p["type"] in p for p in sampling["policies"])
+    assert policies["status_code"]["status_code"]["status_codes"] == ["ERROR"]
+    assert policies["latency"]["latency"]["threshold_ms"] > 0
+    assert 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
+    wait_s = int(sampling["decision_wait"].removesuffix("s"))
+    assert wait_s * 1000 > 10 * Options().export_interval_ms  # a step's spans from every rank are in by then
 
 
 def test_gauges_are_nan_when_the_latest_output_is_nan():
