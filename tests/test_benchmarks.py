@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from checkout import checkout_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_VARIANTS = {
@@ -29,8 +29,7 @@ OTLP_VARIANTS = {"torchtrace_spans_otlp", "torchtrace_stats_otlp"}
 
 def run_benchmark(script: str, *args: str, timeout: int = 240) -> tuple[dict, str]:
     """(the JSON report on the script's last line, its whole stdout), in a clean environment."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = checkout_env()
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,

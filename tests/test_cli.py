@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from checkout import checkout_env
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
@@ -25,8 +25,7 @@ CALLS_PER_FORWARD = 8  # model, embedding, encoder, 4 layers (torch runs them fu
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     tmp = tmp_path_factory.mktemp("demo")
     trace_file = tmp / "t.jsonl"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = checkout_env()
     result = subprocess.run(
         [sys.executable, "-m", "torchtrace", "demo", "--batches", str(BATCHES), "--trace-file", str(trace_file)],
         cwd=tmp,

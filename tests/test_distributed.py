@@ -7,7 +7,6 @@ made slow is the one that waits least in all-reduce; each rank serves its own me
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkout import checkout_env
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -57,12 +57,10 @@ def free_port(count: int = 1) -> int:
 
 
 def torchrun(ranks: int, receiver: OtlpHttpReceiver, *args: str, metrics_port: int | None = None) -> subprocess.Popen:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env.update(
+    env = checkout_env(
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
         OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
         OTEL_SERVICE_NAME="ddp-test",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
     )
     if metrics_port is not None:
@@ -274,8 +272,7 @@ os._exit(0)
 def run_one_rank(tmp_path, job: str) -> dict:
     """Runs ``job`` (a script that initialises a one-rank gloo group on the file store it is given) in a process of
     its own; returns the JSON object it prints last."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = checkout_env()
     result = subprocess.run(
         [sys.executable, "-c", job, str(tmp_path / "store")], env=env, capture_output=True, text=True, timeout=180
     )
@@ -337,8 +334,7 @@ def run_on_two_ranks(tmp_path, job: str) -> list[dict]:
     """Runs ``job`` on two ranks under torchrun; what each printed after "RESULT " (a JSON object), by rank."""
     script = tmp_path / "job.py"
     script.write_text(job)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
+    env = checkout_env(OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                str(script)]  # fmt: skip
     output = finish(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from checkout import checkout_env
 from extras import require_modules
 
 from torchtrace import _config
@@ -115,9 +116,7 @@ def test_each_training_recipe_runs_as_written_and_traces_every_step(
     optimizer step, each with the model's forward and backward under it."""
     require_modules(library)
     report = "import json\nprint(json.dumps({row.path: row.calls for row in handle.summary_rows()}))\n"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["TORCHTRACE_EXPORTER"] = "none"  # the recipe's default exporter would write a trace file: not needed here
+    env = checkout_env(TORCHTRACE_EXPORTER="none")  # the recipe's default exporter would write a trace file
     result = subprocess.run(
         [sys.executable, "-c", _recipes()[name] + report], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=300,

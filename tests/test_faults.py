@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from checkout import checkout_env
 from fault_receivers import Blackhole, FaultyGrpcReceiver, FaultyHttpReceiver, free_port, wait_until
 from otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, attributes_dict
 from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401 - fixture
@@ -450,9 +451,7 @@ print("forwards done", flush=True)
 def _run_script(
     script: str, env_updates: dict[str, str], timeout: float = 60
 ) -> tuple[subprocess.CompletedProcess, float]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(env_updates)
+    env = checkout_env(**env_updates)
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=timeout

@@ -7,7 +7,6 @@ import gc
 import io
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkout import checkout_env
 from instrumented import traced_modules
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -229,9 +229,7 @@ def test_invalid_torchtrace_variables_fail_at_instrument_time(instrumentor, monk
 
 
 def _clean_env(**updates: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(updates)
+    env = checkout_env(**updates)
     return env
 
 
@@ -471,23 +469,27 @@ def test_a_module_replaced_behind_torchs_registration_hook_stops_being_traced_wi
         assert mean == pytest.approx(float(expected.mean()), rel=1e-6)
 
 
+class Slow(nn.Module):
+    """Two layers; between them its forward sets ``reached`` and waits for ``resume``: where another thread acts
+    while a forward is half done."""
+
+    def __init__(self, reached: threading.Event, resume: threading.Event) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.reached, self.resume = reached, resume
+
+    def forward(self, x):
+        x = self.first(x)
+        self.reached.set()
+        self.resume.wait(10)
+        return self.second(torch.relu(x))
+
+
 def test_remove_lets_a_forward_running_on_another_thread_finish_traced_whole():
     """remove() while another thread is inside a forward: no forward begins to be traced from then on, the running
     one is waited for (a second here) and delivered whole, then the hooks come out."""
     paused, go = threading.Event(), threading.Event()
-
-    class Slow(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
-
-        def forward(self, x):
-            x = self.first(x)
-            paused.set()
-            go.wait(10)
-            return self.second(x)
-
-    model = Slow()
+    model = Slow(paused, go)
     with capture_spans(model) as captured:
         worker = threading.Thread(target=model, args=(torch.randn(2, 4),))
         worker.start()
@@ -536,19 +538,7 @@ def test_a_forward_that_began_before_instrument_stays_untraced_as_a_whole():
     """instrument() on one thread while the model runs on another: the forward that began before it is not traced,
     and the submodules it calls afterwards make no traces of their own (they made one orphan span each)."""
     started, instrumented = threading.Event(), threading.Event()
-
-    class Slow(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
-
-        def forward(self, x):
-            x = self.first(x)
-            started.set()
-            instrumented.wait(10)  # instrument() happens here, on the main thread
-            return self.second(torch.relu(x))
-
-    model = Slow()
+    model = Slow(started, instrumented)  # instrument() happens while it waits, on the main thread
     outputs = []
     worker = threading.Thread(target=lambda: outputs.append(model(torch.randn(2, 4))))
     worker.start()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkout import checkout_env
 from nan_models import nan_model
 
 import torchtrace
@@ -173,9 +173,7 @@ def training(tmp_path_factory):
     directory = tmp_path_factory.mktemp("training")
     wrapper = directory / "per_rank_file.py"
     wrapper.write_text(_PER_RANK_FILE)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env.update(TORCHTRACE_RUN_ID="report-test", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env = checkout_env(TORCHTRACE_RUN_ID="report-test", OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
                str(wrapper), str(directory), str(ROOT / "examples" / "ddp_train.py"),
                "--steps=3", "--delay-rank=1", "--delay-ms=80"]  # fmt: skip

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkout import checkout_env
 from fault_receivers import Blackhole, wait_until
 from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401 - fixture
 
@@ -52,10 +53,7 @@ INSTRUMENT = 'handle = torchtrace.instrument(model, exporter="file", trace_file=
 
 
 def _env(**updates: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update({"TORCHTRACE_EXPORT_INTERVAL_MS": "60000", "TORCHTRACE_PRINT_SUMMARY": "false"}, **updates)
-    return env
+    return checkout_env(**{"TORCHTRACE_EXPORT_INTERVAL_MS": "60000", "TORCHTRACE_PRINT_SUMMARY": "false", **updates})
 
 
 def _count(path: Path) -> int:
