@@ -238,9 +238,9 @@ class TraceHandle:
         recorder = self._recorder
         recorder.enabled = False  # also for a copy that kept our forward (see TracedForward.__deepcopy__)
         deadline = time.monotonic() + REMOVE_WAIT_S
-        while recorder.running_elsewhere() and time.monotonic() < deadline:
+        while (running := recorder.running_elsewhere()) and time.monotonic() < deadline:
             time.sleep(0.001)
-        if running := recorder.running_elsewhere():
+        if running:
             _logger.warning(
                 "torchtrace: remove() went on while %d forward(s) ran on other threads for over %.0f s: their later "
                 "calls are not traced", running, REMOVE_WAIT_S,
