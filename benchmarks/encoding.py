@@ -28,8 +28,8 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from torchtrace._calls import ModuleCall  # noqa: E402
-from torchtrace._otlp_encoding import encode_export_request  # noqa: E402
+from torchtrace._core.calls import ModuleCall  # noqa: E402
+from torchtrace._otlp.protobuf import encode_export_request  # noqa: E402
 
 SUBMODULES = ["self_attn", "self_attn.out_proj", "linear1", "dropout", "linear2", "norm1", "norm2", "dropout1"]
 STATS = ["mean", "std", "min", "max", "abs_mean", "l2", "nan_frac", "inf_frac", "zero_frac", "sparsity"]

@@ -50,7 +50,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import torchtrace  # noqa: E402
-from torchtrace import _device, _worker  # noqa: E402
+from torchtrace._capture import device as _device
+from torchtrace._pipeline import worker as _worker  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_empty_hooks  # noqa: E402

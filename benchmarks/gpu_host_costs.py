@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from torchtrace import _cuda_driver, _device  # noqa: E402
+from torchtrace._capture import cuda_driver as _cuda_driver
+from torchtrace._capture import device as _device  # noqa: E402
 
 SHAPE = (1, 128, 768)  # one output of the B1 S128 encoder in gpu.py
 
@@ -102,7 +103,7 @@ def operations() -> dict[str, Callable[[], Any]]:
 
     ops["statistics_launch"] = statistics_row
     statistics_row()  # compiles the kernel and decides how it is launched
-    from torchtrace import _triton_stats
+    from torchtrace._capture import triton_stats as _triton_stats
 
     ops["statistics_launch_triton"] = _without_direct_launch(statistics_row, _triton_stats)
     tensors = [torch.randn(SHAPE, device=device, dtype=torch.bfloat16) for _ in range(16)]
@@ -124,7 +125,7 @@ def _without_direct_launch(operation: Callable[[], Any], module: Any) -> Callabl
 
 def launch_matches_triton() -> dict[str, Any]:
     """The C launch and Triton's launcher write the same row (a check of the C launch's parameters)."""
-    from torchtrace import _triton_stats
+    from torchtrace._capture import triton_stats as _triton_stats
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)

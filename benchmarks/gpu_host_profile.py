@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import torchtrace  # noqa: E402
-from torchtrace import _worker  # noqa: E402
+from torchtrace._pipeline import worker as _worker  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_models  # noqa: E402

@@ -243,7 +243,7 @@ def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
         getattr(sink, name)
         for sink in handle._dispatcher.sinks
         for name in ("force_flush", "flush")
-        if type(sink).__module__.startswith("torchtrace._exporters") and callable(getattr(sink, name, None))
+        if type(sink).__module__.startswith("torchtrace._otlp.exporters") and callable(getattr(sink, name, None))
     ][:1]
 
     counted = [sink for sink in handle._dispatcher.sinks if hasattr(sink, "exported") and hasattr(sink, "failed")]

@@ -16,8 +16,8 @@ import torch
 
 import torchtrace
 from torchtrace._demo import BATCH, SEED, SEQUENCE, VOCAB, DemoTransformer
-from torchtrace._metrics import MetricsSink
-from torchtrace._serve import metrics_from_env, serve_metrics
+from torchtrace._sinks.metrics import MetricsSink
+from torchtrace._sinks.metrics_server import metrics_from_env, serve_metrics
 
 
 def main() -> int:
@@ -52,7 +52,7 @@ def main() -> int:
 
 
 def _otlp() -> bool:
-    from torchtrace._exporters import otlp_endpoint_configured
+    from torchtrace._otlp.exporters import otlp_endpoint_configured
 
     return otlp_endpoint_configured()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchtrace._copies import _EntryOfModule
-from torchtrace._traced_forward import TracedForward
+from torchtrace._capture.copies import _EntryOfModule
+from torchtrace._capture.traced_forward import TracedForward
 
 
 def traced_modules(model: nn.Module) -> list[str]:

@@ -21,7 +21,8 @@ from test_statistics import assert_stats_match, output_attributes
 from torch import nn
 
 import torchtrace
-from torchtrace import _cuda_driver, _device
+from torchtrace._capture import cuda_driver as _cuda_driver
+from torchtrace._capture import device as _device
 from torchtrace.testing import capture_spans
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -47,7 +48,7 @@ def stats_path(request, monkeypatch):
 
 
 def test_the_triton_kernel_itself_runs_on_this_gpu():
-    kernel = pytest.importorskip("torchtrace._triton_stats")
+    kernel = pytest.importorskip("torchtrace._capture.triton_stats")
     tensor = torch.randn(3, 5000, device="cuda") * 2 + 1
     values = torch.tensor(_device.RAW_START + (0.0, 0.0), device="cuda")
     counts = torch.zeros(4, dtype=torch.int64, device="cuda")

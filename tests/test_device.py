@@ -28,10 +28,10 @@ from test_statistics import Emit, assert_stats_match, output_attributes, torch_s
 from torch import nn
 
 import torchtrace
-import torchtrace._device as device_module
-from torchtrace import _cuda_driver
-from torchtrace._comm import timed_comm_hook
-from torchtrace._device import EventTimer
+import torchtrace._capture.device as device_module
+from torchtrace._capture import cuda_driver as _cuda_driver
+from torchtrace._capture.comm import timed_comm_hook
+from torchtrace._capture.device import EventTimer
 from torchtrace.testing import capture_spans
 
 
@@ -47,7 +47,7 @@ def device_rows(monkeypatch):
 
     monkeypatch.setattr(device_module._Block, "__init__", counting_init)
     monkeypatch.setattr(device_module, "ROW_POOL", device_module.RowPool())
-    for module in ("torchtrace._stats", "torchtrace._steps"):
+    for module in ("torchtrace._capture.stats", "torchtrace._capture.steps"):
         monkeypatch.setattr(f"{module}.reduced_on_device", lambda tensor: True)
         monkeypatch.setattr(f"{module}.ROW_POOL", device_module.ROW_POOL)
     return blocks
@@ -171,7 +171,7 @@ def triton_kernel(device_rows, monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton compiles for the GPU here: tests/test_cuda.py runs the kernel")
     pytest.importorskip("triton")
-    kernel = importlib.import_module("torchtrace._triton_stats")
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
     launches = []
 
     def fused_kernel(x):
@@ -270,13 +270,13 @@ def test_a_permuted_output_of_a_kind_seen_before_takes_the_short_path(triton_ker
     launch, as a contiguous one does; a contiguous tensor of the same shape keeps a kind of its own. Every
     forward's statistics stay torch's."""
     general = []
-    compute_in_full = torchtrace._stats.StatComputer._compute_in_full
+    compute_in_full = torchtrace._capture.stats.StatComputer._compute_in_full
 
     def counted(computer, tensor):
         general.append(tensor.stride())
         return compute_in_full(computer, tensor)
 
-    monkeypatch.setattr(torchtrace._stats.StatComputer, "_compute_in_full", counted)
+    monkeypatch.setattr(torchtrace._capture.stats.StatComputer, "_compute_in_full", counted)
     torch.manual_seed(0)
     model = nn.Sequential(Transposed(), Shifted())
     inputs = [torch.randn(3, 4, 5) for _ in range(3)]
@@ -409,7 +409,7 @@ class Kernel(nn.Module):
 def device_clock(monkeypatch):
     clock = DeviceClock()
     timer = EventTimer(CLOCK_DEVICE, lambda: ClockEvent(clock), lambda: None)
-    monkeypatch.setattr("torchtrace._hooks.event_timer", lambda device: timer)
+    monkeypatch.setattr("torchtrace._capture.recorder.event_timer", lambda device: timer)
     monkeypatch.setitem(device_module._timers, CLOCK_DEVICE, timer)  # where events go back after use
     return clock
 
@@ -470,9 +470,9 @@ def test_a_forward_interrupted_on_the_device_is_read_once_its_events_completed(d
 
 def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeypatch):
     threads = []
-    monkeypatch.setattr("torchtrace._worker.cuda_initialized", lambda: True)
+    monkeypatch.setattr("torchtrace._pipeline.worker.cuda_initialized", lambda: True)
     monkeypatch.setattr(
-        "torchtrace._worker.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
+        "torchtrace._pipeline.worker.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
     )
     model = nn.Linear(2, 2)
     with torchtrace.instrument(model, exporter="none", export_interval_ms=5):
@@ -638,7 +638,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from torchtrace import _triton_stats as kernel
+from torchtrace._capture import triton_stats as kernel
 
 built = []
 for arch in (80, 90):
@@ -780,7 +780,7 @@ def test_the_triton_kernel_agrees_with_torch_on_any_float_tensor(triton_kernel, 
 
 
 def test_a_forwards_device_is_its_models_first_parameter_else_buffer_as_torch_orders_them():
-    from torchtrace._hooks import _device_of
+    from torchtrace._capture.recorder import _device_of
 
     class BufferOnly(nn.Module):
         def __init__(self) -> None:
@@ -904,7 +904,7 @@ def test_a_compiled_kernel_is_launched_from_c_only_where_its_parameters_are_the_
     (three pointers, two int32) and at most two scratch pointers, with no scratch memory, clusters or cooperative
     launch: anything else keeps Triton's own launcher."""
     pytest.importorskip("triton")
-    triton_stats = importlib.import_module("torchtrace._triton_stats")
+    triton_stats = importlib.import_module("torchtrace._capture.triton_stats")
     if triton_stats._launch_kernel is None:
         pytest.skip("torchtrace._native is not built here")
     driver = types.SimpleNamespace(launch_address=0xABC)
@@ -947,11 +947,11 @@ def test_a_forwards_device_rows_become_one_table_with_torchs_statistics(device_r
     infinite = torch.tensor([1.0, float("-inf"), 0.0, 2.0])
     for tensor in (finite, awkward, infinite, torch.tensor([3.0])):
         assert_stats_match(output_attributes(tensor), tensor)
-    computer = torchtrace._stats.StatComputer(torchtrace._config.STAT_NAMES, {})
+    computer = torchtrace._capture.stats.StatComputer(torchtrace._core.options.STAT_NAMES, {})
     summaries = [computer(finite), computer(finite * 3)]
     rows, _, _ = computer.finish_forward()
     (device_rows_of_forward,) = rows
-    table, all_finite = torchtrace._stats.device_table(summaries)
+    table, all_finite = torchtrace._capture.stats.device_table(summaries)
     assert all_finite and [stats["_row"] for stats in summaries] == [0, 1]
     assert "_pending" not in summaries[0]
     row = dict(zip(table.columns, table.row(1)))
@@ -967,13 +967,13 @@ def test_a_traced_device_forward_records_two_events_a_call_and_one_statistics_la
     per output tensor one statistics launch (into a row), per forward one copy of the rows to the host; nothing is
     read back inside the forward. Repeated forwards reuse the events and rows of the first (pools)."""
     launches = []
-    reduce = torchtrace._stats.reduce
+    reduce = torchtrace._capture.stats.reduce
 
     def counted_reduce(x, *args):
         launches.append(tuple(x.shape))
         return reduce(x, *args)
 
-    monkeypatch.setattr(torchtrace._stats, "reduce", counted_reduce)
+    monkeypatch.setattr(torchtrace._capture.stats, "reduce", counted_reduce)
     seals = []
     seal = device_module.StatRows.seal
     monkeypatch.setattr(device_module.StatRows, "seal", lambda rows: seals.append(rows) or seal(rows))

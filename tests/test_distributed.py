@@ -27,7 +27,7 @@ from test_device import Bucket
 from torch import nn
 
 import torchtrace
-from torchtrace._distributed import rank_info
+from torchtrace._core.ranks import rank_info
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
@@ -119,7 +119,7 @@ class Recording:
 
 
 def test_the_comm_hook_records_for_the_current_handle_only():
-    from torchtrace._comm import unwatch_ddp, watch_ddp
+    from torchtrace._capture.comm import unwatch_ddp, watch_ddp
 
     done = torch.futures.Future()
     done.set_result(torch.ones(4))

@@ -15,7 +15,7 @@ import pytest
 from checkout import checkout_env
 from extras import require_modules
 
-from torchtrace import _config
+from torchtrace._core import options as _config
 
 ROOT = Path(__file__).resolve().parent.parent
 

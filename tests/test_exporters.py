@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_receiver import attributes_dict
 
-from torchtrace._calls import ModuleCall
+from torchtrace._core.calls import ModuleCall
 from torchtrace._demo import run_demo
-from torchtrace._exporters import (
+from torchtrace._otlp.exporters import (
     EncodedSpans,
     GrpcSender,
     HttpSender,
@@ -38,7 +38,7 @@ from torchtrace._exporters import (
     otlp_endpoint_configured,
     resolve_protocol,
 )
-from torchtrace._otlp_encoding import encode_export_request
+from torchtrace._otlp.protobuf import encode_export_request
 
 TRACE_ID = 0xA1A2A3A4A5A6A7A8B1B2B3B4B5B6B7B8
 T0 = 1_700_000_000_000_000_000
@@ -126,7 +126,7 @@ def test_requests_are_cut_between_forwards_where_a_whole_forward_fits(monkeypatc
     from torch import nn
 
     import torchtrace
-    from torchtrace._calls import Calls
+    from torchtrace._core.calls import Calls
 
     configure(monkeypatch, "grpc", "none")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
@@ -392,12 +392,12 @@ def test_an_unreachable_collector_is_counted_and_warned_about_once(monkeypatch, 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.5")  # retries stop at the deadline
     sink = OtlpSink(create_otlp_sender(), default_resource())
-    with caplog.at_level(logging.WARNING, logger="torchtrace._exporters"):
+    with caplog.at_level(logging.WARNING, logger="torchtrace._otlp.exporters"):
         sink(forward_calls())
         sink(forward_calls())
     sink.shutdown()
     assert (sink.exported, sink.failed) == (0, 6)
-    ours = [r for r in caplog.records if r.name == "torchtrace._exporters"]
+    ours = [r for r in caplog.records if r.name == "torchtrace._otlp.exporters"]
     assert len(ours) == 1 and "OTLP export failed" in ours[0].getMessage()
 
 

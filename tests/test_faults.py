@@ -33,7 +33,8 @@ from prometheus_client import CollectorRegistry
 from torch import nn
 
 import torchtrace
-from torchtrace import _exporters, _handle
+from torchtrace import _handle
+from torchtrace._otlp import exporters as _exporters
 
 # The fork tests fork a process that runs torchtrace's worker thread on purpose; Python 3.12+ warns about that.
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import torchtrace
-from torchtrace._dispatch import CallInterrupted
+from torchtrace._pipeline.dispatcher import CallInterrupted
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""Imports inside torchtrace/ go one way: no module imports, directly or through others, one that imports it.
+"""Imports inside torchtrace/ go one way: no module imports, directly or through others, one that imports it; and the
+layer folders import only the layers below them on the data path (``LAYERS``).
 
 Every ``import torchtrace...`` / ``from torchtrace... import`` counts, at module level or inside a function (an
 import moved into a function still closes the loop when it runs), and so does ``importlib.import_module`` with a
@@ -14,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "torchtrace"
 
 
 def _module_name(path: Path) -> str:
-    return "torchtrace" if path.name == "__init__.py" else f"torchtrace.{path.stem}"
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -71,10 +73,10 @@ def _imported(path: Path, modules: set[str]) -> set[str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the torchtrace modules it imports, for every ``torchtrace/*.py``; a compiled module
+    """Module -> the torchtrace modules it imports, for every ``torchtrace/**/*.py``; a compiled module
     (``torchtrace/*.c``) imports none."""
-    paths = {_module_name(path): path for path in sorted(PACKAGE.glob("*.py"))}
-    compiled = {f"torchtrace.{path.stem}" for path in PACKAGE.glob("*.c")}
+    paths = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    compiled = {_module_name(path) for path in PACKAGE.rglob("*.c")}
     graph = {name: _imported(path, set(paths) | compiled) for name, path in paths.items()}
     graph.update((name, set()) for name in compiled)
     return graph
@@ -137,8 +139,8 @@ def loop(graph: dict[str, set[str]], group: list[str]) -> list[str]:
 def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
     assert "torchtrace._handle" in graph["torchtrace"]  # from torchtrace._handle import ...
-    assert "torchtrace._signals" in graph["torchtrace._handle"]  # from torchtrace import _signals
-    assert "torchtrace._exporters" in graph["torchtrace._handle"]  # inside a function
+    assert "torchtrace._core.signals" in graph["torchtrace._handle"]  # from torchtrace import _signals
+    assert "torchtrace._otlp.exporters" in graph["torchtrace._handle"]  # inside a function
 
 
 def test_cycles_are_found() -> None:
@@ -153,3 +155,78 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles inside torchtrace/: " + "; ".join(
         f"{', '.join(group)} (e.g. {' -> '.join(loop(graph, group))})" for group in cycles
     )
+
+
+# The data path in folders: each layer imports only itself and the layers named here (below it on the path). The
+# package's root modules (``instrument()``'s handle, the command line) wire the layers together and may import any;
+# ``BASE`` modules (names, version, the compiled helpers) are importable from every layer.
+LAYERS: dict[str, set[str]] = {
+    "_core": set(),  # options and the types every layer shares
+    "_capture": {"_core"},  # inside the model's forward and backward
+    "_pipeline": {"_core", "_capture"},  # raw forwards and steps resolved into calls, handed to sinks
+    "_sinks": {"_core"},  # records, summary, metrics, SDK spans: they read calls, never the capture
+    "_otlp": {"_core"},  # encoders and senders: the same
+    "_offline": {"_core", "_sinks"},  # trace files read back; the summary table is the sinks' own
+}
+BASE = {"torchtrace.attributes", "torchtrace.version", "torchtrace._native"}
+
+
+def _layer(module: str) -> str | None:
+    """The layer folder of ``module``, or None for the package's root modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, imported in sorted(graph.items()):
+        layer = _layer(module)
+        if layer is None:
+            continue
+        allowed = LAYERS[layer] | {layer}
+        for other in sorted(imported - BASE):
+            other_layer = _layer(other)
+            if other_layer not in allowed:
+                found.append(f"{module} -> {other} ({layer} may import {', '.join(sorted(allowed))})")
+    return found
+
+
+def test_every_module_of_the_package_sits_in_a_layer_or_wires_them() -> None:
+    roots = {module for module in import_graph() if _layer(module) is None and module.count(".") <= 1}
+    wiring = {"torchtrace", "torchtrace.__main__", "torchtrace._handle", "torchtrace._fork", "torchtrace._demo"}
+    public = {"torchtrace.cli", "torchtrace.instrumentation", "torchtrace.testing", "torchtrace._run"}
+    assert roots == wiring | public | BASE
+
+
+def test_layer_violations_are_found() -> None:
+    graph = {"torchtrace._sinks.a": {"torchtrace._capture.b", "torchtrace.attributes"}, "torchtrace._capture.b": set()}
+    assert layer_violations(graph) == [
+        "torchtrace._sinks.a -> torchtrace._capture.b (_sinks may import _core, _sinks)"
+    ]
+
+
+def test_layers_import_only_the_layers_below_them() -> None:
+    violations = layer_violations(import_graph())
+    assert not violations, "imports against the data path:\n" + "\n".join(violations)
+
+
+def _private_names_imported(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of each ``from torchtrace.x.y import _name`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtrace."):
+            found += [(node.module, alias.name) for alias in node.names if alias.name.startswith("_") and not alias.name.endswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_across_a_folder() -> None:
+    """A name with a leading underscore is its folder's business: another folder, the root included, imports only
+    public names (a module itself, ``from torchtrace._core import signals``, is a public name of its folder)."""
+    crossing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = _module_name(path)
+        folder = importer.rpartition(".")[0] if path.name != "__init__.py" else importer
+        for module, name in _private_names_imported(path):
+            if module.rpartition(".")[0] != folder and f"{module}.{name}" not in BASE:
+                crossing.append(f"{importer}: from {module} import {name}")
+    assert not crossing, "\n".join(crossing)

@@ -22,9 +22,9 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from torch import nn
 
 import torchtrace
-from torchtrace._config import Options
-from torchtrace._metrics import OVERFLOW_MODULE, MetricsSink
-from torchtrace._serve import metrics_from_env, serve_metrics
+from torchtrace._core.options import Options
+from torchtrace._sinks.metrics import OVERFLOW_MODULE, MetricsSink
+from torchtrace._sinks.metrics_server import metrics_from_env, serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -320,7 +320,7 @@ def test_metrics_true_serves_every_instrumented_model_from_the_global_registry()
 
 @pytest.mark.parametrize("endpoint_first", [True, False], ids=["serve-then-instrument", "instrument-then-serve"])
 def test_serving_metrics_beside_a_model_traced_without_them_says_so_once(endpoint_first, monkeypatch, caplog):
-    from torchtrace import _serve
+    from torchtrace._sinks import metrics_server as _serve
 
     monkeypatch.setattr(_serve, "_pairing_warned", False)
 
@@ -347,7 +347,7 @@ def test_serving_metrics_beside_a_model_traced_without_them_says_so_once(endpoin
 
 
 def test_the_natural_pairing_with_metrics_true_warns_nothing(monkeypatch, caplog):
-    from torchtrace import _serve
+    from torchtrace._sinks import metrics_server as _serve
 
     monkeypatch.setattr(_serve, "_pairing_warned", False)
     model, other = tiny_model(), nn.Sequential(nn.Linear(4, 4))
@@ -385,7 +385,7 @@ def test_a_taken_metrics_port_is_a_warning_not_a_failed_job(monkeypatch, caplog)
 def test_idle_connections_take_no_thread_and_do_not_hold_up_a_scrape(monkeypatch: pytest.MonkeyPatch):
     """200 connections that send nothing: no thread each (a bounded pool answers requests), a scrape is answered
     at once, idle connections are closed after the idle timeout, and past the waiting limit the longest waiting."""
-    from torchtrace import _serve
+    from torchtrace._sinks import metrics_server as _serve
 
     monkeypatch.setattr(_serve, "IDLE_TIMEOUT_S", 1.0)
     monkeypatch.setattr(_serve, "MAX_WAITING", 150)

@@ -20,8 +20,8 @@ from prometheus_server import PrometheusServer, promtool, require_binary
 from torch import nn
 
 import torchtrace
-from torchtrace._metrics import MetricsSink
-from torchtrace._serve import serve_metrics
+from torchtrace._sinks.metrics import MetricsSink
+from torchtrace._sinks.metrics_server import serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "TinyNet"

@@ -13,7 +13,7 @@ from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
-from torchtrace._config import MAX_EXPORT_INTERVAL_MS, MAX_PENDING_CALLS, MAX_TRACE_FILE_BACKUPS, resolve_options
+from torchtrace._core.options import MAX_EXPORT_INTERVAL_MS, MAX_PENDING_CALLS, MAX_TRACE_FILE_BACKUPS, resolve_options
 
 # option, its environment variable (None: keyword only), the smallest valid value, the largest (None: unbounded),
 # whether it is an integer

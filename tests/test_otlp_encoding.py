@@ -23,9 +23,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Trace
 from opentelemetry.trace.status import Status as SdkStatus
 from opentelemetry.trace.status import StatusCode
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall
-from torchtrace._hooks import ModuleInfo
-from torchtrace._otlp_encoding import clear_template_cache, encode_export_request
+from torchtrace._capture.recorder import ModuleInfo
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall
+from torchtrace._otlp.protobuf import clear_template_cache, encode_export_request
 
 TRACE_ID = 0x0123456789ABCDEF0123456789ABCDEF
 T0 = 1_700_000_000_000_000_000
@@ -75,7 +75,7 @@ def block_writers(request, monkeypatch):
     """Every test runs with a forward matched to its block and the block's ids, times, floats and shapes written by
     ``torchtrace._native`` (same_values, put_span_fields, put_values), and by Python and
     numpy (an install without a C compiler): the bytes must not differ."""
-    from torchtrace import _otlp_encoding
+    from torchtrace._otlp import protobuf as _otlp_encoding
 
     if request.param == "compiled-writers" and _otlp_encoding._put_values is None:
         pytest.skip("torchtrace._native is not built here")
@@ -252,7 +252,7 @@ def test_same_request_as_the_sdk_encoder():
 def test_a_handful_of_spans_and_a_batch_are_written_alike(monkeypatch):
     """A training step's own few spans have their ids, times, floats and shapes written slot by slot in Python; a
     larger batch all at once with numpy: both give the SDK's request."""
-    from torchtrace import _otlp_encoding
+    from torchtrace._otlp import protobuf as _otlp_encoding
 
     writers: list[str] = []
     for name in ("_fill", "_fill_few"):
@@ -342,7 +342,7 @@ def test_a_forward_with_statistics_encodes_from_its_columns_as_from_its_calls() 
 
 
 def test_shapes_are_data_one_template_serves_every_sequence_length() -> None:
-    from torchtrace import _otlp_encoding
+    from torchtrace._otlp import protobuf as _otlp_encoding
 
     clear_template_cache()
     calls = [

@@ -25,10 +25,10 @@ from test_otlp_encoding import (
     with_statistics,
 )
 
-from torchtrace._calls import Calls, ModuleCall
-from torchtrace._exporters import request_to_otlp_json
-from torchtrace._otlp_encoding import encode_export_request
-from torchtrace._otlp_json import encode_otlp_json
+from torchtrace._core.calls import Calls, ModuleCall
+from torchtrace._otlp.exporters import request_to_otlp_json
+from torchtrace._otlp.json_lines import encode_otlp_json
+from torchtrace._otlp.protobuf import encode_export_request
 
 
 def through_protobuf(calls: list[ModuleCall]) -> dict:

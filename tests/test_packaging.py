@@ -47,7 +47,7 @@ def test_the_wheel_holds_the_package_its_data_and_the_compiled_pass(tmp_path):
         pytest.skip("no C compiler: the wheel is pure Python, statistics take numpy's passes")
     names = wheel_files(tmp_path)
     assert any(map(is_compiled_module, names)), names
-    for expected in ("torchtrace/__init__.py", "torchtrace/_stats.py", "torchtrace/_report_page.html"):
+    for expected in ("torchtrace/__init__.py", "torchtrace/_capture/stats.py", "torchtrace/_report_page.html"):
         assert expected in names
     assert not any(name.startswith("tests/") for name in names)
 
@@ -56,5 +56,5 @@ def test_without_a_c_compiler_the_wheel_still_builds_without_the_compiled_module
     """The compiled module is optional: a machine that cannot build it installs torchtrace all the same (its
     statistics then take numpy's passes, tested with the module switched off in test_statistics.py)."""
     names = wheel_files(tmp_path, CC="false", LDSHARED="false")
-    assert "torchtrace/_stats.py" in names
+    assert "torchtrace/_capture/stats.py" in names
     assert not any(map(is_compiled_module, names)), names

@@ -27,7 +27,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace import STAT_NAMES, _handle
-from torchtrace._otlp_encoding import encode_export_request
+from torchtrace._otlp.protobuf import encode_export_request
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch import nn
 
-from torchtrace._stats import find_tensors
+from torchtrace._capture.stats import find_tensors
 from torchtrace.testing import capture_spans, check_traces
 
 

@@ -498,7 +498,8 @@ def test_kept_records_cost_the_garbage_collector_nothing() -> None:
 def untracking(request, monkeypatch):
     """Records made where ``torchtrace._native`` is built (a forward's tuple untracked as it is made), and without it
     (CPython untracks it at the first young collection it survives)."""
-    from torchtrace import _calls, _records
+    from torchtrace._core import calls as _calls
+    from torchtrace._sinks import records as _records
 
     if request.param == "compiled" and _calls.untracked.__module__ != "torchtrace._native":
         pytest.skip("torchtrace._native is not built here")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import torchtrace
-from torchtrace._exporters import redact
+from torchtrace._otlp.exporters import redact
 from torchtrace._run import effective_config
 
 SECRET = "s3cret-pw"

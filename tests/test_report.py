@@ -141,7 +141,7 @@ def test_handle_report_needs_the_file_exporter():
 
 
 def test_past_max_columns_every_other_forward_is_dropped_and_the_page_says_so(run, tmp_path, monkeypatch):
-    from torchtrace import _report
+    from torchtrace._offline import report as _report
 
     directory, _, _ = run
     monkeypatch.setattr(_report, "MAX_COLUMNS", 4)
@@ -216,7 +216,7 @@ def test_a_training_step_is_drawn_as_lanes_per_rank_on_one_time_axis(training, t
 
 
 def test_every_ranks_spans_of_a_chosen_step_are_read_from_every_file(training, tmp_path, monkeypatch):
-    from torchtrace import _report
+    from torchtrace._offline import report as _report
 
     files, _ = training
     monkeypatch.setattr(_report, "_OPEN_TRACES", 1)  # rank 0's steps are long finished when rank 1's file is read

@@ -28,8 +28,8 @@ from fault_receivers import Blackhole, wait_until
 from otlp_receiver import otlp_http_receiver as otlp_http_receiver  # noqa: F401 - fixture
 
 import torchtrace
-from torchtrace import _signals
-from torchtrace._trace_file import TraceFile
+from torchtrace._core import signals as _signals
+from torchtrace._otlp.file_writer import TraceFile
 
 ROOT = Path(__file__).resolve().parent.parent
 SPANS_PER_FORWARD = 4  # Sequential + 3 children
@@ -414,7 +414,7 @@ def test_a_sigterm_landing_in_a_drop_inside_the_records_delivery_waits_for_the_o
         torchtrace.instrument(model, exporter="file", **options) as handle,
     ):
         model(torch.ones(1, 4))  # waits for the exporters: the backlog is full
-        monkeypatch.setattr("torchtrace._buffer.time", _SignallingClock())
+        monkeypatch.setattr("torchtrace._capture.buffer.time", _SignallingClock())
         started = time.monotonic()
         model(torch.ones(1, 4))
         monkeypatch.undo()

@@ -20,8 +20,8 @@ from test_otlp_encoding import call, sample_calls
 from torch import nn
 
 import torchtrace
-from torchtrace._calls import CallBatch, Calls, ModuleCall
-from torchtrace._span_builder import SdkSpanSink, _FinishedSpans
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall
+from torchtrace._sinks.sdk_spans import SdkSpanSink, _FinishedSpans
 
 RESOURCE = Resource({"service.name": "span-builder"})
 

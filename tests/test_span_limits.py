@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from otlp_receiver import attributes_dict
 
-from torchtrace._calls import ModuleCall
-from torchtrace._otlp_encoding import encode_export_request
+from torchtrace._core.calls import ModuleCall
+from torchtrace._otlp.protobuf import encode_export_request
 
 RESOURCE = Resource({"service.name": "limits"})
 T0 = 1_700_000_000_000_000_000
@@ -114,7 +114,7 @@ def test_an_exception_whose_str_raises_is_exported_with_a_placeholder_message() 
 
 
 def test_dropped_attributes_are_logged_once_not_once_per_attribute(caplog, monkeypatch) -> None:
-    monkeypatch.setattr("torchtrace._otlp_encoding._warned_dropping", False)
+    monkeypatch.setattr("torchtrace._otlp.protobuf._warned_dropping", False)
     with caplog.at_level(logging.WARNING):
         ours(wide_call(200))
         ours(wide_call(300))

@@ -18,7 +18,7 @@ from seed_models import TestForHook
 from torch import nn
 
 import torchtrace
-from torchtrace._calls import Calls
+from torchtrace._core.calls import Calls
 from torchtrace.testing import capture_spans
 
 HOOK_TREE = {"TestForHook": {"linear_1": {}, "linear_2": {}, "relu": {}, "relu6": {}}}
@@ -495,8 +495,8 @@ def test_a_recursive_module_is_timed_once_in_the_summary():
 def test_the_summary_p95_is_the_nearest_rank_percentile():
     import numpy as np
 
-    from torchtrace._calls import ModuleCall
-    from torchtrace._summary import SummarySink
+    from torchtrace._core.calls import ModuleCall
+    from torchtrace._sinks.summary import SummarySink
 
     durations_ms = [1.0] * 19 + [100.0]
     summary = SummarySink()
@@ -509,7 +509,7 @@ def test_the_summary_p95_is_the_nearest_rank_percentile():
 def test_the_summary_of_part_of_a_forward_equals_the_summary_of_its_calls():
     """A forward cut in two (a view of its columns, as a request's worth of calls is) is summarised as its calls
     are: the durations of the calls in the view only, and no outermost call in the second part."""
-    from torchtrace._summary import SummarySink
+    from torchtrace._sinks.summary import SummarySink
 
     delivered = []
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
@@ -532,8 +532,8 @@ def test_the_summary_from_columns_equals_the_summary_of_the_records(columns, mon
     in Python without it); the records' ModuleCalls take the per-call path. 1,100 forwards wrap the 1,024-duration
     ring of every layer; the shared ReLU (two calls a forward) takes the per-call path of a forward that calls a
     module twice."""
-    from torchtrace import _dispatch
-    from torchtrace._summary import SummarySink
+    from torchtrace._pipeline import dispatcher as _dispatch
+    from torchtrace._sinks.summary import SummarySink
 
     if columns == "compiled" and _dispatch._call_columns is None:
         pytest.skip("torchtrace._native is not built here")

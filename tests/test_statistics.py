@@ -29,12 +29,13 @@ from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
-from torchtrace import _dispatch, _stats
-from torchtrace._dispatch import resolve_forward
+from torchtrace._capture import stats as _stats
+from torchtrace._capture.recorder import OUTPUTS
+from torchtrace._capture.stats import StatComputer
 from torchtrace._handle import _live_handles
-from torchtrace._hooks import OUTPUTS
-from torchtrace._stats import StatComputer
-from torchtrace._worker import WORKER
+from torchtrace._pipeline import dispatcher as _dispatch
+from torchtrace._pipeline.dispatcher import resolve_forward
+from torchtrace._pipeline.worker import WORKER
 from torchtrace.testing import capture_spans
 
 NUMERIC = ("mean", "std", "min", "max", "abs_max", "norm", "nan_count", "inf_count", "zero_fraction")
@@ -863,7 +864,7 @@ def table_row_forward(layouts: list[tuple[str, ...] | dict[str, tuple[str, ...]]
     tuple of stats keys for one bare tensor output, or {tensor name: stats keys} for a tuple's tensors ("" the bare
     output, {} no tensor at all). Each stats dict holds its keys, then "_row": the table's rows given out last to
     first, two columns; keys given as a list make a dict of values with no row (a large tensor's). And the modules."""
-    from torchtrace._hooks import ModuleInfo, RawForward
+    from torchtrace._capture.recorder import ModuleInfo, RawForward
 
     modules = [ModuleInfo("", "Net", 0), ModuleInfo("block", "Block", 1)]
     calls = [layout if isinstance(layout, dict) else {"": layout} for layout in layouts]
@@ -931,7 +932,7 @@ def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_pyt
 def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     """The compiled loop answers None (the caller's Python path then resolves the forward) for anything but the
     form it is made for, never a wrong value or a crash."""
-    from torchtrace._hooks import TRUNCATED
+    from torchtrace._capture.recorder import TRUNCATED
 
     if _dispatch._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")

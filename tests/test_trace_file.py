@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import torchtrace
-from torchtrace._exporters import EncodedSpans, JsonFileSender, check_endpoint, default_resource
-from torchtrace._otlp_json import encode_otlp_json
-from torchtrace._trace_file import TraceFile, rotated_paths
+from torchtrace._otlp.exporters import EncodedSpans, JsonFileSender, check_endpoint, default_resource
+from torchtrace._otlp.file_writer import TraceFile, rotated_paths
+from torchtrace._otlp.json_lines import encode_otlp_json
 
 SPANS_PER_FORWARD = 4
 
@@ -389,7 +389,7 @@ def test_the_sdk_file_exporter_warns_once_per_burst(tiny_fs: Path, caplog: pytes
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from torchtrace._exporters import SdkJsonFileExporter
+    from torchtrace._otlp.exporters import SdkJsonFileExporter
 
     exporter = SdkJsonFileExporter(tiny_fs / "app.jsonl")
     tracer = TracerProvider().get_tracer("app")

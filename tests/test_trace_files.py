@@ -12,7 +12,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace import cli
-from torchtrace._trace_files import TraceReader, summary_from_spans, trace_parts
+from torchtrace._offline.reader import TraceReader, summary_from_spans, trace_parts
 
 
 class Block(nn.Module):

@@ -14,7 +14,8 @@ from test_device import Kernel, device_clock  # noqa: F401 - device_clock: a fix
 from torch import nn
 
 import torchtrace
-from torchtrace import _stats, _traced_forward
+from torchtrace._capture import stats as _stats
+from torchtrace._capture import traced_forward as _traced_forward
 from torchtrace.testing import capture_spans
 
 ERROR = ValueError("the model's own error")

@@ -219,7 +219,7 @@ def test_the_first_module_to_produce_nan_in_a_forward_is_marked():
         assert culprit.status.status_code is StatusCode.ERROR
         event = culprit.events[0]
         assert event.name == "exception"
-        assert event.attributes["exception.type"] == "torchtrace._calls.NonFiniteError"
+        assert event.attributes["exception.type"] == "torchtrace._core.calls.NonFiniteError"
         assert "output" in event.attributes["exception.message"]
         # downstream layers and the container only pass the NaN on
         for name in ("0", "2", "3", "Sequential"):
@@ -355,7 +355,7 @@ def test_a_model_compiled_after_instrumenting_is_traced_at_region_level_with_one
 
 
 def test_where_the_compiled_module_is_missing_torch_compiler_disable_keeps_the_models_hooks_outside(monkeypatch):
-    monkeypatch.setattr(torchtrace._hooks, "_UNCOMPILED", False)  # as where torchtrace._native is not built
+    monkeypatch.setattr(torchtrace._capture.recorder, "_UNCOMPILED", False)  # as where torchtrace._native is not built
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = MLP()

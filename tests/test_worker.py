@@ -16,8 +16,8 @@ from fault_receivers import wait_until
 from torch import nn
 
 import torchtrace
-from torchtrace import _worker
-from torchtrace._buffer import RecordBuffer
+from torchtrace._capture.buffer import RecordBuffer
+from torchtrace._pipeline import worker as _worker
 from torchtrace.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
@@ -271,8 +271,8 @@ def test_a_forked_child_does_not_export_what_the_parent_resolved(tmp_path) -> No
 
 
 def test_a_cpu_forward_is_resolved_at_its_end_and_one_that_fails_there_is_left_to_the_worker():
-    from torchtrace._calls import CallBatch
-    from torchtrace._hooks import RawForward
+    from torchtrace._capture.recorder import RawForward
+    from torchtrace._core.calls import CallBatch
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

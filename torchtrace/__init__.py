@@ -1,13 +1,13 @@
 """torchtrace: OpenTelemetry spans and tensor statistics for every PyTorch module call."""
 
 from torchtrace import _fork  # noqa: F401 - a forked child (DataLoader worker) traces with its own worker and senders
-from torchtrace._calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._config import STAT_NAMES
+from torchtrace._capture.recorder import CompressedTensor
+from torchtrace._core.calls import ModuleCall, NonFiniteError, Sink
+from torchtrace._core.options import STAT_NAMES
+from torchtrace._core.schedule import StepSchedule, every, schedule
 from torchtrace._handle import TraceHandle, handle_of, instrument
-from torchtrace._hooks import CompressedTensor
-from torchtrace._metrics import MetricsSink
-from torchtrace._schedule import StepSchedule, every, schedule
-from torchtrace._serve import MetricsServer, metrics_from_env, serve_metrics
+from torchtrace._sinks.metrics import MetricsSink
+from torchtrace._sinks.metrics_server import MetricsServer, metrics_from_env, serve_metrics
 from torchtrace.version import __version__
 
 __all__ = [

@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from torch import nn
 
 import torchtrace
-from torchtrace._calls import ModuleCall
-from torchtrace._exporters import create_sdk_span_exporter, default_resource, otlp_endpoint_configured
+from torchtrace._core.calls import ModuleCall
+from torchtrace._otlp.exporters import create_sdk_span_exporter, default_resource, otlp_endpoint_configured
 
 SEED = 0
 VOCAB = 1000
@@ -99,7 +99,7 @@ def _where(handle: torchtrace.TraceHandle, spans: int, requests: int = 0) -> str
             endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
             if protocol == "http/protobuf":  # the generic variable is a base URL: the exporter appends the path
                 endpoint = endpoint.rstrip("/") + "/v1/traces"
-        from torchtrace._exporters import redact
+        from torchtrace._otlp.exporters import redact
 
         return f"traces: {what} spans sent over OTLP ({protocol}) to {redact(endpoint)}{failed}"
     if handle.exporter == "sdk":
@@ -164,7 +164,7 @@ def run_demo(
         if owned:
             provider.shutdown()  # delivers the request spans
     if in_file:
-        from torchtrace._report import write_report
+        from torchtrace._offline.report import write_report
 
         report = os.path.join(os.path.dirname(spans_file), "report.html")
         write_report([spans_file], report)

@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from torchtrace._handle import _live_handles
-from torchtrace._worker import WORKER
+from torchtrace._pipeline.worker import WORKER
 
 _logger = logging.getLogger(__name__)
 _registered = False
@@ -36,7 +36,9 @@ _registered = False
 
 def _renew_sender(sink: Any) -> None:
     """A fresh sender of the same kind for an ``OtlpSink`` (and fresh sink state)."""
-    from torchtrace import _exporters  # only an OtlpSink has a sender: the handle that made it imported this already
+    from torchtrace._otlp import (
+        exporters as _exporters,  # only an OtlpSink has a sender: the handle that made it imported this already
+    )
 
     sender = sink.sender
     if isinstance(sender, _exporters.GrpcSender):

@@ -16,23 +16,24 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace import _replaced, _signals
-from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import ModuleCall, NonFiniteError
-from torchtrace._comm import is_ddp, unwatch_ddp, watch_ddp
-from torchtrace._config import ENV_METRICS, Options, StatFunction, _env, resolve_options
-from torchtrace._copies import follow_copies
-from torchtrace._dispatch import Dispatcher, first_nonfinite, resolve_forward
-from torchtrace._distributed import rank_info
-from torchtrace._hooks import HookRecorder
-from torchtrace._records import RecordStore
-from torchtrace._schedule import always, sampled
-from torchtrace._selection import is_compiled_module, select_modules, type_name
-from torchtrace._serve import forget_unmetered, note_unmetered
-from torchtrace._span_builder import SdkSpanSink
-from torchtrace._steps import StepRecord, StepTracker
-from torchtrace._summary import SummarySink
-from torchtrace._traced_forward import can_wrap, wrap_forward
+from torchtrace._capture import replaced as _replaced
+from torchtrace._capture.buffer import RecordBuffer
+from torchtrace._capture.comm import is_ddp, unwatch_ddp, watch_ddp
+from torchtrace._capture.copies import follow_copies
+from torchtrace._capture.recorder import HookRecorder
+from torchtrace._capture.selection import is_compiled_module, select_modules, type_name
+from torchtrace._capture.steps import StepRecord, StepTracker
+from torchtrace._capture.traced_forward import can_wrap, wrap_forward
+from torchtrace._core import signals as _signals
+from torchtrace._core.calls import ModuleCall, NonFiniteError
+from torchtrace._core.options import ENV_METRICS, Options, StatFunction, _env, resolve_options
+from torchtrace._core.ranks import rank_info
+from torchtrace._core.schedule import always, sampled
+from torchtrace._pipeline.dispatcher import Dispatcher, first_nonfinite, resolve_forward
+from torchtrace._sinks.metrics_server import forget_unmetered, note_unmetered
+from torchtrace._sinks.records import RecordStore
+from torchtrace._sinks.sdk_spans import SdkSpanSink
+from torchtrace._sinks.summary import SummarySink
 from torchtrace.version import __version__
 
 _logger = logging.getLogger(__name__)
@@ -170,7 +171,7 @@ class TraceHandle:
             if hasattr(sink, "shutdown"):
                 sink.shutdown()
         if self.options.metrics is True and self.metrics is not None:
-            from torchtrace._metrics import INSTRUMENTED_MODELS
+            from torchtrace._sinks.metrics import INSTRUMENTED_MODELS
 
             INSTRUMENTED_MODELS.retire(self.metrics)
         if _instrumented.get(model) is self:
@@ -219,7 +220,7 @@ class TraceHandle:
             raise ValueError(
                 f"handle.report() reads the trace file of the file exporter; this handle's is {self.exporter!r}"
             )
-        from torchtrace._report import write_report
+        from torchtrace._offline.report import write_report
 
         self.flush()
         losses = {"dropped_calls": self.dropped_calls, "failed_spans": self.failed_spans}
@@ -262,7 +263,7 @@ class TraceHandle:
                 f"{self.summary(limit=30)}\n\ntorchtrace: traces written to {self.options.trace_file}", file=sys.stderr
             )
         if self.options.metrics is True:
-            from torchtrace._metrics import INSTRUMENTED_MODELS
+            from torchtrace._sinks.metrics import INSTRUMENTED_MODELS
 
             INSTRUMENTED_MODELS.retire(self.metrics)
         model = self._model_ref()
@@ -451,8 +452,8 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
     global _metrics_server
     if not option:
         return None
-    from torchtrace._metrics import INSTRUMENTED_MODELS, MetricsSink
-    from torchtrace._serve import metrics_from_env
+    from torchtrace._sinks.metrics import INSTRUMENTED_MODELS, MetricsSink
+    from torchtrace._sinks.metrics_server import metrics_from_env
 
     if _metrics_server is None:
         try:
@@ -472,7 +473,7 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
 
 def _claim_metrics_sinks(sinks: list, handle: TraceHandle) -> None:
     """Each MetricsSink among ``sinks`` serves this handle alone (MetricsSink.claim refuses a shared one)."""
-    metrics = sys.modules.get("torchtrace._metrics")  # imported once a MetricsSink exists: none if not imported
+    metrics = sys.modules.get("torchtrace._sinks.metrics")  # imported once a MetricsSink exists: none if not imported
     for sink in sinks:
         if metrics is not None and isinstance(sink, metrics.MetricsSink):
             sink.claim(handle)
@@ -496,7 +497,9 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
         return exporter, [SdkSpanSink(provider)], [flush] if flush else []
     if exporter == "none":
         return exporter, [], []
-    from torchtrace import _exporters  # loads the OTLP exporters' gRPC/HTTP stacks only when they are used
+    from torchtrace._otlp import (
+        exporters as _exporters,  # loads the OTLP exporters' gRPC/HTTP stacks only when they are used
+    )
 
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
@@ -589,7 +592,7 @@ def instrument(
 
 
 def _publishes_metrics(handle: TraceHandle) -> bool:
-    metrics = sys.modules.get("torchtrace._metrics")
+    metrics = sys.modules.get("torchtrace._sinks.metrics")
     sinks = [handle.metrics, *handle.options.sinks]
     return metrics is not None and any(isinstance(sink, metrics.MetricsSink) for sink in sinks)
 

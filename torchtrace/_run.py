@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any, TextIO
 
-from torchtrace import _config, _signals
+from torchtrace._core import options as _config
+from torchtrace._core import signals as _signals
 
 # option -> the TORCHTRACE_* variable it reads (options without one are keyword-only)
 OPTION_ENV: dict[str, tuple[str, ...]] = {
@@ -116,7 +117,7 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
         rows.append({"name": name, "value": text, "source": source})
     triton_source = f"env {_config.ENV_TRITON}" if _env_set(_config.ENV_TRITON) else "default"
     rows.append({"name": "triton statistics", "value": str(_config.triton_allowed()), "source": triton_source})
-    from torchtrace import _exporters
+    from torchtrace._otlp import exporters as _exporters
 
     for name in OTEL_VARIABLES:
         if _env_set(name):
@@ -135,7 +136,7 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
 def _auto_exporter() -> str:
     from opentelemetry import trace
 
-    from torchtrace import _exporters
+    from torchtrace._otlp import exporters as _exporters
 
     if hasattr(trace.get_tracer_provider(), "add_span_processor"):
         return "sdk: a TracerProvider is installed"
@@ -170,7 +171,7 @@ def _install_tracer_provider(trace_file: str | None = None) -> tuple[Any, bool]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from torchtrace import _exporters
+    from torchtrace._otlp import exporters as _exporters
 
     current = trace.get_tracer_provider()
     if hasattr(current, "add_span_processor"):
@@ -182,7 +183,7 @@ def _install_tracer_provider(trace_file: str | None = None) -> tuple[Any, bool]:
 
 
 def _model_options(keywords: dict[str, Any], provider: Any) -> dict[str, Any]:
-    from torchtrace import _exporters
+    from torchtrace._otlp import exporters as _exporters
 
     options = dict(keywords)
     if options.get("exporter") is None and not _env_set(_config.ENV_EXPORTER):

@@ -196,19 +196,19 @@ def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _print_file_summary(args: argparse.Namespace) -> int:
-    from torchtrace._trace_files import summary_command
+    from torchtrace._offline.reader import summary_command
 
     return summary_command(args.traces, args.limit)
 
 
 def _write_perfetto(args: argparse.Namespace) -> int:
-    from torchtrace._perfetto import perfetto_command
+    from torchtrace._offline.perfetto import perfetto_command
 
     return perfetto_command(args.traces, args.output)
 
 
 def _write_report(args: argparse.Namespace) -> int:
-    from torchtrace._report import report_command
+    from torchtrace._offline.report import report_command
 
     return report_command(args.traces, args.output)
 

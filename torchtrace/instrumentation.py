@@ -106,7 +106,7 @@ class TorchInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         options = {key: value for key, value in kwargs.items() if value is not None}
         # validate now (raises here, not at the first forward): same merge as instrument() does
-        from torchtrace._config import resolve_options
+        from torchtrace._core.options import resolve_options
 
         resolve_options(**options)
         global _on_first_call

@@ -1,4 +1,4 @@
-"""mkdocs hook: the configuration tables, generated from torchtrace/_config.py at build time.
+"""mkdocs hook: the configuration tables, generated from torchtrace/_core/options.py at build time.
 
 A page line ``<!-- options: GROUP -->`` becomes the table of that group's options (keyword, environment variable,
 default, meaning) and ``<!-- env-only -->`` the table of variables read outside ``instrument()``'s options. Names
@@ -13,7 +13,8 @@ import re
 from dataclasses import MISSING, fields
 from typing import Any
 
-from torchtrace import _config, _run
+from torchtrace import _run
+from torchtrace._core import options as _config
 
 MARKER = re.compile(r"^<!-- (options: (?P<group>[^>]+?)|env-only) -->$", re.M)
 

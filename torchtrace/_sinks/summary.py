@@ -11,7 +11,7 @@ from operator import sub
 
 import numpy as np
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall, call_name
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall, call_name
 
 _RESERVOIR = 1024  # durations kept per layer for the p95: the latest ones, 8 bytes each (a 129-layer model: 1 MiB)
 _FOLD_AT = 64  # forwards whose durations wait, as rows, before they are added to their layers (or until read)

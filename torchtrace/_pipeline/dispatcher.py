@@ -19,11 +19,10 @@ from typing import Any
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
-from torchtrace import _replaced, _signals
-from torchtrace._buffer import FULL, RecordBuffer
-from torchtrace._calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
-from torchtrace._device import elapsed_ns, elapsed_since
-from torchtrace._hooks import (
+from torchtrace._capture import replaced as _replaced
+from torchtrace._capture.buffer import FULL, RecordBuffer
+from torchtrace._capture.device import elapsed_ns, elapsed_since
+from torchtrace._capture.recorder import (
     ATTRIBUTES,
     ERROR,
     INPUT_VALUE,
@@ -35,9 +34,11 @@ from torchtrace._hooks import (
     RawForward,
     SummaryMarker,
 )
-from torchtrace._stats import StatTable, device_table, resolve
-from torchtrace._steps import BACKWARD_START, StepRecord
-from torchtrace._worker import WORKER
+from torchtrace._capture.stats import StatTable, device_table, resolve
+from torchtrace._capture.steps import BACKWARD_START, StepRecord
+from torchtrace._core import signals as _signals
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
+from torchtrace._pipeline.worker import WORKER
 from torchtrace.attributes import (
     COMM_BUCKET,
     COMM_BYTES,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtrace._cuda_driver import driver, kernel_param_sizes
+from torchtrace._capture.cuda_driver import driver, kernel_param_sizes
 
 try:
     from torchtrace._native import launch_kernel as _launch_kernel

@@ -8,7 +8,7 @@ small window of recent traces, so memory is bounded by the window, the columns a
 several ranks, whose spans of one step share its trace but may be in different files, the chosen traces' spans
 are read again from every file (lines naming none of them are skipped unparsed), so a step shows every rank. A
 training step is drawn as lanes per rank (step, forward, backward, optimizer, all-reduce), a forward nested.
-Charts are drawn by uPlot (vendored, MIT; see torchtrace/_vendor/uplot/VERSION) and small canvas / SVG code here.
+Charts are drawn by uPlot (vendored, MIT; see _vendor/uplot/VERSION) and small canvas / SVG code here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchtrace._trace_files import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
+from torchtrace._offline.reader import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
 from torchtrace.attributes import COMM_BUCKET, GRAD_OUTPUT_PREFIX, MODULE_PATH, MODULE_TYPE, OUTPUT_PREFIX, STEP
 
 __all__ = ["write_report", "report_command"]
@@ -308,12 +308,12 @@ def _page_data(reader: TraceReader, losses: dict[str, int] | None = None) -> dic
 
 
 def _vendored(name: str) -> str:
-    return resources.files("torchtrace").joinpath("_vendor", "uplot", name).read_text(encoding="utf-8")
+    return resources.files("torchtrace._offline").joinpath("_vendor", "uplot", name).read_text(encoding="utf-8")
 
 
 def _page(data: dict[str, Any]) -> str:
     payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
-    template = resources.files("torchtrace").joinpath("_report_page.html").read_text(encoding="utf-8")
+    template = resources.files("torchtrace._offline").joinpath("report_page.html").read_text(encoding="utf-8")
     return (
         template.replace("/*UPLOT_CSS*/", _vendored("uPlot.min.css"))
         .replace("/*UPLOT_JS*/", _vendored("uPlot.iife.min.js").replace("</", "<\\/"))

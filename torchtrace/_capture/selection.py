@@ -7,8 +7,8 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from torchtrace._config import Options
-from torchtrace._hooks import ModuleInfo, warn_region_level
+from torchtrace._capture.recorder import ModuleInfo, warn_region_level
+from torchtrace._core.options import Options
 
 
 def is_compiled_module(model: torch.nn.Module) -> bool:

@@ -41,8 +41,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
-from torchtrace._calls import ModuleCall, NonFiniteError
-from torchtrace._distributed import rank_info
+from torchtrace._core.calls import ModuleCall, NonFiniteError
+from torchtrace._core.ranks import rank_info
 from torchtrace.attributes import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torchtrace import _signals
+from torchtrace._core import signals as _signals
 
 _logger = logging.getLogger(__name__)
 _DROP_LOG_INTERVAL_S = 20.0

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
-from torchtrace._calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned, untracked
+from torchtrace._core.calls import NO_EXTRAS, CallBatch, Calls, ModuleCall, interned, untracked
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 _logger = logging.getLogger(__name__)

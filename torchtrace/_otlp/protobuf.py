@@ -42,7 +42,7 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
 try:

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.cuda import is_initialized as cuda_initialized
 
-from torchtrace._cuda_driver import tolerate_graph_captures
+from torchtrace._capture.cuda_driver import tolerate_graph_captures
 
 _logger = logging.getLogger(__name__)
 THREAD_NAME = "torchtrace-dispatch"

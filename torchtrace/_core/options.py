@@ -220,7 +220,7 @@ def _schedule_option(value: Any) -> Callable[[int], bool] | None:
         text = _env(ENV_STEP_EVERY)
         if text is None:
             return None
-        from torchtrace._schedule import every
+        from torchtrace._core.schedule import every
 
         n = _parse_int(ENV_STEP_EVERY, text)
         _check_number(ENV_STEP_EVERY, n, True, 1, None)

@@ -26,8 +26,8 @@ from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text
-from torchtrace._otlp_encoding import (
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall, error_text
+from torchtrace._otlp.protobuf import (
     _CHILD,
     _FLAG_HAS_IS_REMOTE,
     _FLAG_IS_REMOTE,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from torchtrace._calls import ModuleCall
-from torchtrace._summary import SummarySink
+from torchtrace._core.calls import ModuleCall
+from torchtrace._sinks.summary import SummarySink
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE, RANK
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtrace._calls import error_text
-from torchtrace._config import STAT_NAMES, StatFunction
-from torchtrace._device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, finish_raw_rows, reduce
+from torchtrace._capture.device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, finish_raw_rows, reduce
+from torchtrace._core.calls import error_text
+from torchtrace._core.options import STAT_NAMES, StatFunction
 
 try:
     from torchtrace._native import copy as _copy

@@ -46,11 +46,11 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from torchtrace._calls import Calls, ModuleCall, error_text
-from torchtrace._otlp_encoding import encode_export_request
-from torchtrace._otlp_json import encode_otlp_json
-from torchtrace._request_threads import REQUEST_THREADS
-from torchtrace._trace_file import TraceFile
+from torchtrace._core.calls import Calls, ModuleCall, error_text
+from torchtrace._otlp.file_writer import TraceFile
+from torchtrace._otlp.json_lines import encode_otlp_json
+from torchtrace._otlp.protobuf import encode_export_request
+from torchtrace._otlp.request_threads import REQUEST_THREADS
 
 __all__ = [
     "DEFAULT_SERVICE_NAME",
@@ -176,7 +176,7 @@ def default_resource() -> Resource:
 def process_resource() -> Resource:
     """This process's resource: ``default_resource()`` plus, in a distributed job, the rank attributes and the
     rank's stable ``service.instance.id`` (also right in a forked child)."""
-    from torchtrace._distributed import rank_info
+    from torchtrace._core.ranks import rank_info
 
     resource = default_resource()
     rank = rank_info()
@@ -297,7 +297,7 @@ def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -
         if protocol == "grpc":
             return _GrpcSpanExporter(timeout=timeout, compression=grpc_compression_none())
         return _HttpSpanExporter(timeout=timeout)
-    from torchtrace._config import resolve_options
+    from torchtrace._core.options import resolve_options
 
     return SdkJsonFileExporter(file_sender(resolve_options(trace_file=trace_file)))
 
@@ -308,7 +308,7 @@ _MIB = 1024 * 1024
 def file_sender(options: Any) -> JsonFileSender:
     """The ``file`` exporter's sender for ``Options``: rotation as configured, the trace directory made now (a
     ValueError naming the option where it cannot be), symlinks refused at the default path."""
-    from torchtrace._config import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
+    from torchtrace._core.options import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
 
     path = options.trace_file
     sender = JsonFileSender(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtrace._traced_forward import EntriesHandle, TracedForward, copy_in
+from torchtrace._capture.traced_forward import EntriesHandle, TracedForward, copy_in
 
 # torch's forward-hook dicts, keyed by hook id: the hooks themselves, then the flags kept beside them
 _HOOK_DICTS = (

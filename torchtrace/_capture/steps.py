@@ -24,18 +24,18 @@ import torch
 from opentelemetry.trace import SpanContext, TraceFlags
 from torch.autograd.graph import register_multi_grad_hook
 
-from torchtrace._calls import error_text
-from torchtrace._device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
-from torchtrace._distributed import RankInfo, derived_id
-from torchtrace._hooks import FEATURE_ERROR
-from torchtrace._schedule import StepSchedule
-from torchtrace._stats import (
+from torchtrace._capture.device import ROW_POOL, DeviceWork, EventTimer, StatRows, completion_event
+from torchtrace._capture.recorder import FEATURE_ERROR
+from torchtrace._capture.stats import (
     device_stats,
     find_tensors,
     local_values,
     reduce_view,
     reduced_on_device,
 )
+from torchtrace._core.calls import error_text
+from torchtrace._core.ranks import RankInfo, derived_id
+from torchtrace._core.schedule import StepSchedule
 from torchtrace.attributes import PARAM_GRAD_NORM, PARAM_NORM
 
 MAX_COMM_RECORDS = 10_000  # all-reduce buckets kept per step

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
-from torchtrace._buffer import RecordBuffer
-from torchtrace._calls import error_text
-from torchtrace._config import Options
-from torchtrace._device import DeviceWork, event_timer
-from torchtrace._sampling import ForwardSampler
-from torchtrace._stats import StatComputer, StatTable, find_tensors
-from torchtrace._traced_forward import class_forward, native_traced_call
+from torchtrace._capture.buffer import RecordBuffer
+from torchtrace._capture.device import DeviceWork, event_timer
+from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
+from torchtrace._capture.traced_forward import class_forward, native_traced_call
+from torchtrace._core.calls import error_text
+from torchtrace._core.options import Options
+from torchtrace._core.sampling import ForwardSampler
 
 _logger = logging.getLogger(__name__)
 _UNKNOWN = object()

@@ -24,7 +24,7 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
-from torchtrace._calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
+from torchtrace._core.calls import CallBatch, Calls, ModuleCall, error_text, exception_event_attributes
 from torchtrace.version import __version__
 
 _TRACER_FIELDS = ("sampler", "resource", "span_processor", "id_generator", "_instrumentation_scope", "_span_limits")

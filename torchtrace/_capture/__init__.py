@@ -1,0 +1,1 @@
+"""Capture: what runs inside the model's forward and backward (traced forwards, hooks, statistics, device work)."""

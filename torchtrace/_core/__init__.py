@@ -1,0 +1,1 @@
+"""Options and the types every layer shares: the resolved configuration, calls as columns, schedules, ranks."""
