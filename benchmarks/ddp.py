@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+import torchtrace
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 20  # steps timed together, the traced model's flush at the end of them
 
@@ -31,8 +33,6 @@ def worker(steps: int, exporter: str) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
-
-    import torchtrace
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -45,7 +45,7 @@ def worker(steps: int, exporter: str) -> None:
 
     plain, plain_opt = make()
     traced, traced_opt = make()
-    handle = torchtrace.instrument(traced, exporter=exporter, backward=True, optimizer=traced_opt, print_summary=False)
+    handle = torchtrace.instrument(traced, exporter=exporter, backward=True, optimizer=traced_opt)
     x = torch.randn(64, 256)
     times: dict[str, list[float]] = {"plain": [], "traced": []}
     block = min(steps, BLOCK)

@@ -8,7 +8,7 @@ Four questions, answered on one CUDA device in one run:
    output, CUDA-event timing, the embedded file exporter), `torchtrace_spans` (the same without statistics: what
    the statistics cost), `torchtrace_spans_host_clock` (spans without statistics or CUDA events: what the events
    cost), `torchtrace_torch_ops` (every statistic, reduced by torch ops instead of the fused Triton kernel) and
-   `torchtrace_sampled` (stats_sample=65536). One timed repetition =
+   `torchtrace_sampled` (Stats(sample=65536)). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
    and export are in the window. Targets (every statistic): <= 1.12x at batch 16 / seq 512, <= 1.35x at batch 1 /
    seq 128. All variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on,
@@ -47,9 +47,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import torchtrace
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torchtrace  # noqa: E402
 from torchtrace._capture import device as _device
 from torchtrace._pipeline import worker as _worker  # noqa: E402
 
@@ -105,14 +106,14 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
         names.append("torchtrace_worker_at_flush")
     for name in names:
         model = copy.deepcopy(base)
+        torchtrace.configure(cuda_events=name != "torchtrace_spans_host_clock", print_summary=False)
         handle = torchtrace.instrument(
             model,
             exporter="file",
             trace_file=os.path.join(trace_dir, f"{name}.jsonl"),
-            print_summary=False,
-            stats=not name.startswith("torchtrace_spans"),
-            cuda_events=name != "torchtrace_spans_host_clock",
-            stats_sample=SAMPLE if name == "torchtrace_sampled" else None,
+            stats=torchtrace.Stats(
+                names=not name.startswith("torchtrace_spans"), sample=SAMPLE if name == "torchtrace_sampled" else None
+            ),
         )
         variant = Variant(
             name, model, flush=handle.flush, close=handle.remove, worker_at_flush=name == "torchtrace_worker_at_flush"
@@ -201,7 +202,9 @@ def timing_accuracy(base: nn.Module, runs: int, stats: bool) -> dict[str, Any]:
         model(x)
     for keeper in keepers:
         keeper.remove()
-    with torchtrace.instrument(model, exporter="none", max_records=runs * 200, stats=stats) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", stats=stats, records=torchtrace.Records(max_records=runs * 200)
+    ) as handle:
         with GRAD_MODE():
             for _ in range(runs):
                 model(x)

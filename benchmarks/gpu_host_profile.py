@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+import torchtrace
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torchtrace  # noqa: E402
 from torchtrace._pipeline import worker as _worker  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         report["none"] = profiled(base, call, args.forwards, False, args.top)
         for name, stats in (("torchtrace", True), ("torchtrace_spans", False)):
             trace_file = os.path.join(trace_dir, f"{name}.jsonl")
-            handle = torchtrace.instrument(
-                base, exporter="file", trace_file=trace_file, print_summary=False, stats=stats
-            )
+            handle = torchtrace.instrument(base, exporter="file", trace_file=trace_file, stats=stats)
             try:
                 with torch.inference_mode():
                     for _ in range(5):  # warm-up: Triton compilation, event and row pools

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+import torchtrace
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-import torchtrace  # noqa: E402
 
 TARGETS = {"gpt2_forward": 1.15, "bert_forward": 1.15, "gpt2_generate": 1.35, "gpt2_train_step": 1.25}
 VARIANTS = ("none", "torchtrace", "torchtrace_spans", "torchtrace_sampled", "torch_profiler")
@@ -141,7 +142,6 @@ def make_variants(case: Case, trace_dir: str) -> list[Variant]:
                 model,
                 exporter="file",
                 trace_file=os.path.join(trace_dir, f"{case.name}-{name}.jsonl"),
-                print_summary=False,
                 **options,
             )
             variant.flush, variant.close = handle.flush, handle.remove

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         samples: list[tuple[int, float]] = [(0, rss_mib())]
         started = time.perf_counter()
         with torchtrace.instrument(
-            model, exporter=args.exporter, trace_file=trace_file, export_interval_ms=200, print_summary=False
+            model, exporter=args.exporter, trace_file=trace_file, limits=torchtrace.Limits(export_interval_ms=200)
         ) as handle:
             with torch.inference_mode():
                 for i in range(1, forwards + 1):

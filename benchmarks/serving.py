@@ -33,12 +33,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+import torchtrace
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from overhead import cheap_model, discard_receiver  # noqa: E402
-
-import torchtrace  # noqa: E402
 
 BLOCK_S = 5.0  # one timed block; blocks of the three variants alternate
 FLUSH_EVERY = 20  # forwards between two flushes of the flushed variant (as overhead.py's repetitions)
@@ -68,8 +68,12 @@ def measure_rate(seconds: float) -> dict:
     model, x, _ = cheap_model()
     plain, background, flushed = model, copy.deepcopy(model), copy.deepcopy(model)
     handles = {
-        "background": torchtrace.instrument(background, exporter="otlp", export_interval_ms=1000),
-        "flushed": torchtrace.instrument(flushed, exporter="otlp", export_interval_ms=10**9),  # only by hand
+        "background": torchtrace.instrument(
+            background, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=1000)
+        ),
+        "flushed": torchtrace.instrument(
+            flushed, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=10**9)
+        ),  # only by hand
     }
     variants: dict[str, tuple[Callable[[], None], Callable[[], object] | None]] = {
         "untraced": (lambda: plain(x), None),
@@ -111,7 +115,9 @@ def measure_memory(calls: int) -> dict:
     warm_up = min(forwards, max(forwards // 20, 10_000 // per_forward + 1, 1_025))
     with tempfile.TemporaryDirectory() as directory:
         trace_file = os.path.join(directory, "traces.jsonl")
-        handle = torchtrace.instrument(model, exporter="file", trace_file=trace_file, export_interval_ms=1000)
+        handle = torchtrace.instrument(
+            model, exporter="file", trace_file=trace_file, limits=torchtrace.Limits(export_interval_ms=1000)
+        )
         readings = []  # (calls so far, RSS MiB), each after a flush
         with torch.inference_mode():
             done = 0

@@ -39,7 +39,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).to(device)
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)  # small buckets: several all-reduce spans per step
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    handle = torchtrace.instrument(ddp, backward=True, optimizer=optimizer, print_summary=False)
+    handle = torchtrace.instrument(ddp, backward=True, optimizer=optimizer)
     for _ in range(args.steps):
         loss = ddp(torch.randn(32, 64, device=device)).pow(2).mean()
         if rank == args.delay_rank:

@@ -96,7 +96,7 @@ def create_app(sample_ratio: float) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        handle = torchtrace.instrument(model, exporter="otlp", print_summary=False)
+        handle = torchtrace.instrument(model, exporter="otlp")
         try:
             yield
         finally:

@@ -29,6 +29,14 @@ def _clean_torchtrace_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _process_settings_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a test sets with ``torchtrace.configure()`` ends with it."""
+    from torchtrace._core import settings
+
+    monkeypatch.setattr(settings, "_configured", settings.Settings())
+
+
+@pytest.fixture(autouse=True)
 def _no_global_tracer_provider_left_behind():
     """OTel's global TracerProvider can be set once per process: a test that sets it (``torchtrace run`` called
     in-process does) would hand its provider, shut down by then, to every later test that asks for the global one."""

@@ -36,28 +36,69 @@ def instrument(module: nn.Module | None = None, **options) -> torchtrace.TraceHa
     [
         ("sample_every", "TORCHTRACE_SAMPLE_EVERY", "4", 2, 4, 2, 1),
         ("sample_ratio", "TORCHTRACE_SAMPLE_RATIO", "0.25", 0.5, 0.25, 0.5, 1.0),
-        ("stats", "TORCHTRACE_STATS", "max, mean", ("std",), ("mean", "max"), ("std",), torchtrace.STAT_NAMES),
-        ("inputs", "TORCHTRACE_INPUTS", "yes", False, True, False, False),
+        ("stats.names", "TORCHTRACE_STATS", "max, mean", ("std",), ("mean", "max"), ("std",), torchtrace.STAT_NAMES),
+        ("stats.inputs", "TORCHTRACE_INPUTS", "yes", False, True, False, False),
         ("max_depth", "TORCHTRACE_MAX_DEPTH", "0", 1, 0, 1, None),
         ("include", "TORCHTRACE_INCLUDE", "0,1", "1", ("0", "1"), ("1",), ("*",)),
         ("exclude", "TORCHTRACE_EXCLUDE", "1", "0", ("1",), ("0",), ()),
-        ("max_records", "TORCHTRACE_MAX_RECORDS", "3", 5, 3, 5, 10_000),
-        ("max_tensors", "TORCHTRACE_MAX_TENSORS", "2", 3, 2, 3, 8),
-        ("stats_sample", "TORCHTRACE_STATS_SAMPLE", "4096", 100, 4096, 100, None),
-        ("cuda_events", "TORCHTRACE_CUDA_EVENTS", "false", True, False, True, True),
+        ("records.max_records", "TORCHTRACE_MAX_RECORDS", "3", 5, 3, 5, 10_000),
+        ("stats.max_tensors", "TORCHTRACE_MAX_TENSORS", "2", 3, 2, 3, 8),
+        ("stats.sample", "TORCHTRACE_STATS_SAMPLE", "4096", 100, 4096, 100, None),
+        ("training.param_stats", "TORCHTRACE_PARAM_STATS", "on", False, True, False, False),
+        ("limits.export_interval_ms", "TORCHTRACE_EXPORT_INTERVAL_MS", "250", 500, 250, 500, 1000),
+        ("trace_file.max_mb", "TORCHTRACE_TRACE_FILE_MAX_MB", "0.5", 2, 0.5, 2.0, 100.0),
         ("types", "TORCHTRACE_TYPES", "torch.nn.ReLU", (nn.Linear,), (nn.ReLU,), (nn.Linear,), ()),
     ],
 )
 def test_keyword_beats_environment_beats_default(
-    monkeypatch, option, env, env_value, keyword, expected_env, expected_keyword, default
+    monkeypatch, tmp_path, option, env, env_value, keyword, expected_env, expected_keyword, default
 ):
+    """``stats.inputs`` is ``Stats(inputs=...)`` given as ``stats=``; its variable and default are its own."""
+    keyword_name, _, field = option.partition(".")
+
+    def effective(handle: torchtrace.TraceHandle) -> object:
+        value = getattr(handle.options, keyword_name)
+        return getattr(value, field) if field else value
+
+    def given(value: object) -> dict:
+        if not field:
+            return {keyword_name: value}
+        kind = {"stats": torchtrace.Stats, "records": torchtrace.Records, "training": torchtrace.Training,
+                "limits": torchtrace.Limits, "trace_file": torchtrace.TraceFile}[keyword_name]  # fmt: skip
+        return {keyword_name: kind(**{field: value})}
+
     with instrument() as handle:
-        assert getattr(handle.options, option) == default
+        assert effective(handle) == default
     monkeypatch.setenv(env, env_value)
     with instrument() as handle:
-        assert getattr(handle.options, option) == expected_env
-    with instrument(**{option: keyword}) as handle:
-        assert getattr(handle.options, option) == expected_keyword
+        assert effective(handle) == expected_env
+    with instrument(**given(keyword)) as handle:
+        assert effective(handle) == expected_keyword
+
+
+def test_a_field_left_unset_in_an_option_object_still_reads_its_variable(monkeypatch):
+    monkeypatch.setenv("TORCHTRACE_MAX_TENSORS", "2")
+    monkeypatch.setenv("TORCHTRACE_STATS", "mean")
+    with instrument(stats=torchtrace.Stats(inputs=True)) as handle:
+        assert handle.options.stats == torchtrace.Stats(
+            names=("mean",), extra={}, inputs=True, max_tensors=2, sample=None, on_nonfinite=None
+        )
+    with instrument(stats=["max"]) as handle:  # a plain value is the object's names
+        assert handle.options.stats.names == ("max",) and handle.options.stats.max_tensors == 2
+
+
+def test_process_wide_settings_come_from_configure_else_the_environment(monkeypatch):
+    m = model()
+    monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "false")
+    assert torchtrace.configure() == torchtrace.Settings(
+        handle_sigterm=False, print_summary=None, cuda_events=True, triton=True
+    )
+    assert torchtrace.configure(cuda_events=False, handle_sigterm=True).cuda_events is False
+    with instrument(m) as handle:
+        assert handle._recorder.cuda_events is False  # fixed when the handle is made
+    with pytest.raises(TypeError, match="cuda_events must be True or False, got 'no'"):
+        torchtrace.configure(cuda_events="no")
+    assert torchtrace.configure().cuda_events is False  # a refused value changes nothing
 
 
 def test_the_environment_changes_what_is_traced(monkeypatch):
@@ -185,7 +226,8 @@ def test_a_disabled_handle_and_sampling_compose():
     [
         ({"stats": ("mean", "median")}, ValueError, "median"),
         ({"stats": "mean,p50"}, ValueError, "p50"),
-        ({"stats": 5}, TypeError, "stats"),
+        ({"stats": 5}, TypeError, "Stats.names"),
+        ({"records": {"max_records": 3}}, TypeError, "records must be a torchtrace.Records"),
         ({"sample_every": 0}, ValueError, "sample_every"),
         ({"sample_every": -2}, ValueError, "sample_every"),
         ({"sample_every": 1.5}, ValueError, "sample_every"),
@@ -193,28 +235,27 @@ def test_a_disabled_handle_and_sampling_compose():
         ({"sample_ratio": -0.1}, ValueError, "sample_ratio"),
         ({"sample_ratio": "half"}, ValueError, "sample_ratio"),
         ({"max_depth": -1}, ValueError, "max_depth"),
-        ({"max_tensors": 0}, ValueError, "max_tensors"),
-        ({"stats_sample": 0}, ValueError, "stats_sample"),
-        ({"stats_sample": 2.5}, ValueError, "stats_sample"),
-        ({"stats_sample": True}, ValueError, "stats_sample"),
-        ({"cuda_events": "no"}, TypeError, "cuda_events"),
-        ({"max_records": "many"}, ValueError, "max_records"),
-        ({"capture_max_bytes": -1}, ValueError, "capture_max_bytes"),
-        ({"capture_max_bytes": 0}, ValueError, "capture_max_bytes"),
-        ({"export_interval_ms": 0}, ValueError, "export_interval_ms"),
+        ({"stats": torchtrace.Stats(max_tensors=0)}, ValueError, "Stats.max_tensors"),
+        ({"stats": torchtrace.Stats(sample=0)}, ValueError, "Stats.sample"),
+        ({"stats": torchtrace.Stats(sample=2.5)}, ValueError, "Stats.sample"),
+        ({"stats": torchtrace.Stats(sample=True)}, ValueError, "Stats.sample"),
+        ({"records": torchtrace.Records(max_records="many")}, ValueError, "Records.max_records"),
+        ({"records": torchtrace.Records(capture_max_bytes=-1)}, ValueError, "Records.capture_max_bytes"),
+        ({"records": torchtrace.Records(capture_max_bytes=0)}, ValueError, "Records.capture_max_bytes"),
+        ({"limits": torchtrace.Limits(export_interval_ms=0)}, ValueError, "Limits.export_interval_ms"),
         ({"include": 5}, TypeError, "include"),
         ({"exclude": [1, 2]}, TypeError, "exclude"),
         ({"types": int}, TypeError, "int"),
         ({"types": "Linear"}, TypeError, "types"),
-        ({"extra_stats": {"p99": 3}}, TypeError, "p99"),
-        ({"extra_stats": {"not a name": len}}, ValueError, "not a name"),
-        ({"function_on_output": "mean"}, TypeError, "function_on_output"),
-        ({"function_on_input": 1}, TypeError, "function_on_input"),
-        ({"module_attributes": [1]}, TypeError, "module_attributes"),
+        ({"stats": torchtrace.Stats(extra={"p99": 3})}, TypeError, "p99"),
+        ({"stats": torchtrace.Stats(extra={"not a name": len})}, ValueError, "not a name"),
+        ({"records": torchtrace.Records(function_on_output="mean")}, TypeError, "Records.function_on_output"),
+        ({"records": torchtrace.Records(function_on_input=1)}, TypeError, "Records.function_on_input"),
+        ({"records": torchtrace.Records(module_attributes=[1])}, TypeError, "Records.module_attributes"),
         ({"sinks": [42]}, TypeError, "sinks"),
         ({"exporter": "carrier-pigeon"}, ValueError, "exporter"),
         ({"exporter": "none", "tracer_provider": TracerProvider()}, ValueError, "tracer_provider"),
-        ({"inputs": "false"}, TypeError, "inputs"),
+        ({"stats": torchtrace.Stats(inputs="false")}, TypeError, "Stats.inputs"),
         ({"include": "nothing_here*"}, ValueError, "nothing_here"),
         ({"exclude": "*"}, ValueError, "no module"),
         ({"types": nn.Conv2d}, ValueError, "Conv2d"),

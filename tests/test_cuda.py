@@ -90,7 +90,7 @@ def test_cuda_statistics_equal_torchs(stats_path, dtype, rel, offset, transposed
 def test_cuda_statistics_of_a_sample_equal_torchs_on_that_sample(stats_path):
     torch.manual_seed(0)
     tensor = torch.randn(300, 301, device="cuda") * 2 + 3
-    got = output_attributes(tensor, stats_sample=1000)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)].cpu()
     assert got["sampled"] == sample.numel()
     assert_stats_match({**got, "device": "cpu", "shape": tuple(sample.shape)}, sample, rel=1e-4)
@@ -107,7 +107,9 @@ def test_a_traced_training_step_makes_no_synchronizing_call(stats_path):
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 8)).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 64, device="cuda")
-    with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True, optimizer=optimizer):
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, optimizer=optimizer, training=torchtrace.Training(param_stats=True)
+    ):
 
         def step() -> None:
             model(x).square().mean().backward()
@@ -183,7 +185,8 @@ def test_module_durations_are_device_time_within_five_percent(event_backend):
         root = captured.spans_named("Sequential")[-1]
         assert root.attributes["torchtrace.module.type"] == "Sequential"
     # the host clock would have measured the launch: microseconds, not the GPU's milliseconds
-    with capture_spans(model, cuda_events=False) as captured:
+    torchtrace.configure(cuda_events=False)
+    with capture_spans(model) as captured:
         model(x)
         span = captured.spans_named("0")[-1]
         assert (span.end_time - span.start_time) / 1e6 < statistics.median(alone) / 2
@@ -275,7 +278,9 @@ def test_the_workers_event_queries_do_not_break_a_graph_capture_on_another_threa
     model = nn.Sequential(nn.Linear(16, 16)).cuda()
     other = nn.Linear(16, 16).cuda()
     x = torch.randn(4, 16, device="cuda")
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=10**6) as handle:  # the worker sleeps
+    with torchtrace.instrument(
+        model, exporter="none", limits=torchtrace.Limits(export_interval_ms=10**6)
+    ) as handle:  # the worker sleeps
         other(x)
         model(x)  # traced: waits in the buffer
         torch.cuda.synchronize()

@@ -217,7 +217,7 @@ def test_the_triton_kernel_matches_torch_on_awkward_tensors(triton_kernel, tenso
 def test_the_triton_kernel_reads_an_evenly_spaced_sample(triton_kernel, shape):
     torch.manual_seed(0)
     tensor = torch.randn(*shape) * 2 + 3
-    got = output_attributes(tensor, stats_sample=1000)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)]
     assert got["sampled"] == sample.numel()
     assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
@@ -227,7 +227,7 @@ def test_the_triton_kernel_reads_an_evenly_spaced_sample(triton_kernel, shape):
 def test_device_rows_read_an_evenly_spaced_sample(device_rows):
     torch.manual_seed(0)
     tensor = torch.randn(300, 301)
-    got = output_attributes(tensor, stats_sample=1000)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)]
     assert got["sampled"] == sample.numel()
     assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
@@ -328,7 +328,9 @@ def test_a_failing_triton_kernel_falls_back_to_torch_ops_once_and_for_all(device
 
 def test_a_zero_size_gradient_is_not_summarised_and_breaks_nothing(device_rows):
     model = nn.Linear(4, 2)
-    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, stats=torchtrace.Stats(on_nonfinite="raise")
+    ) as handle:
         model(torch.randn(0, 4)).sum().backward()  # an empty batch (an expert that got no tokens)
         handle.step()
         (backward,) = handle.backward_records("")
@@ -475,7 +477,7 @@ def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeyp
         "torchtrace._pipeline.worker.tolerate_graph_captures", lambda: threads.append(threading.current_thread().name)
     )
     model = nn.Linear(2, 2)
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=5):
+    with torchtrace.instrument(model, exporter="none", limits=torchtrace.Limits(export_interval_ms=5)):
         deadline = time.monotonic() + 10
         while len(threads) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -566,7 +568,8 @@ def test_a_raising_module_keeps_its_device_start_and_its_host_duration(device_cl
 
 def test_cuda_events_can_be_turned_off(device_clock):
     model = nn.Sequential(Kernel(device_clock, 500.0))
-    with capture_spans(model, cuda_events=False) as captured:
+    torchtrace.configure(cuda_events=False)
+    with capture_spans(model) as captured:
         model(torch.zeros(2))
         assert duration_ms(captured.span("0")) < 100.0  # the host clock: not the simulated kernel's 500 ms
     assert device_clock.events_created == 0
@@ -696,7 +699,7 @@ def test_all_reduce_spans_take_their_durations_from_device_events(device_clock):
     def inner(state, bucket):  # an all-reduce that takes 7 ms of device time once launched
         return all_reduce
 
-    with capture_spans(model, schedule=torchtrace.every(1)) as captured:
+    with capture_spans(model, training=torchtrace.Training(schedule=torchtrace.every(1))) as captured:
         hook, state = timed_comm_hook(captured.handle._steps, inner)
         model(torch.zeros(2))
         result = hook(state, Bucket(torch.ones(3)))

@@ -49,31 +49,40 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
 
 
 def test_every_option_and_variable_is_documented() -> None:
+    """A table per group: the plain keywords, each option object's fields, the process-wide settings."""
     tables = _config_tables()
     tables.check()
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     rendered = tables.render(page)
-    for field in dataclasses.fields(_config.Options):
-        assert f"| `{field.name}` |" in rendered
+    sections = dict(re.findall(r"^## (\S+).*?\n(.*?)(?=^## |\Z)", rendered, re.M | re.S))
+    for group, owner in tables._owners().items():
+        section = sections[
+            "instrument()" if group == "instrument" else group if group != "configure" else "Process-wide"
+        ]
+        for field in dataclasses.fields(owner):
+            assert f"| `{field.name}` |" in section, (group, field.name)
+    assert "| `triton` | `TORCHTRACE_TRITON` |" in sections["Process-wide"]
 
 
-def test_an_option_without_a_doc_row_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_option_declared_without_its_documentation_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     tables = _config_tables()
-    new_options = dataclasses.make_dataclass(
-        "Options", [("brand_new", int, dataclasses.field(default=1))], bases=(_config.Options,), frozen=True
+    careless = dataclasses.make_dataclass(
+        "Stats", [("brand_new", int, dataclasses.field(default=None))], bases=(_config.Stats,), frozen=True
     )
-    monkeypatch.setattr(_config, "Options", new_options)
-    with pytest.raises(tables.ConfigDocsError, match="'brand_new' has no row"):
+    monkeypatch.setitem(_config.GROUPS, "stats", careless)
+    with pytest.raises(tables.ConfigDocsError, match="Stats.brand_new is not declared with option"):
         tables.check()
 
 
-def test_a_row_for_no_option_and_an_undocumented_variable_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_variable_the_package_reads_and_no_page_documents_fails(monkeypatch, tmp_path) -> None:
     tables = _config_tables()
-    monkeypatch.setitem(_config.OPTION_DOCS, "gone", ("Export", "an option removed from Options"))
-    monkeypatch.setattr(_config, "ENV_NEW_THING", "TORCHTRACE_NEW_THING", raising=False)
+    (tmp_path / "new_part.py").write_text('NEW = os.environ.get("TORCHTRACE_NEW_THING")\n')
+    monkeypatch.setattr(tables, "PACKAGE", tmp_path)
+    monkeypatch.setitem(tables.DOCUMENTED_ELSEWHERE, "TORCHTRACE_ELSEWHERE", "ddp.md")
     with pytest.raises(tables.ConfigDocsError) as error:
         tables.check()
-    assert "'gone' names no option" in str(error.value) and "TORCHTRACE_NEW_THING" in str(error.value)
+    assert "TORCHTRACE_NEW_THING is read by torchtrace and documented nowhere" in str(error.value)
+    assert "TORCHTRACE_ELSEWHERE is not on ddp.md" in str(error.value)
 
 
 def test_a_group_without_its_table_on_the_page_fails() -> None:

@@ -93,7 +93,9 @@ def test_a_slow_collector_gets_requests_it_can_take(otlp_to) -> None:
     x = torch.randn(2, 4)
     try:
         otlp_to(receiver.endpoint, "http/protobuf")
-        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=600_000) as handle:
+        with torchtrace.instrument(
+            model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=600_000)
+        ) as handle:
             for _ in range(3):  # 320 spans a round: one request of 320 (too many), then of 160, then 80
                 for _ in range(10):
                     model(x)
@@ -120,7 +122,9 @@ def test_what_waits_for_a_stalled_endpoint_stays_within_max_pending_calls(otlp_t
         model = make_model()
         held = []
         forwards = 0
-        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=20, max_pending_calls=40) as handle:
+        with torchtrace.instrument(
+            model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=20, max_pending_calls=40)
+        ) as handle:
             deadline = time.monotonic() + 1.5 * TIMEOUT_S  # a request stalls, times out, and the next probe stalls
             while time.monotonic() < deadline:
                 run_forwards(model, 1)
@@ -147,7 +151,7 @@ def test_forwards_are_not_held_up_while_the_endpoint_stalls(otlp_to, caplog, fau
         otlp_to(endpoint.endpoint, protocol)
         model = make_model()
         baseline = statistics.median(run_forwards(model, 200))
-        handle = torchtrace.instrument(model, exporter="otlp", export_interval_ms=20)
+        handle = torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=20))
         # A full garbage collection of this (large) test process pauses a forward for 0.3-0.7 s on a loaded
         # machine, export or not: collections wait until the window ends, so a pause here is the export's.
         gc.disable()
@@ -188,7 +192,7 @@ def test_export_resumes_when_a_down_endpoint_comes_back(otlp_to, caplog, protoco
     port = free_port()  # nothing listens: connections are refused
     otlp_to(f"http://127.0.0.1:{port}", protocol)
     model = make_model()
-    with torchtrace.instrument(model, exporter="otlp", export_interval_ms=50) as handle:
+    with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=50)) as handle:
         run_forwards(model, 5)
         handle.flush()
         assert (handle.exported_spans, handle.failed_spans) == (0, 5 * CALLS)
@@ -233,7 +237,7 @@ def test_failing_requests_are_counted_logged_once_and_recover(otlp_to, caplog, p
     try:
         otlp_to(receiver.endpoint, protocol)
         model = make_model()
-        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=50) as handle:
+        with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=50)) as handle:
             for _ in range(10):
                 run_forwards(model, 1)
                 handle.flush()
@@ -290,7 +294,10 @@ def test_a_full_buffer_drops_whole_forwards_counts_them_and_says_so_once(caplog)
     model = make_model()
     forwards = 300
     with torchtrace.instrument(
-        model, exporter="none", sinks=[stuck_exporter], max_pending_calls=10 * CALLS, export_interval_ms=10
+        model,
+        exporter="none",
+        sinks=[stuck_exporter],
+        limits=torchtrace.Limits(max_pending_calls=10 * CALLS, export_interval_ms=10),
     ) as handle:
         metrics.watch(handle)
         assert wait_until(lambda: run_forwards(model, 1) and handle.dropped_calls > 0, timeout=5)
@@ -333,7 +340,7 @@ def test_a_forked_child_traces_with_its_own_worker_and_resource(otlp_to, protoco
     try:
         otlp_to(receiver.endpoint, protocol)
         model = make_model()
-        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=20) as handle:
+        with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=20)) as handle:
             run_forwards(model, 1)
             handle.flush()
             pid = os.fork()
@@ -393,7 +400,7 @@ def test_fork_while_the_worker_is_stuck_in_an_export_does_not_deadlock_the_child
     try:
         otlp_to(receiver.endpoint, "http/protobuf")
         model = make_model()
-        with torchtrace.instrument(model, exporter="otlp", export_interval_ms=10) as handle:
+        with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=10)) as handle:
             run_forwards(model, 1)
             assert wait_until(lambda: receiver.attempts >= 1, timeout=5)  # worker inside a send, holding its lock
             pid = os.fork()
@@ -421,7 +428,7 @@ def _child_forwards(model: nn.Module, queue) -> None:
 def test_multiprocessing_fork_children_run_traced_forwards(otlp_to, otlp_http_receiver) -> None:
     otlp_to(otlp_http_receiver.endpoint, "http/protobuf")
     model = make_model()
-    with torchtrace.instrument(model, exporter="otlp", export_interval_ms=20):
+    with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=20)):
         context = multiprocessing.get_context("fork")
         queue = context.Queue()
         children = [context.Process(target=_child_forwards, args=(model, queue)) for _ in range(2)]

@@ -34,7 +34,7 @@ def otlp_env(monkeypatch):
 def test_flush_is_false_when_the_endpoint_refuses(otlp_env, protocol):
     otlp_env(f"http://127.0.0.1:{free_port()}", protocol)
     model = _model()
-    with torchtrace.instrument(model, exporter="otlp", export_interval_ms=60_000) as handle:
+    with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=60_000)) as handle:
         model(torch.ones(1, 4))
         assert handle.flush() is False
         assert handle.failed_spans == 2
@@ -47,7 +47,9 @@ def test_flush_is_false_when_the_endpoint_refuses(otlp_env, protocol):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_flush_is_false_when_the_trace_file_cannot_be_written():
     model = _model()
-    with torchtrace.instrument(model, exporter="file", trace_file="/dev/full", export_interval_ms=60_000) as handle:
+    with torchtrace.instrument(
+        model, exporter="file", trace_file="/dev/full", limits=torchtrace.Limits(export_interval_ms=60_000)
+    ) as handle:
         model(torch.ones(1, 4))
         assert handle.flush() is False
         assert handle.failed_spans == 2
@@ -66,7 +68,7 @@ def test_flush_is_false_when_the_buffer_dropped_calls(tmp_path):
 def test_flush_is_true_when_everything_arrived(otlp_env, otlp_http_receiver, tmp_path):
     otlp_env(otlp_http_receiver.endpoint, "http/protobuf")
     model = _model()
-    with torchtrace.instrument(model, exporter="otlp", export_interval_ms=60_000) as handle:
+    with torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=60_000)) as handle:
         model(torch.ones(1, 4))
         assert handle.flush() is True
         assert handle.exported_spans == 2

@@ -105,7 +105,7 @@ class Recursive(nn.Module):
 def test_a_models_first_call_is_traced_whole_with_its_keyword_inputs(instrumentor) -> None:
     """The model is instrumented before torch runs its first call: a recursive model's first call is one forward
     like the next (nothing closed as interrupted), and its keyword inputs are summarised."""
-    instrumentor.instrument(exporter="none", inputs=True)
+    instrumentor.instrument(exporter="none", stats=torchtrace.Stats(inputs=True))
     model = Recursive()
     x, offset = torch.randn(3, 4), torch.full((4,), 2.0)
     model(x, offset=offset, depth=2)
@@ -205,7 +205,7 @@ def test_uninstrument_removes_every_hook_and_delivers_pending_spans(instrumentor
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    instrumentor.instrument(tracer_provider=provider, export_interval_ms=60_000)
+    instrumentor.instrument(tracer_provider=provider, limits=torchtrace.Limits(export_interval_ms=60_000))
     model = Net()
     with provider.get_tracer("test").start_as_current_span("request") as request:
         model(torch.randn(2, 4))
@@ -520,7 +520,7 @@ def test_instrument_and_remove_while_other_threads_run_forwards_leave_only_whole
         thread.start()
     try:
         for _ in range(30):
-            handle = torchtrace.instrument(model, tracer_provider=provider, print_summary=False)
+            handle = torchtrace.instrument(model, tracer_provider=provider)
             time.sleep(0.002)
             handle.remove()
     finally:

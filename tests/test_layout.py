@@ -200,9 +200,7 @@ def test_every_module_of_the_package_sits_in_a_layer_or_wires_them() -> None:
 
 def test_layer_violations_are_found() -> None:
     graph = {"torchtrace._sinks.a": {"torchtrace._capture.b", "torchtrace.attributes"}, "torchtrace._capture.b": set()}
-    assert layer_violations(graph) == [
-        "torchtrace._sinks.a -> torchtrace._capture.b (_sinks may import _core, _sinks)"
-    ]
+    assert layer_violations(graph) == ["torchtrace._sinks.a -> torchtrace._capture.b (_sinks may import _core, _sinks)"]
 
 
 def test_layers_import_only_the_layers_below_them() -> None:
@@ -215,7 +213,11 @@ def _private_names_imported(path: Path) -> list[tuple[str, str]]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtrace."):
-            found += [(node.module, alias.name) for alias in node.names if alias.name.startswith("_") and not alias.name.endswith("__")]
+            found += [
+                (node.module, alias.name)
+                for alias in node.names
+                if alias.name.startswith("_") and not alias.name.endswith("__")
+            ]
     return found
 
 

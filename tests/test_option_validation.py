@@ -13,23 +13,41 @@ from instrumented import traced_modules
 from torch import nn
 
 import torchtrace
-from torchtrace._core.options import MAX_EXPORT_INTERVAL_MS, MAX_PENDING_CALLS, MAX_TRACE_FILE_BACKUPS, resolve_options
+from torchtrace._core.options import (
+    GROUPS,
+    MAX_EXPORT_INTERVAL_MS,
+    MAX_PENDING_CALLS,
+    MAX_TRACE_FILE_BACKUPS,
+    resolve_options,
+)
 
-# option, its environment variable (None: keyword only), the smallest valid value, the largest (None: unbounded),
-# whether it is an integer
+# option (a keyword, or an option object's field as errors name it), its environment variable (None: keyword only),
+# the smallest valid value, the largest (None: unbounded), whether it is an integer
 NUMERIC_OPTIONS = [
     ("max_depth", "TORCHTRACE_MAX_DEPTH", 0, None, True),
-    ("max_tensors", "TORCHTRACE_MAX_TENSORS", 1, None, True),
-    ("stats_sample", "TORCHTRACE_STATS_SAMPLE", 1, None, True),
+    ("Stats.max_tensors", "TORCHTRACE_MAX_TENSORS", 1, None, True),
+    ("Stats.sample", "TORCHTRACE_STATS_SAMPLE", 1, None, True),
     ("sample_every", "TORCHTRACE_SAMPLE_EVERY", 1, None, True),
     ("sample_ratio", "TORCHTRACE_SAMPLE_RATIO", 0, 1, False),
-    ("max_records", "TORCHTRACE_MAX_RECORDS", 1, None, True),
-    ("export_interval_ms", "TORCHTRACE_EXPORT_INTERVAL_MS", 1, MAX_EXPORT_INTERVAL_MS, True),
-    ("max_pending_calls", "TORCHTRACE_MAX_PENDING_CALLS", 1, MAX_PENDING_CALLS, True),
-    ("capture_max_bytes", None, 1, None, True),
-    ("trace_file_max_mb", "TORCHTRACE_TRACE_FILE_MAX_MB", 0, None, False),
-    ("trace_file_backups", "TORCHTRACE_TRACE_FILE_BACKUPS", 0, MAX_TRACE_FILE_BACKUPS, True),
+    ("Records.max_records", "TORCHTRACE_MAX_RECORDS", 1, None, True),
+    ("Limits.export_interval_ms", "TORCHTRACE_EXPORT_INTERVAL_MS", 1, MAX_EXPORT_INTERVAL_MS, True),
+    ("Limits.max_pending_calls", "TORCHTRACE_MAX_PENDING_CALLS", 1, MAX_PENDING_CALLS, True),
+    ("Records.capture_max_bytes", None, 1, None, True),
+    ("TraceFile.max_mb", "TORCHTRACE_TRACE_FILE_MAX_MB", 0, None, False),
+    ("TraceFile.backups", "TORCHTRACE_TRACE_FILE_BACKUPS", 0, MAX_TRACE_FILE_BACKUPS, True),
 ]
+KEYWORD_OF = {kind.__name__: keyword for keyword, kind in GROUPS.items()}
+
+
+def _given(name: str, value: object) -> dict:
+    """``instrument()``'s keywords setting option ``name`` (``Stats.sample``: ``stats=Stats(sample=value)``)."""
+    group, _, field = name.rpartition(".")
+    return {KEYWORD_OF[group]: GROUPS[KEYWORD_OF[group]](**{field: value})} if group else {name: value}
+
+
+def _effective(options: object, name: str) -> object:
+    group, _, field = name.rpartition(".")
+    return getattr(getattr(options, KEYWORD_OF[group]), field) if group else getattr(options, name)
 
 
 def _bad_keyword_values(low, high, integer):
@@ -56,9 +74,9 @@ def _bad_env_values(low, high, integer):
 def test_every_numeric_option_refuses_what_the_export_path_cannot_take(monkeypatch, name, env, low, high, integer):
     for value in _bad_keyword_values(low, high, integer):
         with pytest.raises(ValueError, match=name):
-            resolve_options(**{name: value})
+            resolve_options(**_given(name, value))
     for value in (low, high) if high is not None else (low, low + 7):
-        assert getattr(resolve_options(**{name: value}), name) == value
+        assert _effective(resolve_options(**_given(name, value)), name) == value
     if env is None:
         return
     for text in _bad_env_values(low, high, integer):
@@ -66,9 +84,9 @@ def test_every_numeric_option_refuses_what_the_export_path_cannot_take(monkeypat
         with pytest.raises(ValueError, match=env):
             resolve_options()
     monkeypatch.setenv(env, str(high if high is not None else low))
-    assert getattr(resolve_options(), name) == (high if high is not None else low)
+    assert _effective(resolve_options(), name) == (high if high is not None else low)
     monkeypatch.setenv(env, "not a number")
-    assert getattr(resolve_options(**{name: low}), name) == low  # the keyword wins; the variable is not read
+    assert _effective(resolve_options(**_given(name, low)), name) == low  # the keyword wins; the variable is not read
 
 
 @pytest.mark.parametrize("text", ["inf", "nan", "-1", "0", "3601", "1e9"])
@@ -106,11 +124,13 @@ def test_schedules_refuse_booleans():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"trace_file": 123}, "trace_file"),
-        ({"trace_file": ""}, "trace_file"),
+        ({"trace_file": 123}, "TraceFile.path"),
+        ({"trace_file": ""}, "TraceFile.path"),
         ({"tracer_provider": 5}, "tracer_provider"),
         ({"exporter": 5}, "exporter"),
-        ({"module_attributes": 5}, "module_attributes"),
+        ({"trace_file": torchtrace.TraceFile(path=5)}, "TraceFile.path"),
+        ({"records": torchtrace.Records(module_attributes=5)}, "Records.module_attributes"),
+        ({"limits": 5}, "limits must be a torchtrace.Limits"),
         ({"sinks": 5}, "sinks"),
         ({"sinks": print}, "sinks"),  # one callable, not a sequence of them
         ({"sinks": [print, 5]}, "sinks"),
@@ -124,7 +144,9 @@ def test_options_of_the_wrong_type_raise_type_error(options, message):
 def test_the_longest_export_interval_runs_and_delivers(tmp_path):
     """An interval the worker's timed wait can take: the worker lives, and flush() delivers at once."""
     model = nn.Sequential(nn.Linear(2, 2))
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=MAX_EXPORT_INTERVAL_MS) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", limits=torchtrace.Limits(export_interval_ms=MAX_EXPORT_INTERVAL_MS)
+    ) as handle:
         model(torch.ones(1, 2))
         assert any(t.name == "torchtrace-dispatch" for t in threading.enumerate())
         assert len(handle.records) == 2
@@ -160,5 +182,5 @@ def test_well_formed_otlp_headers_pass(monkeypatch, headers):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", headers)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
-    with torchtrace.instrument(nn.Sequential(nn.Linear(2, 2)), exporter="otlp", print_summary=False):
+    with torchtrace.instrument(nn.Sequential(nn.Linear(2, 2)), exporter="otlp"):
         pass

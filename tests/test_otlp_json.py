@@ -25,6 +25,7 @@ from test_otlp_encoding import (
     with_statistics,
 )
 
+import torchtrace
 from torchtrace._core.calls import Calls, ModuleCall
 from torchtrace._otlp.exporters import request_to_otlp_json
 from torchtrace._otlp.json_lines import encode_otlp_json
@@ -159,11 +160,9 @@ def test_any_attributes_encode_as_protobufs_mapping_does(attribute_sets):
 def test_the_file_exporter_writes_it(tmp_path):
     import torch
 
-    import torchtrace
-
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
     path = tmp_path / "traces.jsonl"
-    with torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle:
+    with torchtrace.instrument(model, exporter="file", trace_file=str(path)) as handle:
         model(torch.randn(2, 3))
         handle.flush()
         records = {record.name: record for record in handle.records}
@@ -181,8 +180,6 @@ def traced_step_segments() -> list:
     backward spans and its calls), unread by anyone (no ModuleCall made)."""
     import torch
     from torch import nn
-
-    import torchtrace
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

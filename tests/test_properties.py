@@ -148,7 +148,7 @@ def test_any_output_structure_is_returned_unchanged_and_recorded(value: Any, inp
     model.emit.value = value
     leaves_before = [(t, snapshot(t)) for t in tensor_leaves(value)]
     x = torch.randn(2, 3)
-    with torchtrace.instrument(model, exporter="none", inputs=inputs, stats=stats) as handle:
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(names=stats, inputs=inputs)) as handle:
         result = model(x)  # never raises
         assert result is value
         records = handle.records
@@ -176,7 +176,7 @@ def test_traced_outputs_are_bit_identical_to_untraced(scale: float, poison: Any,
     if poison is not None:
         x[0, 0] = poison
     expected = model(x)
-    with torchtrace.instrument(model, exporter="none", inputs=True):
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(inputs=True)):
         traced = model(x)
         traced_again = model(x)
     for out in (traced, traced_again):

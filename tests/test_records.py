@@ -148,7 +148,10 @@ def test_function_on_output_stores_the_firing_rate():
     model = nn.Sequential(nn.Flatten(), nn.Linear(8, 6), Spike(), nn.Linear(6, 4), Spike())
     x = torch.rand(3, 2, 4) * 2
     with torchtrace.instrument(
-        model, exporter="none", types=Spike, function_on_output=lambda y: y.flatten(1).mean(1)
+        model,
+        exporter="none",
+        types=Spike,
+        records=torchtrace.Records(function_on_output=lambda y: y.flatten(1).mean(1)),
     ) as handle:
         with torch.no_grad():
             hidden = model[1](model[0](x))
@@ -164,7 +167,7 @@ def test_function_on_output_stores_the_firing_rate():
 
 
 def test_function_on_input_stores_its_result():
-    model, handle = record(include="linear_*", function_on_input=lambda x: x.sum())
+    model, handle = record(include="linear_*", records=torchtrace.Records(function_on_input=lambda x: x.sum()))
     with handle:
         model(x_of(0.5))
         assert handle["linear_1"][0].input_value.item() == pytest.approx(2.0)
@@ -176,7 +179,10 @@ def test_a_failing_user_function_does_not_break_the_forward_nor_the_statistics()
     def broken(y):
         raise RuntimeError("user function bug")
 
-    model, handle = record(function_on_output=broken, function_on_input=broken, inputs=True)
+    model, handle = record(
+        stats=torchtrace.Stats(inputs=True),
+        records=torchtrace.Records(function_on_output=broken, function_on_input=broken),
+    )
     with handle:
         out = model(x_of(0.1))
         assert out.flatten().tolist() == [pytest.approx(3.4)] * 2
@@ -206,7 +212,9 @@ def test_a_failing_feature_leaves_a_shared_summary_of_the_same_tensor_alone():
 
     broken_for_inner.calls = 0
     model = Outer()
-    with torchtrace.instrument(model, exporter="none", function_on_output=broken_for_inner) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", records=torchtrace.Records(function_on_output=broken_for_inner)
+    ) as handle:
         model(torch.ones(1, 2))
         inner, outer = handle["inner"][0], handle[""][0]
     assert inner.attributes["torchtrace.output.stats_error"] == "RuntimeError: only once"
@@ -245,7 +253,7 @@ def test_clear_recorded_data_forgets_everything_recorded_so_far():
 
 
 def test_max_records_keeps_the_latest_calls():
-    model, handle = record(max_records=7)
+    model, handle = record(records=torchtrace.Records(max_records=7))
     with handle:
         for value in (0.0, 1.0, 2.0):
             model(x_of(value))
@@ -267,7 +275,9 @@ def test_module_attributes_are_recorded_after_each_call():
     nn.init.ones_(model[0].weight)
     nn.init.zeros_(model[0].bias)
     x = torch.tensor([[0.1, 0.0, 0.0, 0.0]])  # 0.1 into every neuron: fires on the 5th step
-    with torchtrace.instrument(model, exporter="none", types=Spike, module_attributes=("v_threshold", "v", "tau")) as h:
+    with torchtrace.instrument(
+        model, exporter="none", types=Spike, records=torchtrace.Records(module_attributes=("v_threshold", "v", "tau"))
+    ) as h:
         for _ in range(2):
             with torch.no_grad():
                 model(x)
@@ -291,9 +301,11 @@ def test_module_attributes_before_the_call_and_through_a_function_as_attribute_m
         model,
         exporter="none",
         types=Spike,
-        module_attributes="v",
-        attributes_before_forward=True,  # spikingjelly's AttributeMonitor(pre_forward=True)
-        function_on_attribute=lambda v: v.sum().item() if isinstance(v, torch.Tensor) else v,
+        records=torchtrace.Records(
+            module_attributes="v",
+            attributes_before_forward=True,  # spikingjelly's AttributeMonitor(pre_forward=True)
+            function_on_attribute=lambda v: v.sum().item() if isinstance(v, torch.Tensor) else v,
+        ),
     ) as handle:
         for _ in range(3):
             with torch.no_grad():
@@ -318,8 +330,10 @@ def test_gradient_functions_as_grad_output_and_grad_input_monitors_have_them():
         model,
         exporter="none",
         backward=True,
-        function_on_grad_output=torch.norm,  # GradOutputMonitor(function_on_grad_output=torch.norm)
-        function_on_grad_input=torch.norm,  # GradInputMonitor(function_on_grad_input=torch.norm)
+        records=torchtrace.Records(
+            function_on_grad_output=torch.norm,  # GradOutputMonitor(function_on_grad_output=torch.norm)
+            function_on_grad_input=torch.norm,  # GradInputMonitor(function_on_grad_input=torch.norm)
+        ),
     ) as handle:
         model(x).sum().backward()
         handle.step()
@@ -335,7 +349,9 @@ def test_a_failing_gradient_function_is_reported_on_the_backward_span():
     def broken(grad):
         raise RuntimeError("bad gradient function")
 
-    with torchtrace.instrument(model, exporter="none", backward=True, function_on_grad_output=broken) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, records=torchtrace.Records(function_on_grad_output=broken)
+    ) as handle:
         model(torch.randn(2, 4)).sum().backward()  # the backward itself is unharmed
         handle.step()
         (tanh,) = handle.backward_records("1")
@@ -345,7 +361,9 @@ def test_a_failing_gradient_function_is_reported_on_the_backward_span():
 
 def test_module_attribute_copies_count_against_the_capture_budget():
     model = Spike()
-    with torchtrace.instrument(model, exporter="none", module_attributes="v", capture_max_bytes=3 * 16) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", records=torchtrace.Records(module_attributes="v", capture_max_bytes=3 * 16)
+    ) as handle:
         for _ in range(4):
             model(torch.ones(4))  # v: 4 float32 values, 16 bytes copied per call
         copies = [call.module_attributes["v"] for call in handle[""]]
@@ -368,13 +386,13 @@ def test_module_attributes_reach_the_span():
     from torchtrace.testing import capture_spans
 
     model = Spike(v_threshold=0.75)
-    with capture_spans(model, module_attributes="v_threshold") as captured:
+    with capture_spans(model, records=torchtrace.Records(module_attributes="v_threshold")) as captured:
         model(torch.ones(3))
         assert captured.span("Spike").attributes["torchtrace.module_attribute.v_threshold"] == 0.75
 
 
 def test_input_statistics_are_recorded_when_inputs_is_on():
-    model, handle = record(inputs=True)
+    model, handle = record(stats=torchtrace.Stats(inputs=True))
     with handle:
         model(x_of(0.1))
         linear_2 = handle["linear_2"][0].attributes
@@ -395,7 +413,10 @@ def test_captured_tensors_are_copies_of_each_output():
     x = torch.randn(3, 4)
     with torch.no_grad():
         linear_out = model[0](x)
-    with torchtrace.instrument(model, exporter="none", capture_tensors=True) as handle, torch.no_grad():
+    with (
+        torchtrace.instrument(model, exporter="none", records=torchtrace.Records(capture_tensors=True)) as handle,
+        torch.no_grad(),
+    ):
         out = model(x)
         assert torch.equal(handle["0"][0].tensors[""], linear_out)  # before the in-place ReLU
         assert torch.equal(handle["1"][0].tensors[""], out)
@@ -404,7 +425,9 @@ def test_captured_tensors_are_copies_of_each_output():
 def test_captured_tensors_stay_within_capture_max_bytes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))  # every output: 4 float32 = 16 bytes
     x = torch.randn(1, 4)
-    with torchtrace.instrument(model, exporter="none", capture_tensors=True, capture_max_bytes=40) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", records=torchtrace.Records(capture_tensors=True, capture_max_bytes=40)
+    ) as handle:
         model(x)
         # outputs are captured as modules return: "0" (16 bytes) and "1" (32) fit, "2" and the model (48) do not
         assert {call.path: sorted(call.tensors) for call in handle.records} == {"": [], "0": [""], "1": [""], "2": []}
@@ -439,7 +462,9 @@ def test_compressed_captures_round_trip_bit_exact(tensor):
             return tensor
 
     module = Emit()
-    with torchtrace.instrument(module, exporter="none", capture_tensors=True, capture_compress=True) as handle:
+    with torchtrace.instrument(
+        module, exporter="none", records=torchtrace.Records(capture_tensors=True, capture_compress=True)
+    ) as handle:
         module()
         compressed = handle.records[0].tensors[""]
     assert isinstance(compressed, CompressedTensor)
@@ -454,7 +479,9 @@ def bits(tensor: torch.Tensor) -> list[int]:
 
 
 def test_the_capture_budget_is_given_back_when_records_leave():
-    model, handle = record(include="linear_1", capture_tensors=True, capture_max_bytes=3 * 16, max_records=2)
+    model, handle = record(
+        include="linear_1", records=torchtrace.Records(capture_tensors=True, capture_max_bytes=3 * 16, max_records=2)
+    )
     with handle:
         for value in (0.1, 0.2, 0.3, 0.4):
             model(x_of(value))  # 16 bytes captured per forward; two records kept, a third in flight
@@ -478,7 +505,7 @@ def test_kept_records_cost_the_garbage_collector_nothing() -> None:
     """Records live long: kept as ModuleCall objects (and attribute dicts) they would be promoted by the thousand
     to the oldest generation and trigger full collections of the whole heap (benchmarks/latency.py)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    with torchtrace.instrument(model, exporter="none", max_records=3000) as handle:
+    with torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=3000)) as handle:
         for _ in range(20):  # warm-up: whatever the first calls create once
             model(torch.randn(2, 4))
         handle.clear_recorded_data()
@@ -544,7 +571,9 @@ def test_a_young_collection_does_not_visit_the_kept_forwards(untracking) -> None
 def test_a_record_reads_back_field_by_field_as_it_was_delivered() -> None:
     delivered = []
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    with torchtrace.instrument(model, exporter="none", sinks=[delivered.extend], module_attributes="weight") as handle:
+    with torchtrace.instrument(
+        model, exporter="none", sinks=[delivered.extend], records=torchtrace.Records(module_attributes="weight")
+    ) as handle:
         model(torch.randn(2, 4))
         records = handle.records
     assert len(records) == len(delivered) == 3
@@ -562,7 +591,9 @@ def test_records_of_forwards_traced_without_statistics_read_back_as_delivered() 
     max_records too (a forward cut in two)."""
     delivered = []
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))  # 5 calls a forward
-    with torchtrace.instrument(model, exporter="none", stats=False, sinks=[delivered.extend], max_records=12) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", stats=False, sinks=[delivered.extend], records=torchtrace.Records(max_records=12)
+    ) as handle:
         for _ in range(4):
             model(torch.randn(2, 4))
         handle.flush()
@@ -580,7 +611,9 @@ def test_a_forward_cut_again_and_again_by_max_records_reads_back_as_its_latest_c
     reads back as the latest calls delivered, in order."""
     delivered = []
     model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))  # 5 calls a forward
-    with torchtrace.instrument(model, sinks=[delivered.extend], exporter="none", max_records=8) as handle:
+    with torchtrace.instrument(
+        model, sinks=[delivered.extend], exporter="none", records=torchtrace.Records(max_records=8)
+    ) as handle:
         for call in (model, model, model[0], model[0], model, model[0]):  # 5, 5, then 1 call at a time
             call(torch.randn(2, 4))
             handle.flush()  # one batch each: every batch past 8 calls cuts the oldest forward again
@@ -620,7 +653,9 @@ def test_records_of_forwards_with_statistics_read_back_as_delivered() -> None:
     the calls delivered, attribute values and their types included, past max_records too (a forward cut in two)."""
     delivered = []
     model = WithQuietChild()
-    with torchtrace.instrument(model, exporter="none", sinks=[delivered.extend], max_records=10) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", sinks=[delivered.extend], records=torchtrace.Records(max_records=10)
+    ) as handle:
         for _ in range(4):
             model(torch.randn(2, 4))
         handle.flush()

@@ -82,9 +82,7 @@ def run(tmp_path_factory):
     """A real traced run: 12 forwards of a model whose layer "1" injects a NaN in forward 5 only."""
     directory = tmp_path_factory.mktemp("run")
     model = nan_model()
-    with torchtrace.instrument(
-        model, exporter="file", trace_file=str(directory / "traces.jsonl"), print_summary=False
-    ) as handle:
+    with torchtrace.instrument(model, exporter="file", trace_file=str(directory / "traces.jsonl")) as handle:
         for index in range(12):
             model[1].armed = index == 5
             model(torch.randn(3, 4))
@@ -234,9 +232,13 @@ def test_the_live_handles_dropped_and_failed_counts_are_in_the_overview(tmp_path
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trace_file = tmp_path / "traces.jsonl"
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(trace_file), backward=True, optimizer=optimizer,
-        max_pending_calls=12, export_interval_ms=60_000, print_summary=False,
-    ) as handle:  # fmt: skip
+        model,
+        exporter="file",
+        trace_file=str(trace_file),
+        backward=True,
+        optimizer=optimizer,
+        limits=torchtrace.Limits(max_pending_calls=12, export_interval_ms=60_000),
+    ) as handle:
         for step in range(3):  # a forward is 5 calls, its backward 5: step 1's two forwards never fit in 12
             model[1].armed = step == 0
             sum(model(torch.randn(5, 4)).sum() for _ in range(2 if step == 1 else 1)).backward()

@@ -23,7 +23,11 @@ def test_captured_tensors_stay_in_records_and_never_reach_spans(tmp_path) -> Non
     model = nn.Sequential(nn.Identity())
     trace_file = tmp_path / "t.jsonl"
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(trace_file), stats=("shape", "dtype"), capture_tensors=True
+        model,
+        exporter="file",
+        trace_file=str(trace_file),
+        stats=("shape", "dtype"),
+        records=torchtrace.Records(capture_tensors=True),
     ) as handle:
         model(torch.full((3,), secret))
         handle.flush()

@@ -292,8 +292,10 @@ def test_the_handler_is_installed_once_and_the_previous_one_restored(tmp_path: P
 
 def test_nothing_is_installed_when_opted_out_or_off_the_main_thread() -> None:
     model = _model()
-    with torchtrace.instrument(model, exporter="none", handle_sigterm=False):
+    torchtrace.configure(handle_sigterm=False)
+    with torchtrace.instrument(model, exporter="none"):
         assert not _signals.installed()
+    torchtrace.configure(handle_sigterm=True)
     handles = []
     thread = threading.Thread(target=lambda: handles.append(torchtrace.instrument(model, exporter="none")))
     thread.start()

@@ -85,7 +85,11 @@ def test_every_span_is_accounted_for_through_random_endpoint_faults(monkeypatch:
     blocks_before = sys.getallocatedblocks()
     try:
         handle = torchtrace.instrument(
-            model, exporter="otlp", export_interval_ms=50, max_records=100, metrics=metrics, print_summary=False
+            model,
+            exporter="otlp",
+            metrics=metrics,
+            records=torchtrace.Records(max_records=100),
+            limits=torchtrace.Limits(export_interval_ms=50),
         )
         threads = [threading.Thread(target=run, args=(index,)) for index in range(THREADS)]
         for thread in threads:

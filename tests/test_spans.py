@@ -545,7 +545,9 @@ def test_the_summary_from_columns_equals_the_summary_of_the_records(columns, mon
     model = nn.Sequential(nn.Linear(4, 4), relu, nn.Linear(4, 4), relu)
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     for traced_model in (model, plain):
-        with torchtrace.instrument(traced_model, exporter="none", max_records=10_000) as handle:
+        with torchtrace.instrument(
+            traced_model, exporter="none", records=torchtrace.Records(max_records=10_000)
+        ) as handle:
             for i in range(1100):
                 traced_model(torch.randn(1, 4))
                 if i % 97 == 0:

@@ -529,7 +529,7 @@ def test_a_bare_tensor_output_has_no_name_segment():
 
 def test_inputs_are_summarised_by_position_when_inputs_is_on():
     module = Emit(C)
-    with capture_spans(module, inputs=True) as captured:
+    with capture_spans(module, stats=torchtrace.Stats(inputs=True)) as captured:
         module(A, B)
         attributes = captured.span("Emit").attributes
     assert attributes["torchtrace.input.0.mean"] == 2.0
@@ -540,7 +540,7 @@ def test_inputs_are_summarised_by_position_when_inputs_is_on():
 
 def test_keyword_inputs_are_summarised_by_name():
     module = Emit(C)
-    with capture_spans(module, inputs=True) as captured:
+    with capture_spans(module, stats=torchtrace.Stats(inputs=True)) as captured:
         module(A, mask=B)
         attributes = captured.span("Emit").attributes
     assert attributes["torchtrace.input.0.mean"] == 2.0
@@ -558,7 +558,7 @@ def test_inputs_are_not_summarised_by_default():
 def test_input_statistics_equal_torch():
     layer = nn.Linear(4, 4)
     x = torch.randn(3, 4)
-    with capture_spans(layer, inputs=True) as captured:
+    with capture_spans(layer, stats=torchtrace.Stats(inputs=True)) as captured:
         layer(x)
         got = {
             key.removeprefix("torchtrace.input.0."): value
@@ -581,7 +581,9 @@ def test_stats_false_gives_no_statistics():
 
 def test_a_user_statistic_appears_next_to_the_builtin_ones():
     tensor = torch.arange(100, dtype=torch.float32)
-    got = output_attributes(tensor, stats=("mean",), extra_stats={"p99": lambda t: torch.quantile(t.float(), 0.99)})
+    got = output_attributes(
+        tensor, stats=torchtrace.Stats(names=("mean",), extra={"p99": lambda t: torch.quantile(t.float(), 0.99)})
+    )
     assert got == {"mean": pytest.approx(49.5), "p99": pytest.approx(torch.quantile(tensor, 0.99).item())}
 
 
@@ -592,7 +594,9 @@ def test_a_raising_user_statistic_costs_only_itself():
     def broken(t: torch.Tensor) -> float:
         raise RuntimeError("no such quantile")
 
-    got = output_attributes(tensor, stats=("mean", "max"), extra_stats={"broken": broken, "total": lambda t: t.sum()})
+    got = output_attributes(
+        tensor, stats=torchtrace.Stats(names=("mean", "max"), extra={"broken": broken, "total": lambda t: t.sum()})
+    )
     assert got == {
         "mean": pytest.approx(49.5),
         "max": 99.0,
@@ -602,12 +606,12 @@ def test_a_raising_user_statistic_costs_only_itself():
 
 
 def test_max_tensors_truncates_and_says_so():
-    got = output_attributes((A, B, C), stats=("mean",), max_tensors=2)
+    got = output_attributes((A, B, C), stats=torchtrace.Stats(names=("mean",), max_tensors=2))
     assert got == {"0.mean": 2.0, "1.mean": 0.0, "truncated": True}
 
 
 def test_within_max_tensors_there_is_no_truncated_flag():
-    got = output_attributes((A, B), stats=("mean",), max_tensors=2)
+    got = output_attributes((A, B), stats=torchtrace.Stats(names=("mean",), max_tensors=2))
     assert "truncated" not in got
 
 
@@ -1153,7 +1157,7 @@ def test_gradients_are_identical_with_and_without_tracing():
     model(x).sum().backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    with capture_spans(model, inputs=True):
+    with capture_spans(model, stats=torchtrace.Stats(inputs=True)):
         model(x).sum().backward()
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected, strict=True))
 
@@ -1163,7 +1167,7 @@ def test_gradients_are_identical_with_and_without_tracing():
 
 def test_remove_leaves_nothing_on_any_module_and_is_idempotent():
     model = transformer()
-    handle = torchtrace.instrument(model, exporter="none", inputs=True)
+    handle = torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(inputs=True))
     assert len(traced_modules(model)) == len(list(model.modules()))  # instrumented: every module
     model(torch.randn(1, 4, 16))
     handle.remove()
@@ -1210,7 +1214,7 @@ def test_user_hooks_survive_remove():
 def test_a_tensor_larger_than_stats_sample_is_summarised_from_an_evenly_spaced_sample():
     torch.manual_seed(0)
     tensor = torch.randn(300, 301)
-    got = output_attributes(tensor, stats_sample=1000)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     stride = -(-tensor.numel() // 1000)  # 91: every 91st element
     sample = tensor.reshape(-1)[::stride]
     assert got["sampled"] == sample.numel() <= 1000
@@ -1220,7 +1224,7 @@ def test_a_tensor_larger_than_stats_sample_is_summarised_from_an_evenly_spaced_s
 
 def test_tensors_within_stats_sample_are_summarised_whole():
     tensor = torch.randn(10, 10)
-    got = output_attributes(tensor, stats_sample=100)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=100))
     assert "sampled" not in got
     assert_stats_match(got, tensor)
 
@@ -1339,13 +1343,13 @@ def test_a_strided_view_is_sampled_in_place_evenly_along_each_dimension():
     dimensions: no copy of the whole tensor first; the statistics are those of that sample, and say its size."""
     torch.manual_seed(0)
     tensor = torch.randn(600, 500).t()
-    got = output_attributes(tensor, stats_sample=1000)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     sample = _stats.evenly_spaced(tensor, -(-tensor.numel() // 1000))
     assert sample.data_ptr() == tensor.data_ptr()  # a view
     assert 500 <= got["sampled"] == sample.numel() <= 2000
     assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
     expanded = torch.randn(1, 3000).expand(40, 3000)  # distinct values first, then the sample of them
-    got = output_attributes(expanded, stats_sample=1000)
+    got = output_attributes(expanded, stats=torchtrace.Stats(sample=1000))
     assert got["sampled"] == 1000 * 40 and got["mean"] == pytest.approx(float(expanded[0, ::3].mean()), rel=1e-5)
 
 
@@ -1359,7 +1363,7 @@ def test_gradients_are_sampled_too():
         kept["out"] = output
 
     model[1].register_forward_hook(keep_output)
-    with capture_spans(model, backward=True, stats_sample=100) as captured:
+    with capture_spans(model, backward=True, stats=torchtrace.Stats(sample=100)) as captured:
         model(torch.randn(8, 64)).pow(2).sum().backward()
         captured.handle.step()
         attributes = captured.span("1 backward").attributes

@@ -51,7 +51,7 @@ def spans_in_set(path: Path, backups: int) -> int:
 def line(number: int) -> EncodedSpans:
     """A one-span request whose span is named by ``number`` (to read the order back)."""
     model = make_model()
-    with torchtrace.instrument(model, exporter="none", include="", print_summary=False) as handle:
+    with torchtrace.instrument(model, exporter="none", include="") as handle:
         model(torch.ones(1, 16))
         call = handle.records[0]
     call.path = f"n{number}"  # the span name
@@ -96,7 +96,7 @@ def test_instrument_rotates_as_the_variables_say_and_every_span_is_accounted(
     monkeypatch.setenv("TORCHTRACE_TRACE_FILE_BACKUPS", "3")
     path = tmp_path / "traces.jsonl"
     model = make_model()
-    with torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle:
+    with torchtrace.instrument(model, exporter="file", trace_file=str(path)) as handle:
         for _ in range(200):
             model(torch.randn(2, 16))
             handle.flush()
@@ -160,7 +160,7 @@ def test_a_symlink_planted_at_the_default_path_later_is_not_written_through(
     model = make_model()
     with (
         caplog.at_level(logging.WARNING, logger="torchtrace"),
-        torchtrace.instrument(model, exporter="file", print_summary=False) as handle,
+        torchtrace.instrument(model, exporter="file") as handle,
     ):
         (tmp_path / "torchtrace-traces" / "traces.jsonl").symlink_to(target)  # after instrument()'s checks
         model(torch.randn(2, 16))
@@ -200,7 +200,7 @@ def test_a_file_at_the_default_path_must_be_ours_alone(tmp_path: Path, monkeypat
     path.write_text("")
     path.chmod(0o666)
     model = make_model()
-    with torchtrace.instrument(model, exporter="file", print_summary=False) as handle:
+    with torchtrace.instrument(model, exporter="file") as handle:
         model(torch.randn(2, 16))
         handle.flush()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and handle.exported_spans == SPANS_PER_FORWARD
@@ -328,7 +328,7 @@ def test_a_full_disk_is_counted_warned_once_and_recovered_from(tiny_fs: Path, ca
     expected = model(x)
     with (
         caplog.at_level(logging.WARNING, logger="torchtrace"),
-        torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle,
+        torchtrace.instrument(model, exporter="file", trace_file=str(path)) as handle,
     ):
         filler = fill(tiny_fs)
         for _ in range(20):
@@ -356,7 +356,7 @@ def test_a_read_only_then_vanished_directory(tiny_fs: Path, caplog: pytest.LogCa
     model = make_model()
     with (
         caplog.at_level(logging.WARNING, logger="torchtrace"),
-        torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle,
+        torchtrace.instrument(model, exporter="file", trace_file=str(path)) as handle,
     ):
         # nothing is open for writing yet, so the filesystem can be made read-only under the handle
         subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)

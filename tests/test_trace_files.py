@@ -35,7 +35,7 @@ def traced(tmp_path_factory):
     """A trace file of 12 forwards of a nested model, and the handle's summary rows of the same run."""
     path = tmp_path_factory.mktemp("traces") / "traces.jsonl"
     model = _model()
-    with torchtrace.instrument(model, exporter="file", trace_file=str(path), print_summary=False) as handle:
+    with torchtrace.instrument(model, exporter="file", trace_file=str(path)) as handle:
         for _ in range(12):
             model(torch.randn(4, 8))
         handle.flush()
@@ -64,7 +64,7 @@ def test_a_training_runs_summary_and_step_tree_read_back(tmp_path):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(path), backward=True, optimizer=optimizer, print_summary=False
+        model, exporter="file", trace_file=str(path), backward=True, optimizer=optimizer
     ) as handle:
         for _ in range(4):
             model(torch.randn(4, 8)).sum().backward()
@@ -196,10 +196,7 @@ def test_the_sinks_own_rotation_is_read_whole(tmp_path):
     with torchtrace.instrument(
         model,
         exporter="file",
-        trace_file=str(path),
-        trace_file_max_mb=0.004,
-        trace_file_backups=20,
-        print_summary=False,
+        trace_file=torchtrace.TraceFile(path=str(path), max_mb=0.004, backups=20),
     ) as handle:
         for _ in range(12):
             model(torch.randn(4, 8))

@@ -110,7 +110,9 @@ def test_parameter_and_parameter_gradient_norms_are_read_before_the_update():
         seen["grad"] = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in first.parameters()])))
 
     optimizer.register_step_pre_hook(remember)
-    with capture_spans(model, backward=True, optimizer=optimizer, param_stats=True) as captured:
+    with capture_spans(
+        model, backward=True, optimizer=optimizer, training=torchtrace.Training(param_stats=True)
+    ) as captured:
         train(model, optimizer, steps=1)
         attributes = captured.span("0 backward").attributes
         assert attributes["torchtrace.param.norm"] == pytest.approx(seen["param"])
@@ -146,7 +148,9 @@ def test_a_schedule_decides_which_steps_are_traced():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     schedule = torchtrace.schedule(wait=1, warmup=1, active=2, repeat=1)
-    with capture_spans(model, backward=True, optimizer=optimizer, schedule=schedule) as captured:
+    with capture_spans(
+        model, backward=True, optimizer=optimizer, training=torchtrace.Training(schedule=schedule)
+    ) as captured:
         train(model, optimizer, steps=6)
         traced = sorted(span.attributes["torchtrace.step"] for span in captured.spans_named("train_step"))
         assert traced == [2, 3]
@@ -263,7 +267,9 @@ def test_the_first_module_whose_backward_produces_nan_is_marked():
 
 def test_raise_mode_stops_training_at_the_step_naming_the_module():
     model = nan_model()
-    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, stats=torchtrace.Stats(on_nonfinite="raise")
+    ) as handle:
         model(torch.randn(2, 4)).sum().backward()
         with pytest.raises(torchtrace.NonFiniteError, match=r"^1 produced NaN/Inf in output"):
             handle.step()
@@ -272,7 +278,7 @@ def test_raise_mode_stops_training_at_the_step_naming_the_module():
 def test_callback_mode_receives_the_verdict_off_the_hot_path():
     model = nan_model()
     verdicts = []
-    with torchtrace.instrument(model, exporter="none", on_nonfinite=verdicts.append) as handle:
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(on_nonfinite=verdicts.append)) as handle:
         model(torch.randn(2, 4))
         handle.flush()
     assert len(verdicts) == 1
@@ -423,7 +429,9 @@ def test_outputs_and_gradients_are_unchanged_by_backward_tracing():
     model, reference = mlp(), mlp()
     x = torch.randn(5, 4)
     reference(x).sum().backward()
-    with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, training=torchtrace.Training(param_stats=True)
+    ) as handle:
         out = model(x)
         out.sum().backward()
         handle.step()
@@ -434,7 +442,9 @@ def test_outputs_and_gradients_are_unchanged_by_backward_tracing():
 
 def test_a_step_that_is_never_closed_stays_bounded_and_counts_what_it_drops(caplog):
     model = mlp()
-    with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=8) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, limits=torchtrace.Limits(max_pending_calls=8)
+    ) as handle:
         for _ in range(5):  # training forwards (gradients on), never backward: 4 calls each, two fit, three dropped
             model(torch.randn(2, 4))
         assert handle.dropped_calls == 12
@@ -498,7 +508,7 @@ def test_the_first_layers_backward_summarises_its_parameter_gradient_as_a_whole(
 
 def test_leaf_hooks_do_not_pile_up_when_steps_are_never_closed():
     model = mlp()
-    with torchtrace.instrument(model, exporter="none", backward=True, max_pending_calls=50):
+    with torchtrace.instrument(model, exporter="none", backward=True, limits=torchtrace.Limits(max_pending_calls=50)):
         for _ in range(100):
             model(torch.randn(3, 4)).sum().backward()  # no step(): forwards are dropped past max_pending_calls
         assert len(model[0].weight._backward_hooks or {}) <= 1
@@ -540,7 +550,9 @@ def test_reading_records_while_a_step_is_open_says_once_how_to_close_it(caplog):
 
 def test_an_inf_gradient_made_by_the_loss_is_not_blamed_on_a_module():
     model = mlp()
-    with torchtrace.instrument(model, exporter="none", backward=True, on_nonfinite="raise") as handle:
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, stats=torchtrace.Stats(on_nonfinite="raise")
+    ) as handle:
         output = model(torch.randn(3, 4))
         (output - output.detach()).abs().sqrt().sum().backward()  # d sqrt(x)/dx at 0: Inf, made by the loss
         handle.step()  # no module produced it: nothing raised
@@ -557,7 +569,7 @@ def test_nan_already_in_the_models_input_is_not_blamed_on_the_first_layer_when_i
     model = mlp()
     x = torch.randn(3, 4)
     x[0, 0] = float("nan")
-    with torchtrace.instrument(model, exporter="none", inputs=True) as handle:
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(inputs=True)) as handle:
         model(x)
         assert not any(isinstance(call.error, torchtrace.NonFiniteError) for call in handle.records)
         assert handle["0"][0].attributes["torchtrace.input.0.nan_count"] == 1  # seen where it came in
@@ -885,6 +897,8 @@ def test_sample_every_and_sample_ratio_pick_training_steps():
     assert traced_steps[0] == traced_steps[1] and 10 <= len(traced_steps[0]) <= 30
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with capture_spans(model, optimizer=optimizer, schedule=torchtrace.every(2), sample_every=5) as captured:
+    with capture_spans(
+        model, optimizer=optimizer, sample_every=5, training=torchtrace.Training(schedule=torchtrace.every(2))
+    ) as captured:
         train(model, optimizer, steps=4)
         assert sorted(s.attributes["torchtrace.step"] for s in captured.spans_named("train_step")) == [0, 2]

@@ -44,7 +44,7 @@ def test_forty_handles_share_one_worker_that_delivers_every_handles_calls() -> N
     models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(40)]
     sinks = [Batches() for _ in models]
     handles = [
-        torchtrace.instrument(model, exporter="none", export_interval_ms=20, sinks=[sink])
+        torchtrace.instrument(model, exporter="none", sinks=[sink], limits=torchtrace.Limits(export_interval_ms=20))
         for model, sink in zip(models, sinks)
     ]
     try:
@@ -70,7 +70,7 @@ def test_the_worker_starts_again_on_a_new_instrument() -> None:
         first = dispatch_threads()
     assert dispatch_threads() == []
     sink = Batches()
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=10, sinks=[sink]):
+    with torchtrace.instrument(model, exporter="none", sinks=[sink], limits=torchtrace.Limits(export_interval_ms=10)):
         second = dispatch_threads()
         model(torch.randn(2, 4))
         assert wait_until(lambda: sink.calls == 1, timeout=10)  # served by the new worker
@@ -97,8 +97,15 @@ def test_each_handle_exports_at_its_own_interval(tmp_path) -> None:
     fast_model, slow_model = nn.Linear(4, 4), nn.Linear(4, 4)
     started = time.monotonic()
     with (
-        torchtrace.instrument(fast_model, exporter="file", trace_file=str(tmp_path / "f"), export_interval_ms=20) as a,
-        torchtrace.instrument(slow_model, exporter="file", trace_file=str(tmp_path / "s"), export_interval_ms=300) as b,
+        torchtrace.instrument(
+            fast_model, exporter="file", trace_file=str(tmp_path / "f"), limits=torchtrace.Limits(export_interval_ms=20)
+        ) as a,
+        torchtrace.instrument(
+            slow_model,
+            exporter="file",
+            trace_file=str(tmp_path / "s"),
+            limits=torchtrace.Limits(export_interval_ms=300),
+        ) as b,
     ):
         fast, slow = TimedExports(a), TimedExports(b)
         while len(slow.times) < 3 and time.monotonic() - started < 30:
@@ -122,7 +129,11 @@ def test_in_process_sinks_get_calls_long_before_the_export_interval(tmp_path) ->
     model, sink = nn.Linear(4, 4), Batches()
     trace_file = tmp_path / "t"
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000, sinks=[sink]
+        model,
+        exporter="file",
+        trace_file=str(trace_file),
+        sinks=[sink],
+        limits=torchtrace.Limits(export_interval_ms=600_000),
     ) as handle:
         exports = TimedExports(handle)
         model(torch.randn(2, 4))
@@ -137,7 +148,9 @@ def test_a_backlog_of_calls_is_resolved_at_once_without_waiting_for_the_tick(mon
     monkeypatch.setattr(_worker, "RESOLVE_INTERVAL_S", 3600.0)
     monkeypatch.setattr(_worker, "_IDLE_RESOLVE_INTERVAL_S", 3600.0)
     model, sink = nn.Sequential(*[nn.Linear(4, 4) for _ in range(7)]), Batches()  # 8 calls per forward
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=600_000, sinks=[sink]) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", sinks=[sink], limits=torchtrace.Limits(export_interval_ms=600_000)
+    ) as handle:
         assert wait_until(lambda: handle.buffer.backlog_calls == 64 and dispatch_threads(), timeout=10)
         time.sleep(0.2)  # the new worker's first tick (at start) has passed
         for _ in range(7):
@@ -170,9 +183,13 @@ def test_a_failing_sink_or_drain_of_one_handle_does_not_stop_the_others(monkeypa
     models = [nn.Linear(4, 4) for _ in range(3)]
     good = Batches()
     with (
-        torchtrace.instrument(models[0], exporter="none", export_interval_ms=10, sinks=[failing_sink]) as failing,
-        torchtrace.instrument(models[1], exporter="none", export_interval_ms=10) as broken,
-        torchtrace.instrument(models[2], exporter="none", export_interval_ms=10, sinks=[good]),
+        torchtrace.instrument(
+            models[0], exporter="none", sinks=[failing_sink], limits=torchtrace.Limits(export_interval_ms=10)
+        ) as failing,
+        torchtrace.instrument(models[1], exporter="none", limits=torchtrace.Limits(export_interval_ms=10)) as broken,
+        torchtrace.instrument(
+            models[2], exporter="none", sinks=[good], limits=torchtrace.Limits(export_interval_ms=10)
+        ),
     ):
 
         def broken_drain(wait: bool = True) -> int:
@@ -189,7 +206,7 @@ def test_a_failing_sink_or_drain_of_one_handle_does_not_stop_the_others(monkeypa
 
 def test_a_handle_dropped_without_remove_keeps_neither_the_worker_nor_its_model_alive() -> None:
     model = nn.Linear(4, 4)
-    handle = torchtrace.instrument(model, exporter="none", export_interval_ms=600_000)
+    handle = torchtrace.instrument(model, exporter="none", limits=torchtrace.Limits(export_interval_ms=600_000))
     model(torch.randn(2, 4))
     model_ref, handle_ref = weakref.ref(model), weakref.ref(handle)
     assert len(dispatch_threads()) == 1
@@ -203,7 +220,7 @@ def test_a_forked_child_has_one_worker_for_all_its_handles() -> None:
     models = [nn.Linear(4, 4) for _ in range(5)]
     sinks = [Batches() for _ in models]
     handles = [
-        torchtrace.instrument(model, exporter="none", export_interval_ms=10, sinks=[sink])
+        torchtrace.instrument(model, exporter="none", sinks=[sink], limits=torchtrace.Limits(export_interval_ms=10))
         for model, sink in zip(models, sinks)
     ]
     try:
@@ -250,7 +267,11 @@ def test_a_forked_child_does_not_export_what_the_parent_resolved(tmp_path) -> No
     trace_file = tmp_path / "spans.jsonl"
     model, sink = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Batches()
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000, sinks=[sink]
+        model,
+        exporter="file",
+        trace_file=str(trace_file),
+        sinks=[sink],
+        limits=torchtrace.Limits(export_interval_ms=600_000),
     ) as handle:
         model(torch.randn(2, 4))
         assert wait_until(lambda: sink.calls == 3, timeout=10)  # resolved, not exported yet
@@ -308,7 +329,7 @@ def test_a_cpu_forward_reaches_the_records_and_summary_at_its_end_and_the_file_a
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     trace_file = tmp_path / "t.jsonl"
     with torchtrace.instrument(
-        model, exporter="file", trace_file=str(trace_file), export_interval_ms=600_000
+        model, exporter="file", trace_file=str(trace_file), limits=torchtrace.Limits(export_interval_ms=600_000)
     ) as handle:
         with _worker.WORKER._condition:
             model(torch.randn(2, 4))
@@ -325,7 +346,9 @@ def test_a_cpu_forward_reaches_the_records_and_summary_at_its_end_and_the_file_a
 
 def test_a_sink_of_your_own_keeps_every_forward_on_the_worker() -> None:
     model, sink = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Batches()
-    with torchtrace.instrument(model, exporter="none", export_interval_ms=600_000, sinks=[sink]) as handle:
+    with torchtrace.instrument(
+        model, exporter="none", sinks=[sink], limits=torchtrace.Limits(export_interval_ms=600_000)
+    ) as handle:
         with _worker.WORKER._condition:  # your sink is never called on the model's thread
             model(torch.randn(2, 4))
             assert len(handle.buffer) == 1 and sink.calls == 0 and handle._records.all() == []
@@ -353,7 +376,7 @@ def test_forwards_the_exporter_cannot_take_yet_are_dropped_counted_and_still_rec
 def test_forwards_ending_on_many_threads_at_once_are_each_recorded_once() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     threads, forwards = 4, 50
-    with torchtrace.instrument(model, exporter="none", max_records=10_000) as handle:
+    with torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=10_000)) as handle:
 
         def serve() -> None:
             with torch.inference_mode():

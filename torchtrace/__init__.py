@@ -3,8 +3,9 @@
 from torchtrace import _fork  # noqa: F401 - a forked child (DataLoader worker) traces with its own worker and senders
 from torchtrace._capture.recorder import CompressedTensor
 from torchtrace._core.calls import ModuleCall, NonFiniteError, Sink
-from torchtrace._core.options import STAT_NAMES
+from torchtrace._core.options import STAT_NAMES, Limits, Records, Stats, TraceFile, Training
 from torchtrace._core.schedule import StepSchedule, every, schedule
+from torchtrace._core.settings import Settings, configure
 from torchtrace._handle import TraceHandle, handle_of, instrument
 from torchtrace._sinks.metrics import MetricsSink
 from torchtrace._sinks.metrics_server import MetricsServer, metrics_from_env, serve_metrics
@@ -13,14 +14,21 @@ from torchtrace.version import __version__
 __all__ = [
     "STAT_NAMES",
     "CompressedTensor",
+    "Limits",
     "MetricsServer",
     "MetricsSink",
     "ModuleCall",
     "NonFiniteError",
+    "Records",
+    "Settings",
     "Sink",
+    "Stats",
     "StepSchedule",
+    "TraceFile",
     "TraceHandle",
+    "Training",
     "__version__",
+    "configure",
     "every",
     "handle_of",
     "instrument",

@@ -86,7 +86,7 @@ def _where(handle: torchtrace.TraceHandle, spans: int, requests: int = 0) -> str
         spans = counts[0]
     what = f"{spans} model spans under {requests} demo.inference" if requests else str(spans)
     if handle.exporter == "file" or (requests and handle.exporter == "sdk"):  # sdk: the demo's own, to the file
-        path = os.path.abspath(handle.options.trace_file)
+        path = os.path.abspath(handle.options.trace_file.path)
         return f"traces: {what} spans appended as OTLP JSON lines to {path}{failed}"
     if handle.exporter == "otlp":
         protocol = (
@@ -143,7 +143,6 @@ def run_demo(
         trace_file=trace_file,
         stats=None if stats else False,
         sinks=[counter],
-        print_summary=False,  # the demo prints its own table, with where the traces went
     )
     tracer = provider.get_tracer("torchtrace.demo", torchtrace.__version__)
     try:
@@ -158,7 +157,7 @@ def run_demo(
         print(_where(handle, counter.calls, batches if owned else 0), file=out)
         counts = _exporter_counts(handle)
         in_file = handle.exporter == "file" or (owned and handle.exporter == "sdk")
-        spans_file = os.path.abspath(handle.options.trace_file)
+        spans_file = os.path.abspath(handle.options.trace_file.path)
     finally:
         handle.remove()
         if owned:

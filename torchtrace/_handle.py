@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,20 @@ from torchtrace._capture.recorder import HookRecorder
 from torchtrace._capture.selection import is_compiled_module, select_modules, type_name
 from torchtrace._capture.steps import StepRecord, StepTracker
 from torchtrace._capture.traced_forward import can_wrap, wrap_forward
+from torchtrace._core import settings
 from torchtrace._core import signals as _signals
 from torchtrace._core.calls import ModuleCall, NonFiniteError
-from torchtrace._core.options import ENV_METRICS, Options, StatFunction, _env, resolve_options
+from torchtrace._core.options import (
+    ENV_METRICS,
+    Limits,
+    Options,
+    Records,
+    Stats,
+    TraceFile,
+    Training,
+    env_text,
+    resolve_options,
+)
 from torchtrace._core.ranks import rank_info
 from torchtrace._core.schedule import always, sampled
 from torchtrace._pipeline.dispatcher import Dispatcher, first_nonfinite, resolve_forward
@@ -52,11 +63,11 @@ class TraceHandle:
         self._monitored = frozenset(self.monitored_layers)
         self._warned_open_step = False
         modules = [info for _, info in selected]
-        self.buffer = RecordBuffer(options.max_pending_calls)
+        self.buffer = RecordBuffer(options.limits.max_pending_calls)
         self._steps = _step_tracker(options, model)
         self._recorder = HookRecorder(modules, options, self.buffer, self._steps, resolve_forward)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
-        self._records = RecordStore(options.max_records, on_drop=self._recorder.release_capture)
+        self._records = RecordStore(options.records.max_records, on_drop=self._recorder.release_capture)
         self._summary = SummarySink()
         self._hook_handles: list = []
         self._handles_by_index: dict[int, list] = {}  # a traced module's (index into modules) hooks and entries
@@ -83,16 +94,21 @@ class TraceHandle:
         batched = export_sinks if self.exporter in ("otlp", "file") else []
         sinks = [*(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks, *options.sinks]
         self._dispatcher = Dispatcher(
-            self.buffer, modules, sinks, options.export_interval_ms / 1000, batched, (self._records, self._summary)
+            self.buffer,
+            modules,
+            sinks,
+            options.limits.export_interval_ms / 1000,
+            batched,
+            (self._records, self._summary),
         )
         self._recorder.deliver = self._dispatcher.deliver_at_forward_end
-        if callable(options.on_nonfinite):
-            self._dispatcher.on_nonfinite = options.on_nonfinite
+        if callable(options.stats.on_nonfinite):
+            self._dispatcher.on_nonfinite = options.stats.on_nonfinite
         if is_ddp(model):
-            hook, state = options.comm_hook or (None, None)
+            hook, state = options.training.comm_hook or (None, None)
             watch_ddp(model, self._steps, hook, state)
         self._optimizer_hooks = _watch_optimizer(options.optimizer, self) if options.optimizer is not None else []
-        with_kwargs = options.inputs
+        with_kwargs = options.stats.inputs
         # the traced root (DDP's inner module, where DDP wraps it), if the selection traces it: see _hooks
         roots = [module for module, info in selected if not info.path]
         self._recorder.model_ref = weakref.ref(roots[0]) if roots else None
@@ -124,7 +140,7 @@ class TraceHandle:
         # a model dropped without remove() must not leave the worker thread running
         weakref.finalize(model, _remove_if_alive, weakref.ref(self))
         self._dispatcher.start()
-        if options.handle_sigterm:
+        if settings.current().handle_sigterm:
             _signals.hold(self, self._flush_within)
 
     def _on_replaced(self, path: str, new: Any) -> None:
@@ -225,7 +241,7 @@ class TraceHandle:
         self.flush()
         losses = {"dropped_calls": self.dropped_calls, "failed_spans": self.failed_spans}
         losses["sink_errors"] = self.sink_errors
-        write_report([self.options.trace_file], path, losses=losses)
+        write_report([self.options.trace_file.path], path, losses=losses)
         return Path(path)
 
     def remove(self) -> None:
@@ -257,10 +273,11 @@ class TraceHandle:
         self.flush()
         for shutdown in self._shutdowns():
             shutdown()
-        print_summary = self.options.print_summary
+        print_summary = settings.current().print_summary
         if print_summary or (print_summary is None and self.exporter == "file" and self.options.exporter == "auto"):
             print(
-                f"{self.summary(limit=30)}\n\ntorchtrace: traces written to {self.options.trace_file}", file=sys.stderr
+                f"{self.summary(limit=30)}\n\ntorchtrace: traces written to {self.options.trace_file.path}",
+                file=sys.stderr,
             )
         if self.options.metrics is True:
             from torchtrace._sinks.metrics import INSTRUMENTED_MODELS
@@ -276,18 +293,20 @@ class TraceHandle:
     def step(self) -> None:
         """Close the current training step (one trace: its forwards, backward and optimizer step) and start the
         next. With ``optimizer=`` this happens at the end of each ``optimizer.step()``. Call it before
-        ``zero_grad()`` when ``param_stats=True`` and no optimizer is given.
+        ``zero_grad()`` when ``Training(param_stats=True)`` and no optimizer is given.
 
-        With ``on_nonfinite="raise"`` it raises :class:`NonFiniteError` naming the first module that produced
+        With ``Stats(on_nonfinite="raise")`` it raises :class:`NonFiniteError` naming the first module that produced
         NaN/Inf in this step (forward or backward): the verdict is read once per step, not per layer.
         """
         if self._steps is None:
-            raise RuntimeError("step() needs step tracing: instrument(model, backward=True / schedule= / optimizer=)")
+            raise RuntimeError(
+                "step() needs step tracing: instrument(model, backward=True / optimizer= / training=Training(schedule=))"
+            )
         if self._steps.closed_by_optimizer:
             return  # optimizer.step() closed this iteration's step already (a step() after it is not another one)
         record = self._steps.finish()
         verdict = None
-        if record is not None and self.options.on_nonfinite == "raise":
+        if record is not None and self.options.stats.on_nonfinite == "raise":
             verdict = first_nonfinite(record, self._recorder.modules)  # before the worker may read and release it
         self._deliver_step(record)
         if verdict is not None:
@@ -406,26 +425,28 @@ class TraceHandle:
 
 def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | None:
     """Step tracing is on when backward, a schedule or an optimizer is given, and for DDP models."""
-    if not (options.backward or options.schedule is not None or options.optimizer is not None or is_ddp(model)):
+    if not (
+        options.backward or options.training.schedule is not None or options.optimizer is not None or is_ddp(model)
+    ):
         return None
     inner = model.module if is_ddp(model) else model
     name = type(inner).__name__
     same_class = sum(
         1 for handle in _live_handles if handle._steps is not None and handle._steps.model_key.split("#")[0] == name
     )
-    steps = options.schedule
+    steps = options.training.schedule
     if steps is None:  # sample_every / sample_ratio pick steps here: the step, not each forward, is what is traced
         sampling = options.sample_every > 1 or options.sample_ratio < 1
         steps = sampled(options.sample_every, options.sample_ratio) if sampling else always
     return StepTracker(
         steps,
         backward=options.backward,
-        param_stats=options.param_stats,
-        on_grad_output=options.function_on_grad_output,
-        on_grad_input=options.function_on_grad_input,
+        param_stats=options.training.param_stats,
+        on_grad_output=options.records.function_on_grad_output,
+        on_grad_input=options.records.function_on_grad_input,
         model_key=name if not same_class else f"{name}#{same_class + 1}",
         rank=rank_info(),
-        stats_sample=options.stats_sample,
+        stats_sample=options.stats.sample,
     )
 
 
@@ -503,7 +524,7 @@ def _export_sinks(options: Options) -> tuple[str, list, list]:
 
     if exporter == "auto":
         exporter = "otlp" if _exporters.otlp_endpoint_configured() else "file"
-    sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.file_sender(options)
+    sender = _exporters.create_otlp_sender() if exporter == "otlp" else _exporters.file_sender(options.trace_file)
     sink = _exporters.OtlpSink(sender, _exporters.process_resource(), "torchtrace", __version__)
     return exporter, [sink], []
 
@@ -527,49 +548,52 @@ def instrument(
     *,
     exporter: str | None = None,
     tracer_provider: trace.TracerProvider | None = None,
-    trace_file: str | None = None,
-    trace_file_max_mb: float | None = None,
-    trace_file_backups: int | None = None,
+    trace_file: str | os.PathLike | TraceFile | None = None,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     types: type | tuple[type, ...] | None = None,
     max_depth: int | None = None,
-    stats: bool | str | Iterable[str] | None = None,
-    extra_stats: Mapping[str, StatFunction] | None = None,
-    inputs: bool | None = None,
-    max_tensors: int | None = None,
-    stats_sample: int | None = None,
+    stats: bool | str | Iterable[str] | Stats | None = None,
     sample_every: int | None = None,
     sample_ratio: float | None = None,
-    max_records: int | None = None,
-    function_on_output: Callable[[Any], Any] | None = None,
-    function_on_input: Callable[[Any], Any] | None = None,
-    module_attributes: str | Iterable[str] | None = None,
-    function_on_attribute: Callable[[Any], Any] | None = None,
-    attributes_before_forward: bool = False,
-    function_on_grad_output: Callable[[Any], Any] | None = None,
-    function_on_grad_input: Callable[[Any], Any] | None = None,
-    capture_tensors: bool = False,
-    capture_max_bytes: int | None = None,
-    capture_compress: bool = False,
-    export_interval_ms: int | None = None,
-    max_pending_calls: int | None = None,
-    sinks: Iterable[Callable] | None = None,
-    print_summary: bool | None = None,
-    metrics: bool | Callable | None = None,
     backward: bool | None = None,
-    schedule: Callable[[int], bool] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    param_stats: bool | None = None,
-    on_nonfinite: str | Callable[[NonFiniteError], Any] | None = None,
-    comm_hook: tuple[Callable, Any] | None = None,
-    cuda_events: bool | None = None,
-    handle_sigterm: bool | None = None,
+    training: Training | None = None,
+    metrics: bool | Callable | None = None,
+    sinks: Iterable[Callable] | None = None,
+    records: Records | None = None,
+    limits: Limits | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 
-    Every option is keyword-only; unset ones come from ``TORCHTRACE_*`` environment variables, else defaults
-    (see docs/configuration.md). Invalid options raise here, never inside a hook.
+    Every option is keyword-only; one left ``None`` comes from its ``TORCHTRACE_*`` environment variable, else its
+    default (docs/configuration.md lists them). Invalid options raise here, never inside a hook. Process-wide
+    settings (SIGTERM handling, the summary printed at exit, CUDA timing) are ``torchtrace.configure()``'s.
+
+    Args:
+        model: the module to trace; its root's call is the outermost span of each forward.
+        exporter: where spans go: ``"auto"`` (the SDK provider when one is installed, else OTLP when an
+            ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set, else the trace file), ``"otlp"``, ``"sdk"``, ``"file"`` or
+            ``"none"``.
+        tracer_provider: the OpenTelemetry ``TracerProvider`` of the ``"sdk"`` exporter (default: the global one).
+        trace_file: the ``"file"`` exporter's path, or a ``TraceFile`` with its rotation.
+        include: globs over module paths (``"encoder.*"``) to trace; default every module.
+        exclude: globs over module paths not to trace.
+        types: a module class, or a tuple of them, to trace (default: every class).
+        max_depth: the deepest module path traced: 0 is the model itself, 1 its children, ...
+        stats: ``True`` (every statistic), ``False``, statistic names, or a ``Stats`` with its details.
+        sample_every: trace every Nth outermost forward (in training: every Nth step).
+        sample_ratio: trace this fraction of outermost forwards (in training: of steps, alike on every rank).
+        backward: a span per module backward, with gradient statistics.
+        optimizer: its ``step()`` is timed and closes each training step (one trace per step).
+        training: a ``Training``: which steps are traced, parameter norms, a DDP comm hook of yours.
+        metrics: ``True`` (Prometheus metrics on the global registry) or a ``MetricsSink``.
+        sinks: callables receiving each batch of ``ModuleCall`` off the hot path.
+        records: a ``Records``: what the in-memory records (``handle.records``) keep.
+        limits: a ``Limits``: the export interval and how many calls may wait for export.
+
+    Returns:
+        The ``TraceHandle``: ``records``, ``summary()``, ``flush()``, ``remove()``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"instrument() expects a torch.nn.Module, got {type(model).__name__}")
@@ -586,7 +610,7 @@ def instrument(
             "remove() that handle first (torchtrace.handle_of(model) gives it back)"
         )
     handle = TraceHandle(model, options)
-    if metrics is None and _env(ENV_METRICS) is None and not _publishes_metrics(handle):
+    if metrics is None and env_text(ENV_METRICS) is None and not _publishes_metrics(handle):
         note_unmetered(handle)  # warns once if a metrics endpoint is being served: it will show nothing of this model
     return handle
 

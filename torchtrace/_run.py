@@ -28,37 +28,8 @@ from dataclasses import fields
 from typing import Any, TextIO
 
 from torchtrace._core import options as _config
+from torchtrace._core import settings as _settings
 from torchtrace._core import signals as _signals
-
-# option -> the TORCHTRACE_* variable it reads (options without one are keyword-only)
-OPTION_ENV: dict[str, tuple[str, ...]] = {
-    "exporter": (_config.ENV_EXPORTER,),
-    "trace_file": (_config.ENV_TRACE_FILE,),
-    "include": (_config.ENV_INCLUDE,),
-    "exclude": (_config.ENV_EXCLUDE,),
-    "types": (_config.ENV_TYPES,),
-    "max_depth": (_config.ENV_MAX_DEPTH,),
-    "stats": (_config.ENV_STATS,),
-    "inputs": (_config.ENV_INPUTS,),
-    "max_tensors": (_config.ENV_MAX_TENSORS,),
-    "sample_every": (_config.ENV_SAMPLE_EVERY,),
-    "sample_ratio": (_config.ENV_SAMPLE_RATIO,),
-    "max_records": (_config.ENV_MAX_RECORDS,),
-    "export_interval_ms": (_config.ENV_EXPORT_INTERVAL,),
-    "max_pending_calls": (_config.ENV_MAX_PENDING,),
-    "print_summary": (_config.ENV_PRINT_SUMMARY,),
-    "metrics": (_config.ENV_METRICS, "TORCHTRACE_METRICS_PORT"),
-    "schedule": (_config.ENV_STEP_EVERY,),
-}
-
-_KNOWN_ENV = {value for name, value in vars(_config).items() if name.startswith("ENV_") and isinstance(value, str)}
-
-
-def _env_names(option: str) -> tuple[str, ...]:
-    """The variables an option reads: the table above, else TORCHTRACE_<OPTION> when _config defines it."""
-    guess = f"TORCHTRACE_{option.upper()}"
-    return OPTION_ENV.get(option) or ((guess,) if guess in _KNOWN_ENV else ())
-
 
 # standard variables torchtrace's exporters read (through opentelemetry-exporter-otlp / the SDK)
 OTEL_VARIABLES = (
@@ -97,26 +68,31 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def _source(env: str | None, given: bool, setter: str = "keyword") -> str:
+    if given:
+        return setter
+    return f"env {env}" if env is not None and _env_set(env) else "default"
+
+
 def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
-    """One row per option (``name``, ``value``, ``source``), then the OTel settings. Raises ValueError/TypeError
-    for an invalid option or variable, exactly as ``instrument()`` would."""
+    """One row per option (``name``, ``value``, ``source``): the plain keywords, each option object's fields
+    (``Stats.inputs``), the process-wide settings, then the OTel settings. Raises ValueError/TypeError for an invalid
+    option or variable, exactly as ``instrument()`` would."""
     keywords = {key: value for key, value in (keywords or {}).items() if value is not None}
     options = _config.resolve_options(**keywords)
+    given = _config.keyword_set(keywords)
     rows = []
-    for field in fields(options):
-        name = field.name
-        value = getattr(options, name)
-        if name in keywords:
-            source = "keyword"
-        else:
-            env_names = [env for env in _env_names(name) if _env_set(env)]
-            source = f"env {env_names[0]}" if env_names else "default"
+    for group, name, item, _ in _config.option_rows():
+        value = getattr(options, name) if not group else getattr(_config.group_of(options, group), item.name)
         text = _format(value)
         if name == "exporter" and value == "auto":
             text = f"auto ({_auto_exporter()})"
-        rows.append({"name": name, "value": text, "source": source})
-    triton_source = f"env {_config.ENV_TRITON}" if _env_set(_config.ENV_TRITON) else "default"
-    rows.append({"name": "triton statistics", "value": str(_config.triton_allowed()), "source": triton_source})
+        rows.append({"name": name, "value": text, "source": _source(item.metadata["env"], name in given)})
+    configured = _settings.configured()
+    for item in fields(_settings.Settings):
+        value = getattr(_settings.current(), item.name)
+        source = _source(item.metadata["env"], getattr(configured, item.name) is not None, "configure()")
+        rows.append({"name": f"configure.{item.name}", "value": _format(value), "source": source})
     from torchtrace._otlp import exporters as _exporters
 
     for name in OTEL_VARIABLES:
@@ -205,7 +181,7 @@ def run_script(
     """Runs ``script`` as ``__main__`` with every model traced; returns its exit status."""
     err = err or sys.stderr
     keywords = {key: value for key, value in (keywords or {}).items() if value is not None}
-    options = _config.resolve_options(**keywords)  # invalid options: fail before the script starts
+    _config.resolve_options(**keywords)  # invalid options: fail before the script starts
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script}")
     from torchtrace.instrumentation import TorchInstrumentor
@@ -213,7 +189,8 @@ def run_script(
     provider, owned = _install_tracer_provider(keywords.get("trace_file"))  # --trace-file: the app's spans too
     instrumentor = TorchInstrumentor()
     instrumentor.instrument(**_model_options(keywords, provider))
-    if options.handle_sigterm:  # installed before the first model runs; the script's own spans are delivered too
+    # installed before the first model runs: the script's own spans are delivered too
+    if _settings.current().handle_sigterm:
         _signals.hold(provider, lambda seconds: provider.force_flush(int(seconds * 1000)))
     saved_argv, saved_path0 = sys.argv, sys.path[0] if sys.path else None
     sys.argv = [script, *args]

@@ -18,12 +18,12 @@ MODULE_PATH = "torchtrace.module.path"  # the module's path in its model ("" for
 MODULE_TYPE = "torchtrace.module.type"  # the module's class name
 
 OUTPUT_PREFIX = "torchtrace.output"  # statistics of a call's output tensors
-INPUT_PREFIX = "torchtrace.input"  # of its input tensors (inputs=True)
+INPUT_PREFIX = "torchtrace.input"  # of its input tensors (Stats(inputs=True))
 GRAD_OUTPUT_PREFIX = "torchtrace.grad_output"  # of the gradients reaching a module's output (backward spans)
 GRAD_INPUT_PREFIX = "torchtrace.grad_input"  # of the gradients it passes on
-MODULE_ATTRIBUTE_PREFIX = "torchtrace.module_attribute"  # module_attributes=
+MODULE_ATTRIBUTE_PREFIX = "torchtrace.module_attribute"  # Records(module_attributes=)
 
-PARAM_NORM = "torchtrace.param.norm"  # param_stats=True: the module's parameters' joint norm
+PARAM_NORM = "torchtrace.param.norm"  # Training(param_stats=True): the module's parameters' joint norm
 PARAM_GRAD_NORM = "torchtrace.param_grad.norm"  # and their gradients'
 
 STEP = "torchtrace.step"  # a training step's number

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from torchtrace._core.options import Stats
 from torchtrace.version import __version__
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -102,8 +103,7 @@ def _option_keywords(args: argparse.Namespace) -> dict:
         "include": tuple(args.include) if args.include else None,
         "exclude": tuple(args.exclude) if args.exclude else None,
         "max_depth": args.max_depth,
-        "stats": args.stats,
-        "stats_sample": args.stats_sample,
+        "stats": Stats(names=args.stats, sample=args.stats_sample) if args.stats_sample else args.stats,
         "sample_every": args.sample_every,
         "sample_ratio": args.sample_ratio,
     }

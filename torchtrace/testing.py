@@ -101,7 +101,7 @@ class CapturedSpans:
 def capture_spans(model: torch.nn.Module, **instrument_options: Any) -> Iterator[CapturedSpans]:
     """Instrument ``model`` with a private in-memory SDK provider; remove the instrumentation on exit.
 
-    ``instrument_options`` are passed to :func:`torchtrace.instrument` (``stats=``, ``inputs=``, ``include=``...);
+    ``instrument_options`` are passed to :func:`torchtrace.instrument` (``stats=``, ``include=``, ``records=``...);
     ``exporter`` and ``tracer_provider`` are chosen here.
     """
     for reserved in ("exporter", "tracer_provider"):

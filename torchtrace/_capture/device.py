@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from torchtrace._capture.cuda_driver import DriverEvent, current_raw_stream, driver
-from torchtrace._core.options import triton_allowed
+from torchtrace._core import settings
 
 try:
     from torchtrace._native import driver_call as _driver_call
@@ -317,7 +317,9 @@ def fused_kernel(x: torch.Tensor) -> Any:
         return None
     if _triton is None:
         try:
-            _triton = importlib.import_module("torchtrace._capture.triton_stats") if triton_allowed() else False
+            _triton = (
+                importlib.import_module("torchtrace._capture.triton_stats") if settings.current().triton else False
+            )
         except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used
             _triton = False
     return _triton if _triton and x.dtype in READ_AS_IS and _triton.applies(x) else None

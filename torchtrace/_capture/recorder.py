@@ -28,6 +28,7 @@ from torchtrace._capture.buffer import RecordBuffer
 from torchtrace._capture.device import DeviceWork, event_timer
 from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
 from torchtrace._capture.traced_forward import class_forward, native_traced_call
+from torchtrace._core import settings
 from torchtrace._core.calls import error_text
 from torchtrace._core.options import Options
 from torchtrace._core.sampling import ForwardSampler
@@ -165,7 +166,7 @@ class _ThreadState:
     def __init__(self, options: Options, steps: Any) -> None:
         # per thread: it batches per forward; in training, device statistics share the step's rows
         self.stats = StatComputer(
-            options.stats, options.extra_stats, steps.device_rows if steps else None, options.stats_sample
+            options.stats.names, options.stats.extra, steps.device_rows if steps else None, options.stats.sample
         )
         self.stack: list[int] = []  # positions of the open calls, innermost last
         self.forward: RawForward | None = None  # the forward being recorded
@@ -188,6 +189,7 @@ class HookRecorder:
     ) -> None:
         self.modules = modules
         self.options = options
+        self.cuda_events = settings.current().cuda_events  # process-wide, fixed for this handle's life
         self.buffer = buffer
         # What a finished forward with nothing left on a device becomes before it is buffered (its columns, ids and
         # attributes: ``resolve_forward``), here, while its values are in this core's cache: on the worker, on the
@@ -198,15 +200,16 @@ class HookRecorder:
         self.deliver: Callable[[Any], bool] | None = None
         self.enabled = True
         self.sampler = ForwardSampler(options.sample_every, options.sample_ratio)
-        self.summarise = bool(options.stats or options.extra_stats)
+        self.summarise = bool(options.stats.names or options.stats.extra)
         # what each call does with its output and inputs beyond timing, chosen once: every feature fails alone
+        records = options.records
         self._output_work = tuple(
             work
             for work, wanted in (
                 (self._output_stats, self.summarise),
-                (self._output_value, options.function_on_output is not None),
-                (self._output_attributes, bool(options.module_attributes) and not options.attributes_before_forward),
-                (self._output_capture, options.capture_tensors),
+                (self._output_value, records.function_on_output is not None),
+                (self._output_attributes, bool(records.module_attributes) and not records.attributes_before_forward),
+                (self._output_capture, records.capture_tensors),
                 (self._output_backward, steps is not None and steps.backward),
             )
             if wanted
@@ -214,9 +217,9 @@ class HookRecorder:
         self._input_work = tuple(
             work
             for work, wanted in (
-                (self._input_stats, options.inputs and self.summarise),
-                (self._input_value, options.function_on_input is not None),
-                (self._attributes_before, bool(options.module_attributes) and options.attributes_before_forward),
+                (self._input_stats, options.stats.inputs and self.summarise),
+                (self._input_value, records.function_on_input is not None),
+                (self._attributes_before, bool(records.module_attributes) and records.attributes_before_forward),
             )
             if wanted
         )
@@ -457,7 +460,7 @@ class HookRecorder:
         state.forward = RawForward(parent, thread, time.time_ns() - time.perf_counter_ns())
         self._open[thread] = state
         state.forward.in_step = state.stats.in_step = in_step
-        state.timer = event_timer(device) if self.options.cuda_events else None
+        state.timer = event_timer(device) if self.cuda_events else None
         return True
 
     def _inside_unseen_model_call(self) -> bool:
@@ -536,7 +539,7 @@ class HookRecorder:
         if forward.in_step:  # delivered with its step, after the step's root span
             if state.timer is not None:
                 steps.timer = state.timer  # the step's backward and all-reduce marks use it too
-            if steps.pending_calls + calls > self.options.max_pending_calls:
+            if steps.pending_calls + calls > self.options.limits.max_pending_calls:
                 self.buffer.drop(calls, "training step never closed: call handle.step() each step")
             else:
                 steps.forwards.append(forward)
@@ -563,7 +566,9 @@ class HookRecorder:
         forward.set_extra(position, INPUTS, self._summarise_value(value))
 
     def _input_value(self, forward: RawForward, position: int, module: Any, args: tuple, kwargs: Any) -> None:
-        forward.set_extra(position, INPUT_VALUE, self.options.function_on_input(args[0] if len(args) == 1 else args))
+        forward.set_extra(
+            position, INPUT_VALUE, self.options.records.function_on_input(args[0] if len(args) == 1 else args)
+        )
 
     def _attributes_before(self, forward: RawForward, position: int, module: Any, args: tuple, kwargs: Any) -> None:
         forward.set_extra(position, ATTRIBUTES, self._attribute_values(module))
@@ -576,7 +581,7 @@ class HookRecorder:
 
     def _output_value(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         if output is not None:
-            forward.set_extra(position, OUTPUT_VALUE, self.options.function_on_output(output))
+            forward.set_extra(position, OUTPUT_VALUE, self.options.records.function_on_output(output))
 
     def _output_attributes(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
         forward.set_extra(position, ATTRIBUTES, self._attribute_values(module))
@@ -584,10 +589,10 @@ class HookRecorder:
     def _attribute_values(self, module: torch.nn.Module) -> dict[str, Any]:
         """The module attributes asked for: ``function_on_attribute(value)`` when given (the live value, kept as
         the function returns it), else numbers as they are, tensors copied (one element: a number)."""
-        function = self.options.function_on_attribute
+        function = self.options.records.function_on_attribute
         if function is not None:
-            return {name: function(getattr(module, name, None)) for name in self.options.module_attributes}
-        return {name: self._attribute_value(module, name) for name in self.options.module_attributes}
+            return {name: function(getattr(module, name, None)) for name in self.options.records.module_attributes}
+        return {name: self._attribute_value(module, name) for name in self.options.records.module_attributes}
 
     def _attribute_value(self, module: torch.nn.Module, name: str) -> Any:
         value = getattr(module, name, None)
@@ -598,7 +603,7 @@ class HookRecorder:
     def _copy_within_budget(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A CPU copy, counted against ``capture_max_bytes`` (None, and counted as skipped, past it)."""
         size = tensor.numel() * tensor.element_size()
-        if self.captured_bytes + size > self.options.capture_max_bytes:
+        if self.captured_bytes + size > self.options.records.capture_max_bytes:
             self.skipped_captures += 1
             return None
         self.captured_bytes += size
@@ -609,7 +614,7 @@ class HookRecorder:
             forward.set_extra(position, TENSORS, self._capture(output))
 
     def _output_backward(self, forward: RawForward, position: int, module: Any, args: tuple, output: Any) -> None:
-        if self.steps.pending_calls >= self.options.max_pending_calls:
+        if self.steps.pending_calls >= self.options.limits.max_pending_calls:
             return  # a step that is never closed: its forwards are dropped, so are their backward hooks
         if forward.in_step and not torch.is_grad_enabled():
             self._warn_no_backward(forward.module[position])
@@ -632,7 +637,7 @@ class HookRecorder:
         )
 
     def _summarise_value(self, value: Any) -> dict[str, dict]:
-        tensors, truncated = find_tensors(value, self.options.max_tensors)
+        tensors, truncated = find_tensors(value, self.options.stats.max_tensors)
         summarise = self._thread_state().stats
         summaries = {name: summarise(tensor) for name, tensor in tensors}
         if truncated:
@@ -648,10 +653,10 @@ class HookRecorder:
 
     def _capture(self, output: Any) -> dict[str, Any]:
         captured: dict[str, Any] = {}
-        for name, tensor in find_tensors(output, self.options.max_tensors)[0]:
+        for name, tensor in find_tensors(output, self.options.stats.max_tensors)[0]:
             copy = self._copy_within_budget(tensor)
             if copy is not None:
-                captured[name] = CompressedTensor.of(copy) if self.options.capture_compress else copy
+                captured[name] = CompressedTensor.of(copy) if self.options.records.capture_compress else copy
         return captured
 
 

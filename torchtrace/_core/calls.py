@@ -98,7 +98,7 @@ class ModuleCall:
 
 class NonFiniteError(ArithmeticError):
     """A module produced NaN or Inf: marks the first such call of a forward / backward (span status ERROR with an
-    ``exception`` event naming the tensor); raised by ``TraceHandle.step()`` with ``on_nonfinite="raise"``."""
+    ``exception`` event naming the tensor); raised by ``TraceHandle.step()`` with ``Stats(on_nonfinite="raise")``."""
 
     def __init__(self, message: str, call: ModuleCall | None = None) -> None:
         super().__init__(message)

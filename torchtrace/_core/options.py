@@ -1,7 +1,9 @@
 """Options of ``torchtrace.instrument``: keyword argument, else ``TORCHTRACE_*`` environment variable, else default.
 
-Every environment variable is a constant here, documented once. Invalid values raise at ``instrument()`` time,
-never inside a hook.
+A few plain keywords, and small option objects where several knobs belong together (``Stats``, ``TraceFile``,
+``Records``, ``Training``, ``Limits``), as httpx has ``Limits`` and ``Timeout``. Every option is declared once, as a
+field with its variable, default and meaning (``option()``): resolution, ``torchtrace config`` and the generated
+docs/configuration.md all read that declaration. Invalid values raise at ``instrument()`` time, never in a hook.
 """
 
 from __future__ import annotations
@@ -10,40 +12,17 @@ import importlib
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from opentelemetry import trace
 
-ENV_EXPORTER = "TORCHTRACE_EXPORTER"  # auto | otlp | sdk | file | none
-ENV_TRACE_FILE = "TORCHTRACE_TRACE_FILE"  # path of the OTLP JSON file written by the "file" exporter
-ENV_INCLUDE = "TORCHTRACE_INCLUDE"  # comma-separated globs over module paths
-ENV_EXCLUDE = "TORCHTRACE_EXCLUDE"  # comma-separated globs over module paths
-ENV_TYPES = "TORCHTRACE_TYPES"  # comma-separated dotted class names, e.g. torch.nn.Linear
-ENV_MAX_DEPTH = "TORCHTRACE_MAX_DEPTH"  # deepest module path traced; 0 is the model itself
-ENV_STATS = "TORCHTRACE_STATS"  # comma-separated statistic names, "all" or "none"
-ENV_INPUTS = "TORCHTRACE_INPUTS"  # true: also summarise module inputs
-ENV_SAMPLE_EVERY = "TORCHTRACE_SAMPLE_EVERY"  # trace every Nth outermost forward
-ENV_SAMPLE_RATIO = "TORCHTRACE_SAMPLE_RATIO"  # trace this fraction of outermost forwards
-ENV_MAX_RECORDS = "TORCHTRACE_MAX_RECORDS"  # in-memory records kept (oldest dropped first)
-ENV_MAX_TENSORS = "TORCHTRACE_MAX_TENSORS"  # tensors summarised per module output (and per input)
-ENV_STATS_SAMPLE = "TORCHTRACE_STATS_SAMPLE"  # summarise larger tensors from an evenly spaced sample of this many
-ENV_EXPORT_INTERVAL = "TORCHTRACE_EXPORT_INTERVAL_MS"  # how often the background worker drains the buffer
-ENV_MAX_PENDING = "TORCHTRACE_MAX_PENDING_CALLS"  # calls buffered before whole forwards are dropped (counted)
-ENV_METRICS = "TORCHTRACE_METRICS"  # true: aggregate Prometheus metrics (set by TORCHTRACE_METRICS_PORT too)
-ENV_BACKWARD = "TORCHTRACE_BACKWARD"  # true: a span per module backward, with gradient statistics
-ENV_STEP_EVERY = "TORCHTRACE_STEP_EVERY"  # trace every Nth training step (schedule=every(N))
-ENV_PARAM_STATS = "TORCHTRACE_PARAM_STATS"  # true: parameter and parameter-gradient norms on backward spans
-ENV_CUDA_EVENTS = "TORCHTRACE_CUDA_EVENTS"  # true (default): CUDA module durations from events, not the host clock
-ENV_TRITON = "TORCHTRACE_TRITON"  # false: CUDA statistics with torch ops, never the Triton kernel (process-wide)
-ENV_PRINT_SUMMARY = "TORCHTRACE_PRINT_SUMMARY"  # print the per-layer table at remove()/exit (default: file exporter)
-ENV_TRACE_FILE_MAX_MB = "TORCHTRACE_TRACE_FILE_MAX_MB"  # the trace file is rotated past this size; 0: never
-ENV_TRACE_FILE_BACKUPS = "TORCHTRACE_TRACE_FILE_BACKUPS"  # rotated trace files kept (traces.jsonl.1 ... .N)
-ENV_HANDLE_SIGTERM = "TORCHTRACE_HANDLE_SIGTERM"  # false: install no SIGTERM handler (no flush on a stop)
+from torchtrace._core.schedule import every
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
-STAT_NAMES = (  # what ``stats=`` may name (``_stats`` computes them), in the order spans and tables show them
+STAT_NAMES = (  # what ``stats=`` may name (the capture computes them), in the order spans and tables show them
     "shape",
     "dtype",
     "device",
@@ -57,66 +36,28 @@ STAT_NAMES = (  # what ``stats=`` may name (``_stats`` computes them), in the or
     "inf_count",
     "zero_fraction",
 )
-# A user statistic (``extra_stats=``): tensor -> number (a 1-element tensor is read with .item()).
+# A user statistic (``Stats(extra=...)``): tensor -> number (a 1-element tensor is read with .item()).
 StatFunction = Callable[[torch.Tensor], "float | int | bool | torch.Tensor"]
 DEFAULT_TRACE_FILE = os.path.join("torchtrace-traces", "traces.jsonl")
+# The longest export interval, a year: the worker waits with threading's timed wait (far longer overflows it).
+MAX_EXPORT_INTERVAL_MS = 365 * 24 * 3600 * 1000
+MAX_TRACE_FILE_BACKUPS = 1000  # each rotation renames every backup: 10**6 of them took 7.4 s on the model's thread
+MAX_PENDING_CALLS = 10**9  # calls held for export (each a few hundred bytes): past this, a bound that bounds nothing
+ENV_EXPORTER = "TORCHTRACE_EXPORTER"
+ENV_METRICS = "TORCHTRACE_METRICS"
+ENV_METRICS_PORT = "TORCHTRACE_METRICS_PORT"  # asking for a scrape endpoint asks for metrics
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-@dataclass(frozen=True)
-class Options:
-    """The effective configuration of one ``instrument()`` call."""
-
-    exporter: str = "auto"
-    tracer_provider: Any = None
-    trace_file: str = DEFAULT_TRACE_FILE
-    trace_file_max_mb: float = 100.0  # rotate the trace file past this many MiB; 0: never
-    trace_file_backups: int = 5  # rotated files kept: trace_file.1 (newest) ... trace_file.5
-    include: tuple[str, ...] = ("*",)
-    exclude: tuple[str, ...] = ()
-    types: tuple[type, ...] = ()
-    max_depth: int | None = None
-    stats: tuple[str, ...] = STAT_NAMES
-    extra_stats: Mapping[str, StatFunction] = field(default_factory=dict)
-    inputs: bool = False
-    max_tensors: int = 8
-    stats_sample: int | None = None  # None: every element; else at most about this many per tensor (strided)
-    sample_every: int = 1
-    sample_ratio: float = 1.0
-    max_records: int = 10_000
-    function_on_output: Callable[[Any], Any] | None = None
-    function_on_input: Callable[[Any], Any] | None = None
-    module_attributes: tuple[str, ...] = ()
-    function_on_attribute: Callable[[Any], Any] | None = None  # applied to each module attribute's value
-    attributes_before_forward: bool = False  # read module attributes in the pre-hook (spikingjelly's pre_forward)
-    function_on_grad_output: Callable[[Any], Any] | None = None  # kept in a backward record's output_value
-    function_on_grad_input: Callable[[Any], Any] | None = None  # kept in a backward record's input_value
-    capture_tensors: bool = False
-    capture_max_bytes: int = 64 * 1024 * 1024
-    capture_compress: bool = False
-    export_interval_ms: int = 1000
-    max_pending_calls: int = 200_000
-    sinks: tuple[Callable, ...] = ()
-    print_summary: bool | None = None  # None: only when traces go to the embedded default file
-    metrics: Any = None  # False/None, True (a MetricsSink on the global registry) or a MetricsSink
-    backward: bool = False
-    schedule: Callable[[int], bool] | None = None  # step -> traced?; None traces every step
-    optimizer: Any = None  # a torch.optim.Optimizer whose step() closes each training step
-    param_stats: bool = False
-    on_nonfinite: Any = None  # None, "raise" or callable(NonFiniteError)
-    comm_hook: Any = None  # (hook, state): a DDP comm hook of the user's, timed instead of the default all-reduce
-    cuda_events: bool = True  # time CUDA forwards with events (execution) rather than the host clock (launch)
-    handle_sigterm: bool = True  # on SIGTERM: deliver what was recorded, then end as the signal would have
-
-
-def _env(name: str) -> str | None:
+def env_text(name: str) -> str | None:
+    """The variable's value, stripped; None when unset or blank."""
     value = os.environ.get(name)
     return None if value is None or value.strip() == "" else value.strip()
 
 
-def _parse_bool(name: str, text: str) -> bool:
+def parse_bool(name: str, text: str) -> bool:
     lowered = text.lower()
     if lowered in _TRUE:
         return True
@@ -125,21 +66,14 @@ def _parse_bool(name: str, text: str) -> bool:
     raise ValueError(f"{name}={text!r}: expected true or false")
 
 
-def triton_allowed() -> bool:
-    """Whether CUDA statistics may use the Triton kernel: ``TORCHTRACE_TRITON``, read when the first CUDA tensor
-    is summarised (process-wide, like the kernel's compile cache)."""
-    text = os.environ.get(ENV_TRITON)
-    return text is None or _parse_bool(ENV_TRITON, text)
-
-
-def _parse_int(name: str, text: str) -> int:
+def parse_int(name: str, text: str) -> int:
     try:
         return int(text)
     except ValueError:
         raise ValueError(f"{name}={text!r}: expected an integer") from None
 
 
-def _parse_float(name: str, text: str) -> float:
+def parse_float(name: str, text: str) -> float:
     try:
         return float(text)
     except ValueError:
@@ -150,87 +84,148 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _import_type(dotted: str) -> type:
-    module_name, _, attribute = dotted.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"{ENV_TYPES}: cannot import module type {dotted!r}") from None
-    if not isinstance(found, type):
-        raise ValueError(f"{ENV_TYPES}: {dotted!r} is not a class")
-    return found
+# Checks: (label, value) -> the value as the option holds it; the label is the option's name, or the variable the
+# value came from, so every error says where the bad value was set.
 
 
-def _globs(name: str, value: Any) -> tuple[str, ...]:
+def boolean(label: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{label} must be True or False, got {value!r}")
+    return value
+
+
+def number(low: float, high: float | None = None, *, integer: bool = True) -> Callable[[str, Any], Any]:
+    """A number (an int where ``integer``; never a bool, NaN or infinity) in ``[low, high]``."""
+
+    def check(label: str, value: Any) -> Any:
+        kind = "an integer" if integer else "a number"
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+        if isinstance(value, bool) or not ok or value < low or (high is not None and value > high):
+            raise ValueError(f"{label} must be {kind} {bounds}, got {value!r}")
+        return value if integer else float(value)
+
+    return check
+
+
+def _callable_or_none(label: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{label} must be callable, got {value!r}")
+    return value
+
+
+def _globs(label: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         value = _split(value) if "," in value else (value,)
     if not isinstance(value, Sequence) or not all(isinstance(item, str) for item in value):
-        raise TypeError(f"{name} must be a glob string or a sequence of glob strings, got {value!r}")
+        raise TypeError(f"{label} must be a glob string or a sequence of glob strings, got {value!r}")
     return tuple(value)
 
 
-def _types(value: Any) -> tuple[type, ...]:
-    if value is None:
-        return ()
+def _import_types(name: str, text: str) -> tuple[type, ...]:
+    found = []
+    for dotted in _split(text):
+        module_name, _, attribute = dotted.rpartition(".")
+        try:
+            value = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError):
+            raise ValueError(f"{name}: cannot import module type {dotted!r}") from None
+        if not isinstance(value, type):
+            raise ValueError(f"{name}: {dotted!r} is not a class")
+        found.append(value)
+    return tuple(found)
+
+
+def _types(label: str, value: Any) -> tuple[type, ...]:
     if isinstance(value, type):
         value = (value,)
     if not isinstance(value, (tuple, list)) or not all(isinstance(item, type) for item in value):
-        raise TypeError(f"types must be a module class or a tuple of module classes, got {value!r}")
+        raise TypeError(f"{label} must be a module class or a tuple of module classes, got {value!r}")
     for item in value:
         if not issubclass(item, torch.nn.Module):
-            raise TypeError(f"types: {item.__name__} is not a torch.nn.Module subclass")
+            raise TypeError(f"{label}: {item.__name__} is not a torch.nn.Module subclass")
     return tuple(value)
 
 
-def _stats(value: Any) -> tuple[str, ...]:
+def _stat_names(label: str, value: Any) -> tuple[str, ...]:
     if value is True or value == "all":
         return STAT_NAMES
-    if value is False or value is None or value == "none":
+    if value is False or value == "none":
         return ()
     if isinstance(value, str):
         value = _split(value)
     if not isinstance(value, (tuple, list, set, frozenset)):
-        raise TypeError(f"stats must be True, False, 'all', 'none' or a sequence of names, got {value!r}")
+        raise TypeError(f"{label} must be True, False, 'all', 'none' or a sequence of names, got {value!r}")
     unknown = [name for name in value if name not in STAT_NAMES]
     if unknown:
         raise ValueError(
-            f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)} (add your own with extra_stats)"
+            f"unknown statistic(s) {unknown}; known: {', '.join(STAT_NAMES)} (add your own with Stats(extra=...))"
         )
     return tuple(name for name in STAT_NAMES if name in value)
 
 
-def _bool_option(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+def _extra_stats(label: str, value: Any) -> dict[str, StatFunction]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{label} must be a mapping of statistic names to functions, got {value!r}")
+    for name, function in value.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            raise ValueError(f"{label}: {name!r} is not a valid statistic name")
+        if not callable(function):
+            raise TypeError(f"{label}[{name!r}] must be callable, got {function!r}")
+    return dict(value)
 
 
-def _metrics_option(value: Any) -> Any:
-    if value is None:
-        if _env(ENV_METRICS) is not None:
-            return _parse_bool(ENV_METRICS, _env(ENV_METRICS))
-        return _env("TORCHTRACE_METRICS_PORT") is not None  # asking for an endpoint asks for metrics
-    if isinstance(value, bool) or callable(value):
+def _nonfinite(label: str, value: Any) -> Any:
+    if value is None or value == "raise" or callable(value):
         return value
-    raise TypeError(f"metrics must be True, False or a MetricsSink, got {value!r}")
+    raise ValueError(f"{label} must be None, 'raise' or a callable, got {value!r}")
 
 
-def _schedule_option(value: Any) -> Callable[[int], bool] | None:
-    if value is None:
-        text = _env(ENV_STEP_EVERY)
-        if text is None:
-            return None
-        from torchtrace._core.schedule import every
+def _path(label: str, value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise TypeError(f"{label} must be a path (str or os.PathLike), got {value!r}")
+    return os.fspath(value)
 
-        n = _parse_int(ENV_STEP_EVERY, text)
-        _check_number(ENV_STEP_EVERY, n, True, 1, None)
-        return every(n)
-    if not callable(value):
-        raise TypeError(f"schedule must be a callable step -> bool (e.g. torchtrace.schedule(...)), got {value!r}")
+
+def _attribute_names(label: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable) or not all(isinstance(name, str) for name in value):
+        raise TypeError(f"{label} must be attribute names, got {value!r}")
+    return tuple(value)
+
+
+def _every_nth_step(name: str, text: str) -> Callable[[int], bool]:
+    return every(number(1)(name, parse_int(name, text)))
+
+
+def _schedule(label: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{label} must be a callable step -> bool (e.g. torchtrace.schedule(...)), got {value!r}")
     return value
 
 
-def _optimizer_option(value: Any) -> Any:
+def _comm_hook(label: str, value: Any) -> Any:
+    if value is not None and not (isinstance(value, tuple) and len(value) == 2 and callable(value[0])):
+        raise TypeError(f"{label} must be a (hook, state) pair as for DDP.register_comm_hook, got {value!r}")
+    return value
+
+
+def _exporter(label: str, value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in EXPORTERS:
+        raise (ValueError if isinstance(value, str) else TypeError)(
+            f"{label} must be one of {', '.join(EXPORTERS)}, got {value!r}"
+        )
+    return value.lower()
+
+
+def _tracer_provider(label: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, trace.TracerProvider):
+        raise TypeError(f"{label} must be an opentelemetry TracerProvider, got {type(value).__name__}")
+    return value
+
+
+def _optimizer(label: str, value: Any) -> Any:
     """The optimizer whose step() closes a step: ``value``, or the one a wrapper steps (accelerate's
     ``AcceleratedOptimizer``, which HF's Trainer uses, and Lightning's ``LightningOptimizer`` hold it as
     ``.optimizer`` / ``._optimizer``; the first has no step hooks of its own)."""
@@ -241,229 +236,354 @@ def _optimizer_option(value: Any) -> Any:
         if isinstance(found, torch.optim.Optimizer) and hasattr(found, "_optimizer_step_pre_hooks"):
             return found
         found = getattr(found, "optimizer", None) or getattr(found, "_optimizer", None)
-    raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a wrapper of one), got {type(value).__name__}")
+    raise TypeError(f"{label} must be a torch.optim.Optimizer (or a wrapper of one), got {type(value).__name__}")
 
 
-def _nonfinite_option(value: Any) -> Any:
-    if value is None or value == "raise" or callable(value):
+def _metrics(label: str, value: Any) -> Any:
+    if isinstance(value, bool) or callable(value):
         return value
-    raise ValueError(f"on_nonfinite must be None, 'raise' or a callable, got {value!r}")
+    raise TypeError(f"{label} must be True, False or a MetricsSink, got {value!r}")
 
 
-def _comm_hook_option(value: Any) -> Any:
-    if value is not None and not (isinstance(value, tuple) and len(value) == 2 and callable(value[0])):
-        raise TypeError(f"comm_hook must be a (hook, state) pair as for DDP.register_comm_hook, got {value!r}")
-    return value
+def _sinks(label: str, value: Any) -> tuple[Callable, ...]:
+    if callable(value) or not isinstance(value, Iterable) or not all(callable(sink) for sink in value):
+        raise TypeError(f"{label} must be a sequence of callables taking a sequence of ModuleCall, got {value!r}")
+    return tuple(value)
 
 
-# The longest export interval, a year: the worker waits with threading's timed wait (far longer overflows it).
-MAX_EXPORT_INTERVAL_MS = 365 * 24 * 3600 * 1000
-MAX_TRACE_FILE_BACKUPS = 1000  # each rotation renames every backup: 10**6 of them took 7.4 s on the model's thread
-MAX_PENDING_CALLS = 10**9  # calls held for export (each a few hundred bytes): past this, a bound that bounds nothing
+def option(
+    default: Any,
+    doc: str,
+    *,
+    env: str | None = None,
+    parse: Callable[[str, str], Any] | None = None,
+    check: Callable[[str, Any], Any] | None = None,
+    shown: str | None = None,
+) -> Any:
+    """One option: unset (None) until resolved to the keyword, else ``env`` (read by ``parse``), else ``default``;
+    ``check`` validates what was given or read. ``shown`` is the default as the docs print it, where the value
+    itself would not say (a factory, a default decided later)."""
+    return field(
+        default=None,
+        metadata={"default": default, "doc": doc, "env": env, "parse": parse, "check": check, "shown": shown},
+    )
 
 
-def _check_number(label: str, value: Any, integer: bool, low: float, high: float | None) -> None:
-    """``value`` is a number (an int where ``integer``; never a bool, NaN or infinity) in ``[low, high]``; the error
-    names ``label``: the keyword, or the environment variable the value came from."""
-    kind = "an integer" if integer else "a number"
-    bounds = f">= {low}" if high is None else f"between {low} and {high}"
-    number = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
-    if isinstance(value, bool) or not number or value < low or (high is not None and value > high):
-        raise ValueError(f"{label} must be {kind} {bounds}, got {value!r}")
+def resolve_fields(owner: Any, prefix: str = "") -> dict[str, Any]:
+    """Each option field of the dataclass instance ``owner``: its keyword value, else its variable, else its
+    default; checked. Errors name ``prefix + field`` (``Stats.max_tensors``) or the variable."""
+    values = {}
+    for item in fields(owner):
+        meta = item.metadata
+        if "doc" not in meta:
+            continue
+        value, label = getattr(owner, item.name), prefix + item.name
+        if value is None and meta["env"] is not None and env_text(meta["env"]) is not None:
+            label, text = meta["env"], env_text(meta["env"])
+            value = meta["parse"](label, text) if meta["parse"] else text
+        if value is None:
+            value = meta["default"]
+        elif meta["check"] is not None:
+            value = meta["check"](label, value)
+        values[item.name] = value
+    return values
 
 
-def _optional_bool(name: str, value: Any) -> bool | None:
-    return None if value is None else _bool_option(name, value)
+class _Group:
+    """A value object of related options: build it with the options you set; the rest are resolved (keyword >
+    variable > default) when ``instrument()`` takes it."""
+
+    def resolved(self) -> Any:
+        return replace(self, **resolve_fields(self, f"{type(self).__name__}."))
+
+    def given(self) -> dict[str, Any]:
+        """The options set on this object (not None)."""
+        return {item.name: getattr(self, item.name) for item in fields(self) if getattr(self, item.name) is not None}
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+@dataclass(frozen=True)
+class Stats(_Group):
+    """Which statistics each span carries, of which tensors: ``stats=Stats(...)`` where names alone are not enough.
+
+    Args:
+        names: ``True`` / ``"all"``, ``False`` / ``"none"``, or statistic names from ``STAT_NAMES``.
+        extra: ``{"name": fn(tensor) -> number}``: statistics of your own, on every summarised tensor.
+        inputs: summarise module inputs too.
+        max_tensors: tensors summarised per output (and per input).
+        sample: summarise a larger tensor from an evenly spaced sample of about this many elements.
+        on_nonfinite: on a NaN/Inf output: ``None`` (mark the span), ``"raise"``, or a callable(``NonFiniteError``).
+    """
+
+    names: bool | str | Iterable[str] | None = option(
+        STAT_NAMES, "`True`/`False`, or statistic names (env: comma-separated, `all`, `none`)",
+        env="TORCHTRACE_STATS", parse=_stat_names, check=_stat_names, shown="`all`",
+    )  # fmt: skip
+    extra: Mapping[str, StatFunction] | None = option(
+        MappingProxyType({}), '`{"name": fn(tensor) -> number}`: statistics of your own', check=_extra_stats
+    )
+    inputs: bool | None = option(
+        False, "statistics of inputs too", env="TORCHTRACE_INPUTS", parse=parse_bool, check=boolean
+    )
+    max_tensors: int | None = option(
+        8, "tensors summarised per output / input", env="TORCHTRACE_MAX_TENSORS", parse=parse_int, check=number(1)
+    )
+    sample: int | None = option(
+        None, "`None`: every element; else summarise larger tensors from about this many",
+        env="TORCHTRACE_STATS_SAMPLE", parse=parse_int, check=number(1),
+    )  # fmt: skip
+    on_nonfinite: str | Callable[[Any], Any] | None = option(
+        None, '`None` (mark the span only), `"raise"` or a callable(`NonFiniteError`)', check=_nonfinite
+    )
+
+
+@dataclass(frozen=True)
+class TraceFile(_Group):
+    """The ``file`` exporter's OTLP JSON lines file and its rotation: ``trace_file=TraceFile(...)`` where a path
+    alone is not enough.
+
+    Args:
+        path: the file; its directory is made at ``instrument()``.
+        max_mb: rotate past this many MiB (0: never).
+        backups: rotated files kept: ``traces.jsonl.1`` (newest) ... ``.5`` (at most 1000).
+    """
+
+    path: str | os.PathLike | None = option(
+        DEFAULT_TRACE_FILE,
+        "path of the OTLP JSON lines written by the `file` exporter; its directory is made at `instrument()` "
+        "(a `ValueError` where it cannot be)",
+        env="TORCHTRACE_TRACE_FILE", check=_path,
+    )  # fmt: skip
+    max_mb: float | None = option(
+        100.0, "rotate the trace file past this many MiB (a number; 0: never)",
+        env="TORCHTRACE_TRACE_FILE_MAX_MB", parse=parse_float, check=number(0, integer=False),
+    )  # fmt: skip
+    backups: int | None = option(
+        5, "rotated files kept: `traces.jsonl.1` (newest) ... `.5` (at most 1000)",
+        env="TORCHTRACE_TRACE_FILE_BACKUPS", parse=parse_int, check=number(0, MAX_TRACE_FILE_BACKUPS),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Records(_Group):
+    """The in-memory records (``handle.records``), in the style of spikingjelly's monitors.
+
+    Args:
+        max_records: records kept (oldest dropped first, counted).
+        function_on_output / function_on_input: ``f(output)`` / ``f(input)`` kept in ``record.output_value`` /
+            ``record.input_value``.
+        module_attributes: module attributes read after each call, in ``record.module_attributes``;
+            ``function_on_attribute`` maps each value, ``attributes_before_forward`` reads them before the call.
+        function_on_grad_output / function_on_grad_input: with ``backward=True``, kept in the backward record.
+        capture_tensors: full output tensors copied to CPU, in ``record.tensors``, within ``capture_max_bytes``
+            (calls past it are skipped, counted); ``capture_compress``: zlib-compressed.
+    """
+
+    max_records: int | None = option(
+        10_000, "in-memory records kept (oldest dropped first, counted)",
+        env="TORCHTRACE_MAX_RECORDS", parse=parse_int, check=number(1),
+    )  # fmt: skip
+    function_on_output: Callable[[Any], Any] | None = option(
+        None, "`f(output)` kept in `record.output_value`", check=_callable_or_none
+    )
+    function_on_input: Callable[[Any], Any] | None = option(
+        None, "`f(input)` kept in `record.input_value`", check=_callable_or_none
+    )
+    module_attributes: str | Iterable[str] | None = option(
+        (), "module attributes read after each call, in `record.module_attributes`", check=_attribute_names
+    )
+    function_on_attribute: Callable[[Any], Any] | None = option(
+        None, "`f(value)` kept for each module attribute instead of a copy", check=_callable_or_none
+    )
+    attributes_before_forward: bool | None = option(
+        False, "read module attributes before the call instead", check=boolean
+    )
+    function_on_grad_output: Callable[[Any], Any] | None = option(
+        None, "with `backward=True`: `f(grad_output)` in the backward record", check=_callable_or_none
+    )
+    function_on_grad_input: Callable[[Any], Any] | None = option(
+        None, "with `backward=True`: `f(grad_input)` in the backward record", check=_callable_or_none
+    )
+    capture_tensors: bool | None = option(
+        False, "full output tensors copied to CPU, in `record.tensors`", check=boolean
+    )
+    capture_max_bytes: int | None = option(
+        64 * 1024 * 1024, "byte budget of captured tensors (calls past it are skipped, counted)", check=number(1)
+    )
+    capture_compress: bool | None = option(False, "zlib-compress captured tensors", check=boolean)
+
+
+@dataclass(frozen=True)
+class Training(_Group):
+    """Training details beyond ``backward=`` and ``optimizer=``.
+
+    Args:
+        schedule: ``step -> bool``: which steps are traced (``torchtrace.schedule(...)``, ``every(n)``).
+        param_stats: parameter and parameter-gradient norms on backward spans.
+        comm_hook: ``(hook, state)``: your DDP comm hook, timed per bucket (default: DDP's all-reduce).
+    """
+
+    schedule: Callable[[int], bool] | None = option(
+        None, "`step -> bool`: which steps are traced (`None`: every step; env: every Nth)",
+        env="TORCHTRACE_STEP_EVERY", parse=_every_nth_step, check=_schedule,
+    )  # fmt: skip
+    param_stats: bool | None = option(
+        False, "parameter / parameter-gradient norms on backward spans",
+        env="TORCHTRACE_PARAM_STATS", parse=parse_bool, check=boolean,
+    )  # fmt: skip
+    comm_hook: tuple[Callable, Any] | None = option(
+        None, "`(hook, state)`: your DDP comm hook, timed per bucket (`None`: DDP's all-reduce)", check=_comm_hook
+    )
+
+
+@dataclass(frozen=True)
+class Limits(_Group):
+    """How much waits for export, and how long.
+
+    Args:
+        export_interval_ms: how often the worker sends OTLP / file batches.
+        max_pending_calls: calls waiting for the worker or the exporter before whole forwards are dropped
+            (counted, logged).
+    """
+
+    export_interval_ms: int | None = option(
+        1000, "how often the worker sends OTLP / file batches",
+        env="TORCHTRACE_EXPORT_INTERVAL_MS", parse=parse_int, check=number(1, MAX_EXPORT_INTERVAL_MS),
+    )  # fmt: skip
+    max_pending_calls: int | None = option(
+        200_000,
+        "calls waiting for the worker or the exporter before whole forwards are dropped (counted, logged; at most "
+        "10**9)",
+        env="TORCHTRACE_MAX_PENDING_CALLS", parse=parse_int, check=number(1, MAX_PENDING_CALLS),
+    )  # fmt: skip
+
+
+GROUPS: dict[str, type[_Group]] = {  # keyword -> its option object
+    "stats": Stats,
+    "trace_file": TraceFile,
+    "records": Records,
+    "training": Training,
+    "limits": Limits,
+}
+# What a plain value of a grouped keyword means: stats=True is Stats(names=True), trace_file="t.jsonl" a path.
+_PLAIN_FIELD = {"stats": "names", "trace_file": "path"}
+PLAIN_VALUES = {"stats": "`True`/`False` or statistic names (its `names`)", "trace_file": "a path (its `path`)"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """The effective configuration of one ``instrument()`` call: the plain keywords, and each option object with
+    every field resolved."""
+
+    exporter: str | None = option(
+        "auto", "where spans go: `auto`, `otlp`, `sdk`, `file` or `none` (see Getting started, Export)",
+        env=ENV_EXPORTER, check=_exporter, parse=_exporter,
+    )  # fmt: skip
+    tracer_provider: Any = option(
+        None, "the SDK `TracerProvider` of the `sdk` exporter (`None`: the global one)", check=_tracer_provider
+    )
+    trace_file: TraceFile = field(default_factory=TraceFile)
+    include: tuple[str, ...] | None = option(
+        ("*",), "globs over module paths (comma-separated in env)", env="TORCHTRACE_INCLUDE", parse=_globs, check=_globs
+    )
+    exclude: tuple[str, ...] | None = option(
+        (), "globs over module paths", env="TORCHTRACE_EXCLUDE", parse=_globs, check=_globs
+    )
+    types: tuple[type, ...] | None = option(
+        (), "a module class or tuple of classes (env: dotted names); empty: all",
+        env="TORCHTRACE_TYPES", parse=_import_types, check=_types,
+    )  # fmt: skip
+    max_depth: int | None = option(
+        None, "`None`: unlimited; 0 = the model only, 1 = its children, ...",
+        env="TORCHTRACE_MAX_DEPTH", parse=parse_int, check=number(0),
+    )  # fmt: skip
+    stats: Stats = field(default_factory=Stats)
+    sample_every: int | None = option(
+        1, "trace every Nth outermost forward (in training: every Nth step)",
+        env="TORCHTRACE_SAMPLE_EVERY", parse=parse_int, check=number(1),
+    )  # fmt: skip
+    sample_ratio: float | None = option(
+        1.0, "trace this fraction of outermost forwards (in training: of steps, the same on every rank)",
+        env="TORCHTRACE_SAMPLE_RATIO", parse=parse_float, check=number(0, 1, integer=False),
+    )  # fmt: skip
+    backward: bool | None = option(
+        False, "module backward spans with gradient statistics",
+        env="TORCHTRACE_BACKWARD", parse=parse_bool, check=boolean,
+    )  # fmt: skip
+    optimizer: Any = option(None, "its `step()` is timed and closes each training step", check=_optimizer)
+    training: Training = field(default_factory=Training)
+    metrics: Any = option(
+        False, "a `MetricsSink`, or `True`: one on the global registry; `TORCHTRACE_METRICS_PORT` turns it on",
+        env=ENV_METRICS, parse=parse_bool, check=_metrics,
+    )  # fmt: skip
+    sinks: tuple[Callable, ...] | None = option(
+        (), "extra callables receiving each batch of calls off the hot path (within ~5-100 ms)", check=_sinks
+    )
+    records: Records = field(default_factory=Records)
+    limits: Limits = field(default_factory=Limits)
+
+
+PLAIN_OPTIONS = tuple(item.name for item in fields(Options) if item.name not in GROUPS)
+
+
+def keyword_set(kwargs: Mapping[str, Any]) -> set[str]:
+    """The options (as ``option_rows`` names them) that keyword arguments set: ``stats=True`` sets ``Stats.names``,
+    ``stats=Stats(inputs=True)`` sets ``Stats.inputs``."""
+    found = set()
+    for keyword, value in kwargs.items():
+        kind = GROUPS.get(keyword)
+        if value is None:
+            continue
+        if kind is None:
+            found.add(keyword)
+        elif isinstance(value, kind):
+            found |= {f"{kind.__name__}.{name}" for name in value.given()}
+        elif keyword in _PLAIN_FIELD:
+            found.add(f"{kind.__name__}.{_PLAIN_FIELD[keyword]}")
+    return found
+
+
+def _group(keyword: str, value: Any) -> _Group:
+    kind = GROUPS[keyword]
+    if value is None:
+        value = kind()
+    elif not isinstance(value, kind):
+        if keyword not in _PLAIN_FIELD:
+            raise TypeError(f"{keyword} must be a torchtrace.{kind.__name__}, got {value!r}")
+        value = kind(**{_PLAIN_FIELD[keyword]: value})
+    return value.resolved()
 
 
 def resolve_options(**kwargs: Any) -> Options:
     """Merges keyword arguments over environment variables over defaults, validating everything."""
-    unknown = set(kwargs) - {f.name for f in Options.__dataclass_fields__.values()}
+    known = {item.name for item in fields(Options)}
+    unknown = set(kwargs) - known
     if unknown:
         raise TypeError(f"instrument() got unknown option(s): {', '.join(sorted(unknown))}")
-
-    def pick(name: str, env_name: str | None, parse: Callable[[str, str], Any] | None = None) -> Any:
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-        text = _env(env_name) if env_name else None
-        if text is not None:
-            return parse(env_name, text) if parse else text
-        return Options.__dataclass_fields__[name].default
-
-    def number(name: str, env_name: str | None, low: float, high: float | None = None, integer: bool = True) -> Any:
-        """A numeric option, checked against what the hot path and the export path can take."""
-        value, label = kwargs.get(name), name
-        if value is None and env_name is not None and _env(env_name) is not None:
-            value, label = (_parse_int if integer else _parse_float)(env_name, _env(env_name)), env_name
-        if value is None:
-            return Options.__dataclass_fields__[name].default
-        _check_number(label, value, integer, low, high)
-        return value
-
-    exporter = pick("exporter", ENV_EXPORTER)
-    if not isinstance(exporter, str):
-        raise TypeError(f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
-    exporter = exporter.lower()
-    _require(exporter in EXPORTERS, f"exporter must be one of {', '.join(EXPORTERS)}, got {exporter!r}")
-    types_value = kwargs.get("types")
-    if types_value is None and _env(ENV_TYPES):
-        types_value = tuple(_import_type(name) for name in _split(_env(ENV_TYPES)))
-    max_depth = number("max_depth", ENV_MAX_DEPTH, 0)
-    sample_every = number("sample_every", ENV_SAMPLE_EVERY, 1)
-    sample_ratio = number("sample_ratio", ENV_SAMPLE_RATIO, 0, 1, integer=False)
-    trace_file = pick("trace_file", ENV_TRACE_FILE)
-    if not isinstance(trace_file, (str, os.PathLike)) or not str(trace_file):
-        raise TypeError(f"trace_file must be a path (str or os.PathLike), got {trace_file!r}")
-    provider = kwargs.get("tracer_provider")
-    if provider is not None and not isinstance(provider, trace.TracerProvider):
-        raise TypeError(f"tracer_provider must be an opentelemetry TracerProvider, got {type(provider).__name__}")
-    extra_stats = dict(kwargs.get("extra_stats") or {})
-    for name, function in extra_stats.items():
-        _require(isinstance(name, str) and name.isidentifier(), f"extra_stats: {name!r} is not a valid statistic name")
-        if not callable(function):
-            raise TypeError(f"extra_stats[{name!r}] must be callable, got {function!r}")
-    for name in (
-        "function_on_output",
-        "function_on_input",
-        "function_on_attribute",
-        "function_on_grad_output",
-        "function_on_grad_input",
-    ):
-        if kwargs.get(name) is not None and not callable(kwargs[name]):
-            raise TypeError(f"{name} must be callable, got {kwargs[name]!r}")
-    module_attributes = kwargs.get("module_attributes") or ()
-    if isinstance(module_attributes, str):
-        module_attributes = (module_attributes,)
-    if not isinstance(module_attributes, Iterable) or not all(isinstance(name, str) for name in module_attributes):
-        raise TypeError(f"module_attributes must be attribute names, got {module_attributes!r}")
-    sinks = kwargs.get("sinks") or ()
-    if callable(sinks) or not isinstance(sinks, Iterable) or not all(callable(sink) for sink in sinks):
-        raise TypeError(f"sinks must be a sequence of callables taking a sequence of ModuleCall, got {sinks!r}")
-    sinks = tuple(sinks)
-
-    options = Options(
-        exporter=exporter,
-        tracer_provider=provider,
-        trace_file=os.fspath(trace_file),
-        trace_file_max_mb=number("trace_file_max_mb", ENV_TRACE_FILE_MAX_MB, 0, integer=False),
-        trace_file_backups=number("trace_file_backups", ENV_TRACE_FILE_BACKUPS, 0, MAX_TRACE_FILE_BACKUPS),
-        include=_globs("include", pick("include", ENV_INCLUDE)),
-        exclude=_globs("exclude", pick("exclude", ENV_EXCLUDE)),
-        types=_types(types_value),
-        max_depth=max_depth,
-        stats=_stats(pick("stats", ENV_STATS)),
-        extra_stats=extra_stats,
-        inputs=_bool_option("inputs", pick("inputs", ENV_INPUTS, _parse_bool)),
-        max_tensors=number("max_tensors", ENV_MAX_TENSORS, 1),
-        stats_sample=number("stats_sample", ENV_STATS_SAMPLE, 1),
-        sample_every=sample_every,
-        sample_ratio=float(sample_ratio),
-        max_records=number("max_records", ENV_MAX_RECORDS, 1),
-        function_on_output=kwargs.get("function_on_output"),
-        function_on_input=kwargs.get("function_on_input"),
-        module_attributes=tuple(module_attributes),
-        function_on_attribute=kwargs.get("function_on_attribute"),
-        attributes_before_forward=_bool_option(
-            "attributes_before_forward", kwargs.get("attributes_before_forward", False)
-        ),
-        function_on_grad_output=kwargs.get("function_on_grad_output"),
-        function_on_grad_input=kwargs.get("function_on_grad_input"),
-        capture_tensors=_bool_option("capture_tensors", kwargs.get("capture_tensors", False)),
-        capture_max_bytes=number("capture_max_bytes", None, 1),
-        capture_compress=_bool_option("capture_compress", kwargs.get("capture_compress", False)),
-        export_interval_ms=number("export_interval_ms", ENV_EXPORT_INTERVAL, 1, MAX_EXPORT_INTERVAL_MS),
-        max_pending_calls=number("max_pending_calls", ENV_MAX_PENDING, 1, MAX_PENDING_CALLS),
-        sinks=sinks,
-        print_summary=_optional_bool("print_summary", pick("print_summary", ENV_PRINT_SUMMARY, _parse_bool)),
-        metrics=_metrics_option(kwargs.get("metrics")),
-        backward=_bool_option("backward", pick("backward", ENV_BACKWARD, _parse_bool)),
-        schedule=_schedule_option(kwargs.get("schedule")),
-        optimizer=_optimizer_option(kwargs.get("optimizer")),
-        param_stats=_bool_option("param_stats", pick("param_stats", ENV_PARAM_STATS, _parse_bool)),
-        on_nonfinite=_nonfinite_option(kwargs.get("on_nonfinite")),
-        comm_hook=_comm_hook_option(kwargs.get("comm_hook")),
-        cuda_events=_bool_option("cuda_events", pick("cuda_events", ENV_CUDA_EVENTS, _parse_bool)),
-        handle_sigterm=_bool_option("handle_sigterm", pick("handle_sigterm", ENV_HANDLE_SIGTERM, _parse_bool)),
-    )
-    triton_allowed()  # a malformed TORCHTRACE_TRITON raises here, not in a hook
-    if options.tracer_provider is not None and exporter not in ("auto", "sdk"):
-        raise ValueError(f"tracer_provider is used by the 'sdk' exporter; exporter={exporter!r} would ignore it")
+    plain = Options(**{name: value for name, value in kwargs.items() if name not in GROUPS})
+    values = resolve_fields(plain)
+    if values["metrics"] is False and kwargs.get("metrics") is None and env_text(ENV_METRICS) is None:
+        values["metrics"] = env_text(ENV_METRICS_PORT) is not None
+    options = Options(**values, **{name: _group(name, kwargs.get(name)) for name in GROUPS})
+    if options.tracer_provider is not None and options.exporter not in ("auto", "sdk"):
+        raise ValueError(
+            f"tracer_provider is used by the 'sdk' exporter; exporter={options.exporter!r} would ignore it"
+        )
     return options
 
 
-# The documentation of each option, one row each, grouped: docs/configuration.md is generated from this table, the
-# names, environment variables and defaults above (docs/hooks/config_tables.py), and the docs build fails when an
-# option has no row here. (group, what it does)
-OPTION_DOCS: dict[str, tuple[str, str]] = {
-    "exporter": ("Export", "where spans go: `auto`, `otlp`, `sdk`, `file` or `none` (see Getting started, Export)"),
-    "tracer_provider": ("Export", "the SDK `TracerProvider` of the `sdk` exporter (`None`: the global one)"),
-    "trace_file": (
-        "Export",
-        "path of the OTLP JSON lines written by the `file` exporter; its directory is made at `instrument()` "
-        "(a `ValueError` where it cannot be)",
-    ),
-    "trace_file_max_mb": ("Export", "rotate the trace file past this many MiB (a number; 0: never)"),
-    "trace_file_backups": ("Export", "rotated files kept: `traces.jsonl.1` (newest) ... `.5` (at most 1000)"),
-    "export_interval_ms": ("Export", "how often the worker sends OTLP / file batches"),
-    "max_pending_calls": (
-        "Export",
-        "calls waiting for the worker or the exporter before whole forwards are dropped (counted, logged; at most "
-        "10**9)",
-    ),
-    "print_summary": (
-        "Export",
-        "print the per-layer table at `remove()` / exit (`None`: with the embedded file default)",
-    ),
-    "handle_sigterm": ("Export", "on SIGTERM, deliver what was recorded, then end as the signal would have"),
-    "include": ("Selection", "globs over module paths (comma-separated in env)"),
-    "exclude": ("Selection", "globs over module paths"),
-    "types": ("Selection", "a module class or tuple of classes (env: dotted names); empty: all"),
-    "max_depth": ("Selection", "`None`: unlimited; 0 = the model only, 1 = its children, ..."),
-    "stats": ("Statistics", "`True`/`False`, or statistic names (env: comma-separated, `all`, `none`)"),
-    "extra_stats": ("Statistics", '`{"name": fn(tensor) -> number}`: statistics of your own'),
-    "inputs": ("Statistics", "statistics of inputs too"),
-    "max_tensors": ("Statistics", "tensors summarised per output / input"),
-    "stats_sample": ("Statistics", "`None`: every element; else summarise larger tensors from about this many"),
-    "sample_every": ("Sampling", "trace every Nth outermost forward (in training: every Nth step)"),
-    "sample_ratio": (
-        "Sampling",
-        "trace this fraction of outermost forwards (in training: of steps, the same on every rank)",
-    ),
-    "max_records": ("Records API", "in-memory records kept (oldest dropped first, counted)"),
-    "function_on_output": ("Records API", "`f(output)` kept in `record.output_value`"),
-    "function_on_input": ("Records API", "`f(input)` kept in `record.input_value`"),
-    "module_attributes": ("Records API", "module attributes read after each call, in `record.module_attributes`"),
-    "function_on_attribute": ("Records API", "`f(value)` kept for each module attribute instead of a copy"),
-    "attributes_before_forward": ("Records API", "read module attributes before the call instead"),
-    "function_on_grad_output": ("Records API", "with `backward=True`: `f(grad_output)` in the backward record"),
-    "function_on_grad_input": ("Records API", "with `backward=True`: `f(grad_input)` in the backward record"),
-    "capture_tensors": ("Records API", "full output tensors copied to CPU, in `record.tensors`"),
-    "capture_max_bytes": ("Records API", "byte budget of captured tensors (calls past it are skipped, counted)"),
-    "capture_compress": ("Records API", "zlib-compress captured tensors"),
-    "sinks": ("Records API", "extra callables receiving each batch of calls off the hot path (within ~5-100 ms)"),
-    "backward": ("Training", "module backward spans with gradient statistics"),
-    "schedule": ("Training", "`step -> bool`: which steps are traced (`None`: every step; env: every Nth)"),
-    "optimizer": ("Training", "its `step()` is timed and closes each training step"),
-    "param_stats": ("Training", "parameter / parameter-gradient norms on backward spans"),
-    "on_nonfinite": ("Training", '`None` (mark the span only), `"raise"` or a callable(`NonFiniteError`)'),
-    "comm_hook": (
-        "Devices and DDP",
-        "`(hook, state)`: your DDP comm hook, timed per bucket (`None`: DDP's all-reduce)",
-    ),
-    "cuda_events": ("Devices and DDP", "CUDA module durations from events (device time); false: host clock (launch)"),
-    "metrics": (
-        "Metrics",
-        "a `MetricsSink`, or `True`: one on the global registry; `TORCHTRACE_METRICS_PORT` turns it on",
-    ),
-}
+def group_of(options: Options, group: str) -> _Group:
+    """The resolved option object of ``options`` whose class is named ``group`` (``"Stats"``)."""
+    return next(getattr(options, keyword) for keyword, kind in GROUPS.items() if kind.__name__ == group)
 
-# Variables read outside instrument()'s options, documented next to them.
-ENV_ONLY_DOCS: dict[str, str] = {
-    ENV_TRITON: "false: CUDA statistics with torch ops, never the Triton kernel (process-wide, read at the first "
-    "CUDA statistics)",
-}
+
+def option_rows() -> list[tuple[str, str, Any, Any]]:
+    """(group, name, field, owner class) of every option, in the order ``instrument()`` lists them: a plain keyword
+    is its own group ``""``; a grouped one is named ``Group.field``."""
+    rows = []
+    for item in fields(Options):
+        if item.name in GROUPS:
+            kind = GROUPS[item.name]
+            rows += [(kind.__name__, f"{kind.__name__}.{inner.name}", inner, kind) for inner in fields(kind)]
+        else:
+            rows.append(("", item.name, item, Options))
+    return rows

@@ -297,31 +297,31 @@ def create_sdk_span_exporter(trace_file: str | os.PathLike[str] | None = None) -
         if protocol == "grpc":
             return _GrpcSpanExporter(timeout=timeout, compression=grpc_compression_none())
         return _HttpSpanExporter(timeout=timeout)
-    from torchtrace._core.options import resolve_options
+    from torchtrace._core.options import TraceFile
 
-    return SdkJsonFileExporter(file_sender(resolve_options(trace_file=trace_file)))
+    return SdkJsonFileExporter(file_sender(TraceFile(path=trace_file).resolved()))
 
 
 _MIB = 1024 * 1024
 
 
-def file_sender(options: Any) -> JsonFileSender:
-    """The ``file`` exporter's sender for ``Options``: rotation as configured, the trace directory made now (a
-    ValueError naming the option where it cannot be), symlinks refused at the default path."""
-    from torchtrace._core.options import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
+def file_sender(trace_file: Any) -> JsonFileSender:
+    """The ``file`` exporter's sender for a resolved ``TraceFile``: rotation as configured, the trace directory made
+    now (a ValueError naming the option where it cannot be), symlinks refused at the default path."""
+    from torchtrace._core.options import DEFAULT_TRACE_FILE
 
-    path = options.trace_file
+    path = trace_file.path
     sender = JsonFileSender(
         path,
-        max_bytes=int(options.trace_file_max_mb * _MIB),
-        backups=options.trace_file_backups,
+        max_bytes=int(trace_file.max_mb * _MIB),
+        backups=trace_file.backups,
         follow_symlinks=os.path.abspath(path) != os.path.abspath(DEFAULT_TRACE_FILE),  # however it is written
     )
     try:
         sender.file.make_directory()
     except OSError as error:
         reason = f"{error.strerror}: {error.filename}" if error.strerror else str(error)
-        raise ValueError(f"trace_file ({ENV_TRACE_FILE})={path!r}: cannot write traces there ({reason})") from None
+        raise ValueError(f"trace_file={path!r}: cannot write traces there ({reason})") from None
     return sender
 
 

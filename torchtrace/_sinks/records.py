@@ -169,7 +169,7 @@ class RecordStore:
         records, on_drop = self._records, self._on_drop
         if not self.dropped:
             _logger.info(
-                "torchtrace: more than max_records=%d calls: the oldest leave the records (handle.dropped_records);"
+                "torchtrace: more than Records(max_records=%d) calls: the oldest leave the records (handle.dropped_records);"
                 " exporters still get every call",
                 self.max_records,
             )
