@@ -25,7 +25,7 @@ CHILD = textwrap.dedent(
     import torchtrace
 
     model = nn.Sequential(nn.Linear(4, 4))
-    handle = torchtrace.instrument(model, exporter="otlp", export_interval_ms=60_000)
+    handle = torchtrace.instrument(model, exporter="otlp", limits=torchtrace.Limits(export_interval_ms=60_000))
     model(torch.ones(1, 4))
     start = time.monotonic()
     ok = handle.flush()

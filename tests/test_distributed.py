@@ -250,7 +250,8 @@ def my_hook(state, bucket):  # the user's hook: fp16 compression, counted
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-with torchtrace.instrument(model, exporter="none", optimizer=optimizer, comm_hook=(my_hook, None)) as handle:
+with torchtrace.instrument(model, exporter="none", optimizer=optimizer,
+                           training=torchtrace.Training(comm_hook=(my_hook, None))) as handle:
     for _ in range(2):
         model(torch.randn(4, 8)).sum().backward()
         optimizer.step()
@@ -287,7 +288,7 @@ def test_a_users_own_comm_hook_is_timed_instead_of_replaced(tmp_path):
     assert names.count("allreduce bucket 0") == 2  # and each bucket's communication is a span, per step
     assert names.count("rank 0") == 2 and names.count("train_step") == 2
     # DDP takes one comm hook: one registered after instrument() is refused with what to do instead
-    assert "instrument(ddp, comm_hook=(hook, state))" in report["refused"]
+    assert "instrument(ddp, training=torchtrace.Training(comm_hook=(hook, state)))" in report["refused"]
 
 
 DDP_EQUALITY_JOB = r"""
@@ -389,7 +390,8 @@ from torch.distributed.tensor.parallel import RowwiseParallel
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-with torchtrace.instrument(model, exporter="none", backward=True, param_stats=True, optimizer=optimizer) as handle:
+with torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer,
+                           training=torchtrace.Training(param_stats=True)) as handle:
     model(x).sum().backward()
     optimizer.step()
     handle.flush()

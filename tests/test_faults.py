@@ -449,7 +449,8 @@ def test_multiprocessing_fork_children_run_traced_forwards(otlp_to, otlp_http_re
 EXIT_SCRIPT = """
 import torch, torchtrace
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
-handle = torchtrace.instrument(model, exporter={exporter!r}, export_interval_ms=600_000)  # never before exit
+handle = torchtrace.instrument(model, exporter={exporter!r},
+                              limits=torchtrace.Limits(export_interval_ms=600_000))  # never before exit
 for _ in range({forwards}):
     model(torch.randn(8, 16))
 print("forwards done", flush=True)
@@ -538,7 +539,7 @@ provider = TracerProvider()  # created after torchtrace's import: its atexit shu
 provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
 trace.set_tracer_provider(provider)
 model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
-handle = torchtrace.instrument(model, export_interval_ms=600_000)  # auto -> sdk
+handle = torchtrace.instrument(model, limits=torchtrace.Limits(export_interval_ms=600_000))  # auto -> sdk
 for _ in range(5):
     model(torch.randn(8, 16))
 """

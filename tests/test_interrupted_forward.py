@@ -123,7 +123,7 @@ def test_an_interrupted_forward_is_delivered_at_exit(tmp_path):
 
         signal.signal(signal.SIGINT, signal.default_int_handler)  # inherited as ignored in a background job
         model = nn.Sequential(nn.Linear(4, 4), CtrlC())
-        torchtrace.instrument(model, exporter="file", trace_file={str(trace_file)!r}, print_summary=False)
+        torchtrace.instrument(model, exporter="file", trace_file={str(trace_file)!r})
         try:
             model(torch.ones(1, 4))
         except KeyboardInterrupt:

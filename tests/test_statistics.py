@@ -1271,7 +1271,7 @@ class Emit(nn.Module):
     def forward(self, which):
         return which.t()
 module = Emit()
-with torchtrace.instrument(module, exporter="none", print_summary=False) as handle:
+with torchtrace.instrument(module, exporter="none") as handle:
     module(small)  # everything torchtrace sets up once, before the peak is read
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     module(big)

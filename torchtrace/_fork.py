@@ -16,7 +16,7 @@ GNU OpenMP's thread pool does not survive fork: in a child, any torch reduction 
 when the parent had used the pool (plain torch, traced or not). torchtrace's statistics are such reductions, so a
 child with live handles gets ``torch.set_num_threads(1)``, as PyTorch's DataLoader workers do.
 
-Registered once, on import: ``import torchtrace`` imports this module (it sits above ``_handle`` and ``_worker``,
+Registered once, on import: ``import torchtrace`` imports this module (it sits above ``_handle`` and ``worker``,
 whose live handles and worker it re-arms).
 """
 

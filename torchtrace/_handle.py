@@ -145,7 +145,7 @@ class TraceHandle:
 
     def _on_replaced(self, path: str, new: Any) -> None:
         """Another module was put where the traced one at ``path`` was: it and the traced modules under it stop
-        being traced (see ``_replaced``); warned once per handle."""
+        being traced (see ``replaced``); warned once per handle."""
         prefix = path + "."
         stale = [index for index, info in enumerate(self._recorder.modules) if info.path == path or
                  info.path.startswith(prefix)]  # fmt: skip

@@ -3,21 +3,20 @@
 
    float_stats: the statistics of a large CPU float tensor from one pass over its values (sum, sum of squares, min,
    max, non-zero count), written straight into its stats dict (no Python arithmetic, no tuple). numpy and torch
-   take one pass each (five in all: 248 us for 1M float32 on one core, where this takes 81 us, memory-bound,
-   2026-11-25). Each of LANES accumulators adds every LANES-th value, so the compiler vectorises the loop without
-   reordering any sum (no -ffast-math needed). A tensor's whole blocks are added 16 values a lane in its own type,
-   each block's partial sums then into double accumulators (a tensor in cache, 16384 float32: 3.15 -> 1.52 us,
-   2026-11-26): one float32 accumulator over a whole tensor drifts by parts per million over values far from zero,
-   a block's partial sum by a few ulps, and the std's second pass corrects the mean it centres on (see CENTERED).
+   take one pass each (five in all, several times as long as this memory-bound one; docs/statistics.md).
+   Each of LANES accumulators adds every LANES-th value, so the compiler vectorises the loop without reordering any
+   sum (no -ffast-math needed). A tensor's whole blocks are added 16 values a lane in its own type, each block's
+   partial sums then into double accumulators (float32 adds vectorise twice as wide, see REDUCE_BLOCKS): one float32
+   accumulator over a whole tensor drifts by parts per million over values far from zero, a block's partial sum by a
+   few ulps, and the std's second pass corrects the mean it centres on (see CENTERED).
    On x86-64 Linux the loops are compiled for AVX-512, AVX2 and the baseline, picked at load time (target_clones).
    NaN and Inf are not handled here: they make the sum of squares non-finite, and the caller then takes its exact
    numpy / torch passes, which count them and propagate them as torch does.
 
    stat_rows: the statistics of each row of a forward's small tensors of one size, staged as rows of one array, as
-   a table (128 rows of 32 floats: 11 us, the call included, where numpy's vectorised passes and its column
-   arithmetic take 64, 2026-11-25).
+   a table, in one call (numpy's vectorised passes and its column arithmetic take several times as long).
 
-   copy: a small tensor's bytes into its staging row (39 ns a call where ctypes.memmove takes 279, 2026-11-25).
+   copy: a small tensor's bytes into its staging row (a fraction of what a ctypes.memmove call costs).
 
    traced_call: a traced module's forward inside a traced forward, recorded without a Python frame (the hooks' hot
    path; the Python body in _hooks keeps every uncommon case). */
@@ -90,10 +89,10 @@ REDUCE(reduce_double, double)
 
 /* The same five of the first whole blocks of BLOCK_LANES x BLOCK values (a large tensor's bulk; returns how many
    values that is, 0 when n is less than one block). Each lane adds BLOCK values in the tensor's own type, then the
-   block's partial sums go into double accumulators: float32 adds vectorise twice as wide as double ones (16384
-   float32 values: 2.9 -> 1.3 us with reduce_float's tail, 2026-11-26), and a partial sum of 16 values is within a
-   few float32 ulps of exact, so the totals stay within ~1e-7 of their magnitude (numpy's float64 sums). A
-   function of its own: the lanes of a block in reduce_float's frame made every small tensor's row 9 ns slower. */
+   block's partial sums go into double accumulators: float32 adds vectorise twice as wide as double ones, and a
+   partial sum of 16 values is within a few float32 ulps of exact, so the totals stay within ~1e-7 of their
+   magnitude (numpy's float64 sums). A function of its own: the lanes of a block in reduce_float's frame made every
+   small tensor's row 9 ns slower. */
 #define REDUCE_BLOCKS(NAME, T)                                                                                        \
     VECTOR_CLONES static int64_t NAME(const T *x, int64_t n, double *out) {                                           \
         double sums[LANES] = {0}, squares[LANES] = {0};                                                               \
@@ -357,8 +356,8 @@ static PyObject *copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
    of a reference cycle (each of a type the collector ignores, or a tuple it no longer tracks): what CPython does to
    such a tuple at the first young collection it survives (_PyTuple_MaybeUntrack), done when it is made. A record of
    a forward is a tuple of thousands of numbers: until that collection, every young collection visited all of them
-   (0.6-0.9 ms each, one every ~20 forwards of a 129-call model with statistics, 2026-11-25). Anything else is
-   returned as it is. */
+   (each then many times longer: the cheap model of benchmarks/overhead.py with statistics has one every few dozen
+   forwards). Anything else is returned as it is. */
 static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 1, "untracked(t)")) return NULL;
@@ -387,8 +386,8 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
    ``runs`` the calls' layouts as (count, layout) for each stretch of consecutive calls of the same layout, a layout
    being ((name or None for the bare output, stats keys), ...), from which the caller makes the attribute keys once
    per layout. None where a forward does not have that form (a summary that is no dict, still on a device, a name
-   that is not a str): the caller then takes its Python path. The per-call Python it replaces cost ~1 us a call
-   (2026-11-25), ~3 us a call at a forward's end (2026-11-26). */
+   that is not a str): the caller then takes its Python path. It replaces per-call Python, dearer still at a
+   forward's end, where the model's own work has left the caches cold (benchmarks/overhead.py). */
 typedef struct {
     PyObject *name;  /* NULL: the bare output */
     PyObject *stats; /* held */
@@ -618,8 +617,7 @@ done:
    value's type is checked as it is written: False where one does not fit (a float slot given something else, a
    dimension out of 0..2**35, a shape that is not a non-empty tuple of ints, more or fewer dimensions than slots,
    a slot past the buffer); the caller then encodes the batch span by span and drops ``buf``. Replaces, per
-   forward, an itemgetter tuple, a type check over it, numpy's fromiter and a fancy-indexed write (~0.55 us a
-   call, 2026-11-25). */
+   forward, an itemgetter tuple, a type check over it, numpy's fromiter and a fancy-indexed write. */
 static int put_doubles(unsigned char *out, Py_ssize_t size, const int64_t *at, Py_ssize_t slots, PyObject *values,
                        const int64_t *position, Py_ssize_t n) {
     if (slots != n) return 0;
@@ -715,7 +713,7 @@ static PyObject *put_values(PyObject *module, PyObject *const *args, Py_ssize_t 
    ``starts`` and ``ends`` (signed) are the forward's 64-bit columns (``array.array`` of "Q" / "q"), ``parents`` a
    list of positions (-1 for the root, whose parent is ``root_parent``). False where a column does not fit
    (lengths, item sizes, a slot past the buffer): the caller then writes them with numpy. Replaces ~4 numpy
-   conversions and 5 fancy-indexed writes per batch (~0.18 us a call, 2026-11-25). */
+   conversions and 5 fancy-indexed writes per batch. */
 static void put_raw64(unsigned char *out, Py_ssize_t at, uint64_t v, int big_endian) {
     for (int b = 0; b < 8; b++) out[at + (big_endian ? 7 - b : b)] = (unsigned char)(v >> (8 * b));
 }
@@ -774,8 +772,7 @@ static PyObject *put_span_fields(PyObject *module, PyObject *const *args, Py_ssi
    block's (``_StatsBlock.match``): values[positions[k]] equal to expected[k] and of the same type (True, 1 and 1.0
    are equal in Python, not on the wire), or, with ``lengths``, a tuple or list of length expected[k] (a shape of the
    block's rank). The same object passes at once: forward after forward a model's paths, dtypes and shapes are the
-   same objects. Replaces an itemgetter tuple, a type tuple and two comparisons per forward (~0.15 us a call,
-   2026-11-25). */
+   same objects. Replaces an itemgetter tuple, a type tuple and two comparisons per forward. */
 static PyObject *same_values(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 4, "same_values(values, positions, expected, lengths)")) return NULL;
@@ -811,9 +808,9 @@ static PyObject *same_values(PyObject *module, PyObject *const *args, Py_ssize_t
 /* call_columns(starts, ends, parents, offset): a forward's epoch start and end times (perf_counter ns + offset; a
    call still open ends at its start) as native int64 bytes (``array("q", ...)`` makes them the batch's columns: no
    Python int per call), each call's depth (its parent's + 1) as a list, and each call's duration (end - start) as
-   native int64 bytes, what the per-layer summary adds up. Replaces three Python loops of ``resolve_forward`` (~10 us
-   a forward of 129 calls, 2026-11-25). None where a column is not a list of ints of the forward's length, or a
-   parent does not come before its child: the caller's Python then makes them. */
+   native int64 bytes, what the per-layer summary adds up. Replaces three Python loops of ``resolve_forward`` (a
+   large part of its cost: benchmarks/overhead.py). None where a column is not a list of ints of the forward's
+   length, or a parent does not come before its child: the caller's Python then makes them. */
 static PyObject *call_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 4, "call_columns(starts, ends, parents, offset)")) return NULL;
@@ -1050,7 +1047,7 @@ static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t 
 
 /* traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward inside a traced forward
    (``HookRecorder.traced_forward``'s Python body, for the common call), in C: no Python frame and no bytecode per
-   call (the Python body cost ~1 us a call inside a forward, most of a call's cost without statistics, 2026-11-26).
+   call (the Python body was most of a call's cost without statistics: benchmarks/overhead.py, OTLP spans).
    It records the call (module index, parent, start, end appended to the forward's columns, the call pushed on and
    popped off the thread's stack), calls the module's own forward, and summarises a tensor output with the thread's
    StatComputer. Anything else goes to Python: the whole call to the body (context[SLOW]) where the forward is not

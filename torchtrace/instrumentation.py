@@ -8,9 +8,9 @@ How: ``torch.nn.Module.__call__`` is wrapped (as OpenTelemetry's instrumentors w
 first time a *top-level* module is called (a module called outside any other module's forward) it is handed to
 ``torchtrace.instrument()`` before torch runs the call, so the first forward is traced like any other. Afterwards
 the wrapper costs one set lookup per module call. Not a global forward pre-hook: any global hook sends every module
-call of the process down ``nn.Module``'s slow path, the traced models' own calls included (the cheap model traced
-zero-code: 1,574 -> 1,357 us a forward, ``instrument()``: 1,302; 2026-11-26). Modules first called inside another
-module's forward are its submodules (or helpers): they are traced as part of it, never on their own.
+call of the process down ``nn.Module``'s slow path, the traced models' own calls included (zero-code tracing of
+benchmarks/overhead.py's cheap model cost clearly more that way; see docs/zero-code.md). Modules first called inside
+another module's forward are its submodules (or helpers): they are traced as part of it, never on their own.
 
 Options come from ``TORCHTRACE_*`` variables (as for ``instrument()``), or from keyword arguments of
 ``TorchInstrumentor().instrument(**options)``; ``tracer_provider`` from kwargs, else the global one.

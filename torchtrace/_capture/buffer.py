@@ -21,8 +21,8 @@ class RecordBuffer:
 
     ``on_backlog`` (if set) is called once when both the calls and the forwards waiting reach ``backlog_calls`` and
     ``backlog_forwards``, and again only after the next ``take_all``: it asks the worker to take them now (see
-    ``_worker``). Counting forwards too keeps a model of few, large forwards on the worker's own tick: waking the
-    worker for every forward of a hundred calls cost that model a third more per call (measured 2026-11-24).
+    ``worker``). Counting forwards too keeps a model of few, large forwards on the worker's own tick: waking the
+    worker for every forward of a hundred calls made that model markedly dearer per call (benchmarks/overhead.py).
     """
 
     __slots__ = ("max_calls", "pending_calls", "dropped_calls", "backlog_calls", "backlog_forwards",
@@ -45,7 +45,7 @@ class RecordBuffer:
     def put(self, forward: Any, call_count: int) -> bool:
         """Queues one finished forward; drops it whole (counted) if the buffer is full.
 
-        Guarded (``_signals``): a SIGTERM landing while the model's thread holds the lock, which the flush at
+        Guarded (``signals``): a SIGTERM landing while the model's thread holds the lock, which the flush at
         SIGTERM takes on a thread of its own, is handled once the forward is queued."""
         signal = False
         with self._lock:

@@ -2,10 +2,9 @@
 
 torch's ``Event.record``, ``query`` and ``elapsed_time`` each release the GIL around a call that takes a
 microsecond or two. With the worker thread reading events while the model's thread records them, every release
-hands the GIL to the other thread and back: on an H100 host (measured 2026-11-23, a host-bound encoder, 109 traced
-calls a forward) that cost ~70 us per traced call, against ~3 us for the marks themselves with the worker held
-off. These calls never block, so they are made through ``ctypes.PyDLL``, which keeps the GIL; only
-``synchronize`` (a wait) lets it go.
+hands the GIL to the other thread and back: on a host-bound forward that cost many times the marks themselves
+(benchmarks/gpu_host_costs.py: torch's event against the driver's, idle and beside a busy thread). These calls never
+block, so they are made through ``ctypes.PyDLL``, which keeps the GIL; only ``synchronize`` (a wait) lets it go.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def event_timer(device: torch.device | None) -> EventTimer | None:
     timer = _timers.get(device)
     if timer is None:
         cuda = driver()
-        if cuda is not None:  # events that keep the GIL (see _cuda_driver)
+        if cuda is not None:  # events that keep the GIL (see cuda_driver)
             timer = DriverEventTimer(device, cuda)
         else:
             timer = EventTimer(
@@ -307,7 +307,7 @@ class RowPool:
 ROW_POOL = RowPool()
 
 
-_triton: Any = None  # the _triton_stats module once imported; False when Triton is not installed
+_triton: Any = None  # the triton_stats module once imported; False when Triton is not installed
 
 
 def fused_kernel(x: torch.Tensor) -> Any:

@@ -193,8 +193,8 @@ class HookRecorder:
         self.buffer = buffer
         # What a finished forward with nothing left on a device becomes before it is buffered (its columns, ids and
         # attributes: ``resolve_forward``), here, while its values are in this core's cache: on the worker, on the
-        # other core and the GIL handed over and back, the same work cost several times as much (cheap model with
-        # statistics: ~1 us a call more in all, 2026-11-25). None: the worker resolves it.
+        # other core and the GIL handed over and back, the same work cost several times as much (the cheap model of
+        # benchmarks/overhead.py, with statistics). None: the worker resolves it.
         self._resolve = resolve
         # called with what a forward became at its end; True: it was delivered there (see Dispatcher), else buffered
         self.deliver: Callable[[Any], bool] | None = None
@@ -288,7 +288,7 @@ class HookRecorder:
         return outside_compiled_regions(pre_hook) if self.modules[index].path == "" else pre_hook
 
     def traced_forward(self, index: int) -> tuple[Callable[..., Any], tuple | None]:
-        """The body of module ``index``'s ``TracedForward`` (see ``_traced_forward``) and its context: called as
+        """The body of module ``index``'s ``TracedForward`` (see ``traced_forward``) and its context: called as
         ``body(context, module_ref, function, *args, **kwargs)``. Inside a traced forward it records the call
         itself, in one call; outside one (the module called on its own, or the model's root not selected) it runs
         the hook functions, which begin and end forwards. With the compiled module the body is

@@ -2,7 +2,7 @@
 
 Each tensor found in a module's output (or input) is summarised into a flat dict of OTel-ready values. On CPU the
 values are read at once (a read, not a sync). On an accelerator they are reduced into a row of the forward's
-device buffer (``_device.StatRows``), copied to the host once per forward and read off the hot path (``resolve``).
+device buffer (``device.StatRows``), copied to the host once per forward and read off the hot path (``resolve``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ PIECE = 1 << 20  # elements: the most a CPU tensor's statistics copy or convert 
 
 # One tuple per shape seen: the collector untracks a long-lived tuple of ints, and a dict holding only untracked
 # values stays untracked, so a call's statistics never enter the collector's generations (a fresh shape tuple
-# makes its dict tracked). 8 x Linear(48), records kept: full collections 3 -> 1 per 10 s (2026-11-23).
+# makes its dict tracked). Sharing them cuts full collections with records kept (benchmarks/latency.py, linear8).
 _SHAPES: dict[tuple, tuple] = {}
 _MAX_SHAPES = 10_000  # ever-new shapes (a new sequence length per request) stop being shared past this
 
@@ -137,8 +137,8 @@ class StatComputer:
     def _table_of(self, groups: list[tuple[_Staging | np.ndarray, list[dict]]]) -> tuple[StatTable | None, bool]:
         """The forward's small tensors reduced group by group (a staging's rows, or other copies of one size) into
         one table, each stats dict given its row (None if every group failed); and whether no row holds NaN or Inf.
-        A staging's rows go straight into the table in one compiled call where its rows are finite (the general
-        path's slicing and checks cost ~4 us a forward, 2026-11-26), else through ``_stat_rows``."""
+        A staging's rows go straight into the table in one compiled call where its rows are finite (skipping the
+        general path's slicing and checks), else through ``_stat_rows``."""
         values = np.empty((sum(len(filled) for _, filled in groups), len(self._columns)))
         first, all_finite = 0, True
         for rows, filled in groups:
@@ -766,7 +766,7 @@ def plain_float_stats(x: torch.Tensor, wanted: frozenset, stats: dict[str, Any])
     """The statistics of a plain contiguous float32 / float64 CPU tensor, from one compiled pass over its memory (or,
     where it finds NaN or Inf, from numpy's passes); False (``stats`` untouched) for any other tensor.
 
-    The compiled pass reads the memory once (81 us for 1M float32 on one core, 2026-11-25), adding in double, and
+    The compiled pass reads the memory once (numpy's and torch's passes read it five times), adding in double, and
     writes the statistics into ``stats`` itself; the std takes its exact second pass there too where the mean carries
     half of the sum of squares or more (as ``_std`` does). A NaN or Inf makes its sum of squares non-finite, and so
     does, for float32, a sum of squares past float32's range (torch's float32 norm is inf there). What a hook calls

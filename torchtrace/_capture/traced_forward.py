@@ -1,10 +1,10 @@
 """A traced module's ``forward``: one Python call around the module's own forward, in place of a pre and a post hook.
 
 Any forward hook sends ``nn.Module.__call__`` down its slow path (hook dictionaries merged and walked, backward-hook
-setup); a module whose ``forward`` is an instance attribute keeps the fast path. On a 64-layer MLP of small Linear
-layers (torch 2.13 CPU, 2026-11-24): empty pre + post hooks add 1.9-2.0 us per call, this wrapper with an empty body
-0.5 us. The instrumented model itself keeps torch's hooks (see ``_handle``): they run outside a ``torch.compile``d
-region, which this wrapper, being the module's forward, cannot.
+setup); a module whose ``forward`` is an instance attribute keeps the fast path: empty pre + post hooks add several
+times what this wrapper with an empty body adds a call (docs/performance.md; benchmarks/overhead.py's empty_hooks
+variant is the hooks' floor). The instrumented model itself keeps torch's hooks (see ``_handle``): they run outside
+a ``torch.compile``d region, which this wrapper, being the module's forward, cannot.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class TracedForward(functools.partial):
         return f"<torchtrace traced forward: {self.args[2].__qualname__}>"
 
     def __deepcopy__(self, memo: dict) -> TracedForward:
-        # A traced module deep-copies untraced (its __getstate__ leaves this out: see _copies), unless its
+        # A traced module deep-copies untraced (its __getstate__ leaves this out: see copies), unless its
         # class deep-copies its instance dict itself (torch's parametrized modules): then the copy's forward must
         # run the copy, not the original (traced, as torch's deep-copied hooks trace it)
         copy = copy_in(memo, self.args[1])

@@ -1,8 +1,8 @@
 """One Triton kernel reducing a tensor into its statistics row: one launch and one read of the data per tensor.
 
-The torch path (``_device.reduce_into``) costs about ten kernel launches and as many passes over the tensor; here
+The torch path (``device.reduce_into``) costs about ten kernel launches and as many passes over the tensor; here
 every program reduces a strided share of the tensor in registers and adds its partial sums into the row with
-atomics, so the row holds raw sums that the host finishes (``_device.finish_raw``). Float sums accumulate in
+atomics, so the row holds raw sums that the host finishes (``device.finish_raw``). Float sums accumulate in
 float32 per lane, then across lanes and programs. Imported only when a CUDA tensor is
 summarised and Triton is installed (CUDA builds of torch ship it).
 """
@@ -35,8 +35,8 @@ OPTIONS = {"enable_fp_fusion": True}  # stated, so Triton does not warn in the u
 
 @triton.jit
 def _load(x_ptr, offsets, stride, mask, CONTIGUOUS: tl.constexpr):
-    # A runtime stride of 1 is still a multiplication to the compiler: its loads then cannot be vectorised (2.4x
-    # the time on 25M bfloat16 elements on an H100, measured 2026-11-23); contiguous data is loaded without it.
+    # A runtime stride of 1 is still a multiplication to the compiler: its loads then cannot be vectorised (a large
+    # tensor's pass then takes much longer); contiguous data is loaded without it.
     if CONTIGUOUS:
         values = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     else:
@@ -105,7 +105,7 @@ def _max_programs(index: int) -> int:
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel can read this tensor (of a dtype it loads: ``_device.READ_AS_IS``, the caller's check) as
+    """Whether the kernel can read this tensor (of a dtype it loads: ``device.READ_AS_IS``, the caller's check) as
     it is: its elements filling one block of memory in any order (contiguous, or a permutation of contiguous such as
     attention's transposed output: every statistic is order-free), with int32 offsets.
 
@@ -128,7 +128,7 @@ def _one_block(x: torch.Tensor) -> bool:
 
 def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, counted: bool, stride: int = 1) -> None:
     """Adds the raw sums of every ``stride``-th element of ``x`` (in memory order) into a row holding
-    ``_device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
+    ``device.RAW_START`` (columns: _device.RAW_COLUMNS)."""
     n = -(-x.numel() // stride)
     index = x.get_device()  # an int, no device object made; -1 on the CPU (Triton's interpreter)
     programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))

@@ -1,7 +1,7 @@
 """The record stream's types: ``ModuleCall`` (one traced call as a sink reads it), ``CallBatch`` (a forward's calls
 as columns, each ``ModuleCall`` made only when read) and ``Calls`` (the batches of one delivery).
 
-The hot path (``_hooks``) leaves each forward's columns; ``_dispatch`` resolves them into a ``CallBatch`` (ids
+The hot path (``recorder``) leaves each forward's columns; ``dispatcher`` resolves them into a ``CallBatch`` (ids
 assigned, timestamps on the epoch clock, statistics as attributes) and hands it to every sink: span builder, OTLP
 encoders, in-memory records, summary, metrics.
 """

@@ -1,7 +1,7 @@
 """Where encoded spans go: OTLP over gRPC or HTTP, or an OTLP/JSON lines file.
 
 The network senders are opentelemetry-exporter-otlp's own span exporters with the encoding step swapped for
-torchtrace's pre-encoded bytes (``_otlp_encoding``), so endpoint, headers, timeout, compression, TLS
+torchtrace's pre-encoded bytes (``protobuf``), so endpoint, headers, timeout, compression, TLS
 certificates, retries with backoff and gRPC reconnects all follow the standard ``OTEL_EXPORTER_OTLP_*``
 variables exactly as they do for any OpenTelemetry Python application.
 """
@@ -380,7 +380,7 @@ class _DeadlineTransport(BaseHTTPTransport):
 
     Its ``timeout`` bounds each socket read, not the request: a peer that sends headers and then one byte every
     half second holds a request (and ``remove()``, and exit) for as long as it likes. Here each request runs on a
-    kept daemon thread (``_request_threads``) that the caller waits for at most ``timeout`` seconds; a request still
+    kept daemon thread (``request_threads``) that the caller waits for at most ``timeout`` seconds; a request still
     running then is abandoned (it ends when the peer gives up, and never holds exit). At most ``MAX_ABANDONED`` of
     a transport's may be running at once; past that, its requests fail at once until one ends.
     """

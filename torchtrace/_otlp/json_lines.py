@@ -2,11 +2,11 @@
 
 Going through protobuf (``ExportTraceServiceRequest`` -> ``json_format.MessageToDict``) costs ~250 us per span with
 statistics, which the embedded default exporter cannot afford. This writes the same JSON (equal once parsed:
-tests/test_otlp_json.py checks it against that conversion of ``_otlp_encoding``'s bytes): OTLP/JSON's mapping of
+tests/test_otlp_json.py checks it against that conversion of ``protobuf``'s bytes): OTLP/JSON's mapping of
 protobuf, lowerCamelCase keys, hex trace and span ids, int64 and fixed64 as strings, enums as integers, NaN and
 infinities as the strings "NaN", "Infinity", "-Infinity", default values left out, the protobuf path's span limits.
 
-As in ``_otlp_encoding``, most of a span's text is fixed per module: a cached ``%``-format template per (name,
+As in ``protobuf``, most of a span's text is fixed per module: a cached ``%``-format template per (name,
 parent kind, trace state, attribute keys, non-float values) leaves slots for the ids, times and float statistics.
 Spans that do not fit (an error, attributes over the limits, values marshal cannot key) are built as dicts and
 dumped one by one, the reference the templates are made from.
@@ -67,7 +67,7 @@ def _double(value: float) -> float | str:
 
 
 def _any_value(value: Any) -> dict | None:
-    """AnyValue as the protobuf path encodes it (see ``_otlp_encoding._any_value``); None = attribute dropped."""
+    """AnyValue as the protobuf path encodes it (see ``protobuf._any_value``); None = attribute dropped."""
     if value is None:
         return {}
     if isinstance(value, bool):
@@ -281,7 +281,7 @@ def _json_template(
 
 def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
     """The spans of a whole forward whose every call has attributes (statistics), from one ``%`` format shared by
-    the forwards of its kind (``_otlp_encoding.shared_stats_block``): its ids, times and floats picked from one flat
+    the forwards of its kind (``protobuf.shared_stats_block``): its ids, times and floats picked from one flat
     tuple by one itemgetter, formatted in one C-level call. None: the per-call templates then write it."""
     if not _from_columns(batch):
         return None

@@ -628,7 +628,7 @@ class _TimingTemplates:
         self.trace_state = trace_state
         self.by_kind: list[list] = [[None] * len(modules) for _ in range(4)]  # parent kind -> by module index
         self.blocks: dict[tuple, _Block] = {}  # (module sequence, root kind) -> block
-        self.json_blocks: dict[tuple, Any] = {}  # the same, as OTLP/JSON text (``_otlp_json``)
+        self.json_blocks: dict[tuple, Any] = {}  # the same, as OTLP/JSON text (``json_lines``)
         self.stats_blocks: dict[tuple, list[_StatsBlock]] = {}  # forwards with statistics (``_stats_block``)
         self.json_stats_blocks: dict[tuple, list[_StatsBlock]] = {}  # the same, as OTLP/JSON text
 

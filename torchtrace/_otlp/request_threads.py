@@ -1,8 +1,8 @@
-"""Threads that run OTLP/HTTP requests for ``_exporters._DeadlineTransport``, kept between requests.
+"""Threads that run OTLP/HTTP requests for ``exporters._DeadlineTransport``, kept between requests.
 
 A request runs on a thread other than its caller's so that the caller can stop waiting at the deadline whatever the
-peer does (a socket timeout bounds each read, not the request). Starting a thread per request cost 100-300 us on a
-2-core machine (2026-11-25), as much as the request itself to a collector on the same host: a thread that finished
+peer does (a socket timeout bounds each read, not the request). Starting a thread per request cost as much as the
+request itself to a collector on the same host (benchmarks/overhead.py's OTLP export): a thread that finished
 a request waits ``IDLE_S`` for the next one instead. A thread serves one request at a time; one whose request
 outlived its caller's deadline stays with it until the peer gives up (the next request gets another thread), then
 waits for work like the others. Shared by every transport of the process; daemons, so none holds the interpreter's

@@ -779,7 +779,7 @@ def _errors(calls: Calls) -> Iterable[BaseException]:
 class Dispatcher:
     """Drains the record buffer into the sinks, on the shared worker thread and on demand.
 
-    Two paces, so that nothing the garbage collector tracks waits long (see ``_worker``): every
+    Two paces, so that nothing the garbage collector tracks waits long (see ``worker``): every
     ``RESOLVE_INTERVAL_S`` the worker resolves what the hooks left and hands it to the in-process ``sinks``
     (records, summary, metrics, the user's); ``exporters`` (OTLP, file, SDK spans) get the calls in batches every
     ``interval_s``, or at once on ``drain()``.
@@ -787,8 +787,8 @@ class Dispatcher:
     When every in-process sink is one of ``at_forward_end`` (the records and the summary: short, and safe on any
     thread under ``deliver_lock``), a CPU forward that the hooks resolved reaches them on the model's thread at its
     end (``deliver_at_forward_end``) and waits there for the exporters: the worker then never runs while the model
-    does, except to export. On the worker, the same delivery slowed the model's thread by two to three times its own
-    cost (the GIL handed back and forth between the two threads; 2026-11-25, see docs/performance.md).
+    does, except to export. On the worker, the same delivery slowed the model's thread by a multiple of its own cost
+    (the GIL handed back and forth between the two threads; benchmarks/overhead.py, see docs/architecture.md).
     """
 
     def __init__(

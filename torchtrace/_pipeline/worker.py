@@ -11,8 +11,8 @@ when they stop), and at once when a handle's buffer holds a backlog (``RecordBuf
 ``backlog_forwards`` forwards: ``resolve_soon``), it resolves them (``Dispatcher.resolve``): the forwards the hooks
 left (a few tracked objects each: their columns, and a summaries dict where an output is not a bare tensor) then die
 young. Left for a whole export interval they would outlive the collector's young generations, be promoted, and
-trigger full collections of the whole heap: pauses of 100-400 ms in a torch process (measured 2026-11-23, when
-each call was a tracked list; benchmarks/latency.py). The backlog bound keeps a model of small, fast forwards
+trigger full collections of the whole heap, each a long pause in a torch process (benchmarks/latency.py counts
+them and their pauses, traced against untraced). The backlog bound keeps a model of small, fast forwards
 (thousands a second) below the young generation's threshold (700 allocations) between ticks.
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
