@@ -57,8 +57,8 @@ def test_flush_is_false_when_the_trace_file_cannot_be_written():
 
 def test_flush_is_false_when_the_buffer_dropped_calls(tmp_path):
     model = _model()
-    options = {"max_pending_calls": 2, "export_interval_ms": 60_000, "trace_file": str(tmp_path / "t.jsonl")}
-    with torchtrace.instrument(model, exporter="file", **options) as handle:
+    limits = torchtrace.Limits(max_pending_calls=2, export_interval_ms=60_000)
+    with torchtrace.instrument(model, exporter="file", trace_file=str(tmp_path / "t.jsonl"), limits=limits) as handle:
         model(torch.ones(1, 4))
         model(torch.ones(1, 4))  # over max_pending_calls waiting for the exporter: dropped whole, counted
         assert handle.flush() is False

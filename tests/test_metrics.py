@@ -220,7 +220,10 @@ def test_watch_reports_buffer_drops_and_exported_spans(tmp_path: Path):
     registry = CollectorRegistry()
     sink = MetricsSink(registry)
     model = tiny_model()
-    options = {"max_pending_calls": 4, "export_interval_ms": 3_600_000, "trace_file": str(tmp_path / "t.jsonl")}
+    options = {
+        "limits": torchtrace.Limits(max_pending_calls=4, export_interval_ms=3_600_000),
+        "trace_file": str(tmp_path / "t.jsonl"),
+    }
     with torchtrace.instrument(model, exporter="file", sinks=[sink], **options) as handle:
         sink.watch(handle)
         model(torch.randn(1, 4))

@@ -199,17 +199,17 @@ invalid_options = st.one_of(
     st.builds(lambda v: {"sample_every": v}, st.integers(max_value=0)),
     st.builds(lambda v: {"sample_every": v}, st.floats() | st.text(max_size=3)),
     st.builds(lambda v: {"max_depth": v}, st.integers(max_value=-1)),
-    st.builds(lambda v: {"max_tensors": v}, st.integers(max_value=0) | st.text(max_size=2)),
-    st.builds(lambda v: {"max_pending_calls": v}, st.integers(max_value=0)),
+    st.builds(lambda v: {"stats": torchtrace.Stats(max_tensors=v)}, st.integers(max_value=0) | st.text(max_size=2)),
+    st.builds(lambda v: {"limits": torchtrace.Limits(max_pending_calls=v)}, st.integers(max_value=0)),
     st.builds(
         lambda v: {"exporter": v},
         st.text(max_size=6).filter(lambda t: t.lower() not in ("auto", "otlp", "sdk", "file", "none", "")),
     ),
     st.builds(lambda v: {"types": v}, st.integers() | st.just(int) | st.just((nn.Linear, "Linear"))),
-    st.builds(lambda v: {"extra_stats": v}, st.just({"bad name": torch.mean}) | st.just({"ok": 3})),
-    st.builds(lambda v: {"function_on_output": v}, st.integers()),
+    st.builds(lambda v: {"stats": torchtrace.Stats(extra=v)}, st.just({"bad name": torch.mean}) | st.just({"ok": 3})),
+    st.builds(lambda v: {"records": torchtrace.Records(function_on_output=v)}, st.integers()),
     st.builds(lambda v: {"sinks": v}, st.just([1])),
-    st.builds(lambda v: {"inputs": v}, st.integers(2, 9) | st.text(min_size=1, max_size=3)),
+    st.builds(lambda v: {"stats": torchtrace.Stats(inputs=v)}, st.integers(2, 9) | st.text(min_size=1, max_size=3)),
     st.builds(lambda v: {v: 1}, st.sampled_from(["sample_rate", "exporters", "max_calls"])),
 )
 

@@ -373,8 +373,8 @@ def test_module_attribute_copies_count_against_the_capture_budget():
 
 def test_module_attribute_copies_go_back_to_the_budget_when_their_record_leaves():
     model = Spike()
-    options = {"module_attributes": "v", "capture_max_bytes": 2 * 16, "max_records": 1}
-    with torchtrace.instrument(model, exporter="none", **options) as handle:
+    records = torchtrace.Records(module_attributes="v", capture_max_bytes=2 * 16, max_records=1)
+    with torchtrace.instrument(model, exporter="none", records=records) as handle:
         for _ in range(4):
             model(torch.ones(4))
             handle.flush()  # the previous record leaves: its 16 bytes are free again

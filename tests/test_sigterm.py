@@ -345,7 +345,7 @@ def test_a_sigterm_landing_while_the_records_take_a_forward_is_handled_once_they
     # not after the flush waited out its deadline (5 s) with every span lost.
     trace_file = tmp_path / "t.jsonl"
     model = _model()
-    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000}
+    options = {"trace_file": str(trace_file), "limits": torchtrace.Limits(export_interval_ms=600_000)}
     with (
         _application_handler(trace_file) as lines_when_handled,
         torchtrace.instrument(model, exporter="file", **options) as handle,
@@ -380,7 +380,11 @@ def test_a_sigterm_landing_while_the_buffer_queues_a_forward_is_handled_once_it_
     trace_file = tmp_path / "t.jsonl"
     sunk: list = []
     model = _model()
-    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "sinks": [sunk.extend]}
+    options = {
+        "trace_file": str(trace_file),
+        "limits": torchtrace.Limits(export_interval_ms=600_000),
+        "sinks": [sunk.extend],
+    }
     with (
         _application_handler(trace_file) as lines_when_handled,
         torchtrace.instrument(model, exporter="file", **options) as handle,
@@ -410,7 +414,10 @@ def test_a_sigterm_landing_in_a_drop_inside_the_records_delivery_waits_for_the_o
     # released the lock the flush needs, not be handled as the drop returns.
     trace_file = tmp_path / "t.jsonl"
     model = _model()
-    options = {"trace_file": str(trace_file), "export_interval_ms": 600_000, "max_pending_calls": 2}
+    options = {
+        "trace_file": str(trace_file),
+        "limits": torchtrace.Limits(export_interval_ms=600_000, max_pending_calls=2),
+    }
     with (
         _application_handler(trace_file) as lines_when_handled,
         torchtrace.instrument(model, exporter="file", **options) as handle,

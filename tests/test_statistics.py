@@ -1133,8 +1133,11 @@ def mlp() -> nn.Module:
     [
         {},
         {"stats": False},
-        {"inputs": True},
-        {"inputs": True, "capture_tensors": True, "module_attributes": "training"},
+        {"stats": torchtrace.Stats(inputs=True)},
+        {
+            "stats": torchtrace.Stats(inputs=True),
+            "records": torchtrace.Records(capture_tensors=True, module_attributes="training"),
+        },
     ],
     ids=["default", "no-stats", "inputs", "everything"],
 )

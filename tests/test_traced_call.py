@@ -243,3 +243,48 @@ def test_a_traced_sub_module_exports_on_its_own(body):
         assert targets == {"aten.linear.default"}  # no statistic, no clock read
         assert handle.records == []  # export's tracing run is not a forward of the model
         assert torch.equal(exported.module()(x), model[0](x))
+
+
+# -- the compiled body's contract with Python: one definition each side, compared ---------------------------------
+
+
+def _native_module():
+    return pytest.importorskip("torchtrace._native", reason="the compiled extension is not built here")
+
+
+def test_the_compiled_body_reads_the_context_the_recorder_builds():
+    """C reads the context by index: its slots, in order, are the NamedTuple's fields."""
+    assert _traced_forward.TracedCallContext._fields == _native_module().TRACED_CALL_CONTEXT
+
+
+def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_reads():
+    native = _native_module()
+    seen = {}
+
+    class Looks(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            state = handle._recorder._local.state
+            seen.update(local=handle._recorder._local, state=state, forward=state.forward, class_=type(self))
+            return x
+
+    model = nn.Sequential(Looks())
+    with torchtrace.instrument(model, exporter="none") as handle:
+        model(torch.ones(2))
+    owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
+              "compiler": torch.compiler, "class": seen["class_"]}  # fmt: skip
+    assert {where for where, _ in native.TRACED_CALL_READS} == set(owners)
+    for where, name in native.TRACED_CALL_READS:
+        assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"
+    for name in ("stack",):
+        assert type(getattr(seen["state"], name)) is list  # read as exact lists, else handed to Python
+    for name in ("module", "parent", "start", "end"):
+        assert type(getattr(seen["forward"], name)) is list
+    assert type(seen["state"].skip_depth) is int
+
+
+def test_an_extension_reading_another_context_is_refused_aloud(monkeypatch):
+    native = _native_module()
+    renamed = tuple("clock_ns" if name == "clock" else name for name in native.TRACED_CALL_CONTEXT)
+    monkeypatch.setattr(native, "TRACED_CALL_CONTEXT", renamed)
+    with pytest.warns(RuntimeWarning, match="another traced-call context"):
+        assert _traced_forward._compiled_traced_call() is None

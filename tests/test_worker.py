@@ -361,7 +361,10 @@ def test_forwards_the_exporter_cannot_take_yet_are_dropped_counted_and_still_rec
     # export (counted, warned), while the records and the summary still get it.
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())  # 3 calls a forward
     trace_file = tmp_path / "t.jsonl"
-    options = {"max_pending_calls": 10, "export_interval_ms": 600_000, "trace_file": str(trace_file)}
+    options = {
+        "limits": torchtrace.Limits(max_pending_calls=10, export_interval_ms=600_000),
+        "trace_file": str(trace_file),
+    }
     with torchtrace.instrument(model, exporter="file", **options) as handle:
         with _worker.WORKER._condition:
             for _ in range(5):

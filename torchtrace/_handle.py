@@ -300,7 +300,8 @@ class TraceHandle:
         """
         if self._steps is None:
             raise RuntimeError(
-                "step() needs step tracing: instrument(model, backward=True / optimizer= / training=Training(schedule=))"
+                "step() needs step tracing: instrument(model, backward=True / optimizer= / "
+                "training=Training(schedule=))"
             )
         if self._steps.closed_by_optimizer:
             return  # optimizer.step() closed this iteration's step already (a step() after it is not another one)

@@ -1054,19 +1054,40 @@ static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t 
    traced here (no thread state, no open forward, a skipped forward, torch.export compiling, the module freed, its
    class's forward no longer `function`), and the other parts
    (a CUDA forward's timing events, a call that raised, a stack left unbalanced, an output that is no tensor, a
-   statistic that failed) to the helpers the body uses itself. `context` (a tuple, read by index; made by
-   ``HookRecorder.traced_forward``): index, the recorder's thread-local, the Python body, torch.Tensor, the
-   stats-only output work (None: the output work tuple runs through run_work), the output work, run_work,
-   call_failed, pop_to, note_error, torch.compiler, time.perf_counter_ns, the OUTPUTS slot, mark_start and mark_end
-   (a CUDA forward's timing events, in Python). */
-enum {
-    CONTEXT_INDEX, CONTEXT_LOCAL, CONTEXT_SLOW, CONTEXT_TENSOR, CONTEXT_OUTPUT_STATS, CONTEXT_OUTPUT_WORK,
-    CONTEXT_RUN_WORK, CONTEXT_CALL_FAILED, CONTEXT_POP_TO, CONTEXT_NOTE_ERROR, CONTEXT_COMPILER, CONTEXT_CLOCK,
-    CONTEXT_OUTPUTS_SLOT, CONTEXT_MARK_START, CONTEXT_MARK_END, CONTEXT_SIZE
-};
+   statistic that failed) to the helpers the body uses itself. `context`: a tuple read by index, its slots named by
+   CONTEXT_SLOTS; Python builds it as ``traced_forward.TracedCallContext``, whose fields must be these names in this
+   order (exported as TRACED_CALL_CONTEXT: the Python side compares them before it uses this function, and
+   tests/test_traced_call.py fails when they differ). */
+#define CONTEXT_SLOTS(X)                                                                                              \
+    X(INDEX, index) X(LOCAL, local) X(SLOW, slow) X(TENSOR, tensor) X(OUTPUT_STATS, output_stats)                    \
+    X(OUTPUT_WORK, output_work) X(RUN_WORK, run_work) X(CALL_FAILED, call_failed) X(POP_TO, pop_to)                   \
+    X(NOTE_ERROR, note_error) X(COMPILER, compiler) X(CLOCK, clock) X(OUTPUTS_SLOT, outputs_slot)                     \
+    X(MARK_START, mark_start) X(MARK_END, mark_end)
+#define CONTEXT_INDEX_OF(upper, lower) CONTEXT_##upper,
+enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
+#define CONTEXT_NAME_OF(upper, lower) #lower,
+static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
 
-static PyObject *zero, *str_state, *str_stack, *str_skip_depth, *str_timer, *str_forward, *str_module, *str_parent,
-    *str_start, *str_end, *str_stats, *str_output_stats, *str_is_compiling_flag;
+/* The attributes traced_call reads, each as (where, name): "local" the recorder's thread-local, "state" its
+   ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's class (its forward).
+   Exported as TRACED_CALL_READS for the test that each exists where it is read (a rename on the Python side would
+   otherwise send calls down the Python body, or raise, without a word). */
+#define ATTRIBUTES_READ(X)                                                                                            \
+    X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
+    X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
+    X(_is_compiling_flag, compiler) X(forward, class)
+#define INTERNED(X)                                                                                                   \
+    X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
+    X(_is_compiling_flag)
+#define DECLARE_STRING(name) static PyObject *str_##name;
+INTERNED(DECLARE_STRING)
+static PyObject *zero;
+/* each read names its interned string: a read without one does not compile */
+#define ATTRIBUTE_READ_OF(name, where) {#where, #name, &str_##name},
+static const struct {
+    const char *where, *name;
+    PyObject **interned;
+} attributes_read[] = {ATTRIBUTES_READ(ATTRIBUTE_READ_OF)};
 
 /* getattr(owner, name) as a new reference that must be a list (NULL without an exception: not one) */
 static PyObject *list_attribute(PyObject *owner, PyObject *name) {
@@ -1128,7 +1149,7 @@ static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
     /* Dynamo never runs this function while it compiles (it inlines the Python body, which TracedForward.func
        shows it): no is_dynamo_compiling() here. torch.export's non-strict tracing runs Python as it is, with this
        flag set. */
-    PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_COMPILER), str_is_compiling_flag);
+    PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(context, CONTEXT_COMPILER), str__is_compiling_flag);
     if (flag == NULL) return -1;
     int exporting = PyObject_IsTrue(flag);
     Py_DECREF(flag);
@@ -1158,7 +1179,7 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
 
 static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)self;
-    if (nargs < 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) != CONTEXT_SIZE) {
+    if (nargs < 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != CONTEXT_SIZE) {
         PyErr_SetString(PyExc_TypeError, "traced_call(context, module_ref, function, *args, **kwargs)");
         return NULL;
     }
@@ -1339,12 +1360,35 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
-    PyObject **strings[] = {&str_state, &str_stack, &str_skip_depth, &str_timer, &str_forward, &str_module,
-                            &str_parent, &str_start, &str_end, &str_stats, &str_output_stats, &str_is_compiling_flag};
-    const char *names[] = {"state", "stack", "skip_depth", "timer", "forward", "module", "parent", "start", "end",
-                           "stats", "output_stats", "_is_compiling_flag"};
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
-        if ((*strings[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+#define INTERN(name)                                                                                                  \
+    if ((str_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL;
+    INTERNED(INTERN)
     if ((zero = PyLong_FromLong(0)) == NULL) return NULL;
-    return PyModule_Create(&module);
+    PyObject *created = PyModule_Create(&module);
+    if (created == NULL) return NULL;
+    PyObject *slots = PyTuple_New(CONTEXT_SIZE);
+    for (Py_ssize_t i = 0; slots != NULL && i < CONTEXT_SIZE; i++) {
+        PyObject *name = PyUnicode_FromString(context_names[i]);
+        if (name == NULL) Py_CLEAR(slots);
+        else PyTuple_SET_ITEM(slots, i, name);
+    }
+    Py_ssize_t n_read = (Py_ssize_t)(sizeof(attributes_read) / sizeof(attributes_read[0]));
+    PyObject *reads = PyTuple_New(n_read);
+    for (Py_ssize_t i = 0; reads != NULL && i < n_read; i++) {
+        PyObject *pair = Py_BuildValue("(sO)", attributes_read[i].where, *attributes_read[i].interned);
+        if (pair == NULL) Py_CLEAR(reads);
+        else PyTuple_SET_ITEM(reads, i, pair);
+    }
+    if (slots == NULL || reads == NULL || PyModule_AddObject(created, "TRACED_CALL_CONTEXT", slots) < 0) {
+        Py_XDECREF(slots);
+        Py_XDECREF(reads);
+        Py_DECREF(created);
+        return NULL;
+    }
+    if (PyModule_AddObject(created, "TRACED_CALL_READS", reads) < 0) {
+        Py_DECREF(reads);
+        Py_DECREF(created);
+        return NULL;
+    }
+    return created;
 }

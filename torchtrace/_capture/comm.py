@@ -72,7 +72,8 @@ def watch_ddp(model: torch.nn.Module, steps: Any, inner: CommHook | None = None,
 def _refuse_another_comm_hook(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError(
         "torchtrace registered this DDP model's communication hook, and DDP takes one: pass yours to "
-        "instrument(ddp, training=torchtrace.Training(comm_hook=(hook, state))) instead (torchtrace then runs and times it)"
+        "instrument(ddp, training=torchtrace.Training(comm_hook=(hook, state))) instead (torchtrace then runs and "
+        "times it)"
     )
 
 

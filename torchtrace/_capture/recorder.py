@@ -27,7 +27,7 @@ from opentelemetry import trace
 from torchtrace._capture.buffer import RecordBuffer
 from torchtrace._capture.device import DeviceWork, event_timer
 from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
-from torchtrace._capture.traced_forward import class_forward, native_traced_call
+from torchtrace._capture.traced_forward import TracedCallContext, class_forward, native_traced_call
 from torchtrace._core import settings
 from torchtrace._core.calls import error_text
 from torchtrace._core.options import Options
@@ -364,8 +364,12 @@ class HookRecorder:
         native = native_traced_call()
         if native is None or input_work:
             return call, None
-        context = (index, local, call, torch.Tensor, output_stats, output_work, _run_work, call_failed, _pop_to,
-                   _note_error, _compiler, perf_counter_ns, OUTPUTS, mark_call_start, mark_end)  # fmt: skip
+        context = TracedCallContext(
+            index=index, local=local, slow=call, tensor=torch.Tensor, output_stats=output_stats,
+            output_work=output_work, run_work=_run_work, call_failed=call_failed, pop_to=_pop_to,
+            note_error=_note_error, compiler=_compiler, clock=perf_counter_ns, outputs_slot=OUTPUTS,
+            mark_start=mark_call_start, mark_end=mark_end,
+        )  # fmt: skip
         return native, context
 
     def forward_post_hook(self, index: int):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -121,14 +122,49 @@ def _bound(forward: Any, module: torch.nn.Module) -> Callable[..., Any]:
     return forward.__get__(module, type(module)) if hasattr(type(forward), "__get__") else forward
 
 
+class TracedCallContext(NamedTuple):
+    """What ``_native.traced_call`` reads of a traced module, by position (C reads a tuple by index): these fields in
+    this order are the C side's ``TRACED_CALL_CONTEXT``. Made once per module by ``HookRecorder.traced_forward``."""
+
+    index: int  # the module's index in the recorder
+    local: Any  # the recorder's thread-local (its ``state``: the thread's forward)
+    slow: Callable[..., Any]  # the Python body: every case C hands over
+    tensor: type  # torch.Tensor: an output C summarises itself
+    output_stats: Callable[..., Any] | None  # the output's statistics alone (None: output_work runs through run_work)
+    output_work: tuple  # what runs on an output
+    run_work: Callable[..., Any]
+    call_failed: Callable[..., Any]  # a call that raised
+    pop_to: Callable[..., Any]  # a stack left unbalanced
+    note_error: Callable[..., Any]  # a statistic that failed
+    compiler: Any  # torch.compiler (its flag: torch.export tracing)
+    clock: Callable[[], int]  # time.perf_counter_ns
+    outputs_slot: int  # where a call's output statistics go
+    mark_start: Callable[..., Any]  # a CUDA forward's timing events
+    mark_end: Callable[..., Any]
+
+
 def native_traced_call() -> Callable[..., Any] | None:
-    """``_native.traced_call`` (a traced call recorded in C) where it is built, else None: the Python body. Dynamo
-    never meets it: it inlines what ``TracedForward.func`` shows, the Python body, which calls the module's forward
-    alone inside a compiled region."""
+    """``_native.traced_call`` (a traced call recorded in C) where it is built and reads the context Python builds,
+    else None: the Python body. Dynamo never meets it: it inlines what ``TracedForward.func`` shows, the Python
+    body, which calls the module's forward alone inside a compiled region."""
     return _traced_call
 
 
-try:
-    from torchtrace._native import traced_call as _traced_call
-except ImportError:  # not built: the Python body
-    _traced_call = None
+def _compiled_traced_call() -> Callable[..., Any] | None:
+    try:
+        from torchtrace import _native
+    except ImportError:  # not built: the Python body
+        return None
+    if getattr(_native, "TRACED_CALL_CONTEXT", None) != TracedCallContext._fields:
+        warnings.warn(
+            "torchtrace: the compiled extension reads another traced-call context than this torchtrace builds "
+            "(an extension left from another version?): traced calls run in Python, correct but slower; reinstall "
+            "torchtrace to rebuild it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    return _native.traced_call
+
+
+_traced_call = _compiled_traced_call()

@@ -169,8 +169,8 @@ class RecordStore:
         records, on_drop = self._records, self._on_drop
         if not self.dropped:
             _logger.info(
-                "torchtrace: more than Records(max_records=%d) calls: the oldest leave the records (handle.dropped_records);"
-                " exporters still get every call",
+                "torchtrace: more than Records(max_records=%d) calls: the oldest leave the records "
+                "(handle.dropped_records); exporters still get every call",
                 self.max_records,
             )
         left = excess
