@@ -136,6 +136,8 @@ def test_the_exporter_comes_from_the_environment(monkeypatch):
         ("TORCHTRACE_EXPORTER", "carrier-pigeon"),
         ("TORCHTRACE_SAMPLE_EVERY", "0"),
         ("TORCHTRACE_TRITON", "sometimes"),
+        ("TORCHTRACE_PRINT_SUMMARY", "loudly"),
+        ("TORCHTRACE_CUDA_EVENTS", "eventually"),
     ],
 )
 def test_a_bad_environment_value_fails_at_instrument_time(monkeypatch, env, value):

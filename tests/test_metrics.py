@@ -22,7 +22,6 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from torch import nn
 
 import torchtrace
-from torchtrace._core.options import Options
 from torchtrace._sinks.metrics import OVERFLOW_MODULE, MetricsSink
 from torchtrace._sinks.metrics_server import metrics_from_env, serve_metrics
 
@@ -544,7 +543,8 @@ def test_the_large_job_collector_routes_each_step_to_one_sampler_that_keeps_erro
     assert policies["latency"]["latency"]["threshold_ms"] > 0
     assert 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
     wait_s = int(sampling["decision_wait"].removesuffix("s"))
-    assert wait_s * 1000 > 10 * Options().export_interval_ms  # a step's spans from every rank are in by then
+    interval_ms = torchtrace.Limits().resolved().export_interval_ms
+    assert wait_s * 1000 > 10 * interval_ms  # a step's spans from every rank are in by then
 
 
 def test_gauges_are_nan_when_the_latest_output_is_nan():

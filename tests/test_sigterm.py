@@ -308,7 +308,7 @@ def test_handle_sigterm_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "off")
     model = _model()
     with torchtrace.instrument(model, exporter="none") as handle:
-        assert handle.options.handle_sigterm is False and not _signals.installed()
+        assert torchtrace.configure().handle_sigterm is False and not _signals.installed()
     monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "maybe")
     with pytest.raises(ValueError, match="TORCHTRACE_HANDLE_SIGTERM"):
         torchtrace.instrument(model, exporter="none")

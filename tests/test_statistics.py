@@ -30,6 +30,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace._capture import stats as _stats
+from torchtrace._capture import summaries as _summaries
 from torchtrace._capture.recorder import OUTPUTS
 from torchtrace._capture.stats import StatComputer
 from torchtrace._handle import _live_handles
@@ -745,10 +746,10 @@ def test_resolving_a_forwards_statistics_adds_no_tracked_object_per_call():
 def row_values(request, monkeypatch):
     """A forward of table-row calls resolved by ``torchtrace._native.output_call_values``, and in Python by
     ``_flat_output_attributes`` (an install without a C compiler)."""
-    if request.param == "compiled" and _dispatch._output_call_values is None:
+    if request.param == "compiled" and _summaries._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     if request.param == "python":
-        monkeypatch.setattr(_dispatch, "_output_call_values", None)
+        monkeypatch.setattr(_summaries, "_output_call_values", None)
     return request.param
 
 
@@ -768,7 +769,7 @@ def test_a_forward_whose_calls_are_all_table_rows_is_resolved_without_a_dict_per
         assert batch._attributes[0] is None  # nothing made yet
         counts, keys, values = batch.flat_attributes()
         assert len(counts) == 6 and len(keys) == len(values) == sum(counts)
-        per_call = _dispatch._attributes(forward, dispatcher.modules)
+        per_call = _summaries._attributes(forward, dispatcher.modules)
         assert batch.attributes == per_call
         assert [type(value) for value in chain.from_iterable(map(dict.values, batch.attributes))] == [
             type(value) for value in chain.from_iterable(map(dict.values, per_call))
@@ -816,7 +817,7 @@ def test_a_forward_of_tuple_outputs_and_large_tensors_is_resolved_flat_to_the_pe
         assert forward.extras  # the attention's tuple and the quiet call's None are no single tensors
         batch = resolve_forward(forward, dispatcher.modules)
         assert batch._attributes[0] is None  # resolved flat: nothing made yet
-        per_call = _dispatch._attributes(forward, dispatcher.modules)
+        per_call = _summaries._attributes(forward, dispatcher.modules)
         made = batch.attributes
         for attributes, expected, call in zip(made, per_call, batch.calls(), strict=True):
             expected = expected or {"torchtrace.module.path": call.path, "torchtrace.module.type": call.type_name}
@@ -831,7 +832,7 @@ def test_a_forward_of_tuple_outputs_and_large_tensors_is_resolved_flat_to_the_pe
 def test_an_encoder_layers_forward_with_attentions_tuple_output_is_resolved_by_the_compiled_loop():
     """Attention returns (output, weights): with small tensors, every summary of the forward is a table row, named
     or not, and the compiled loop resolves it to what the Python path makes."""
-    if _dispatch._output_call_values is None:
+    if _summaries._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     model = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True).eval()
     with torchtrace.instrument(model, exporter="none") as handle, torch.inference_mode():
@@ -839,8 +840,8 @@ def test_an_encoder_layers_forward_with_attentions_tuple_output_is_resolved_by_t
         with WORKER._condition:
             model(torch.randn(1, 4, 16))
             (forward,) = handle._dispatcher.buffer.take_all()
-        compiled = _dispatch._compiled_output_attributes(forward, handle._dispatcher.modules)
-        python = _dispatch._flat_output_attributes(forward, handle._dispatcher.modules)
+        compiled = _summaries._compiled_output_attributes(forward, handle._dispatcher.modules)
+        python = _summaries._flat_output_attributes(forward, handle._dispatcher.modules)
     assert any(slots[OUTPUTS] for slots in forward.extras.values())  # the attention's tuple
     assert compiled is not None and compiled == python
     assert "torchtrace.output.0.mean" in compiled[1]
@@ -849,7 +850,7 @@ def test_an_encoder_layers_forward_with_attentions_tuple_output_is_resolved_by_t
 def test_a_forward_of_large_tensors_only_has_no_table_and_takes_the_compiled_loop():
     """Every output summarised in the hook (no small tensor, so no statistics table): the compiled loop reads the
     dicts' values alone, to what the Python path makes."""
-    if _dispatch._output_call_values is None:
+    if _summaries._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     model = nn.Sequential(nn.Linear(64, 100), nn.ReLU())
     with torchtrace.instrument(model, exporter="none") as handle, torch.inference_mode():
@@ -857,8 +858,8 @@ def test_a_forward_of_large_tensors_only_has_no_table_and_takes_the_compiled_loo
         with WORKER._condition:
             model(torch.randn(64, 64))
             (forward,) = handle._dispatcher.buffer.take_all()
-        compiled = _dispatch._compiled_output_attributes(forward, handle._dispatcher.modules)
-        python = _dispatch._flat_output_attributes(forward, handle._dispatcher.modules)
+        compiled = _summaries._compiled_output_attributes(forward, handle._dispatcher.modules)
+        python = _summaries._flat_output_attributes(forward, handle._dispatcher.modules)
     assert forward.stat_table is None
     assert compiled is not None and compiled == python
 
@@ -908,13 +909,13 @@ def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_pyt
     keys and values from the compiled loop as from the Python one (``_flat_output_attributes``, what an install
     without the compiled module takes), the counts and keys the same objects (interned: blocks are matched by
     identity); count columns stay ints."""
-    if _dispatch._output_call_values is None:
+    if _summaries._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     forward, modules = table_row_forward(layouts)
-    compiled = _dispatch._compiled_output_attributes(forward, modules)
-    monkeypatch.setattr(_dispatch, "_output_call_values", None)
-    assert _dispatch._compiled_output_attributes(forward, modules) is None
-    python = _dispatch._flat_output_attributes(forward, modules)
+    compiled = _summaries._compiled_output_attributes(forward, modules)
+    monkeypatch.setattr(_summaries, "_output_call_values", None)
+    assert _summaries._compiled_output_attributes(forward, modules) is None
+    python = _summaries._flat_output_attributes(forward, modules)
     assert compiled == python
     assert compiled[0] is python[0] and compiled[1] is python[1]
     first = compiled[0][0]  # the first call: module 0, the table's last row
@@ -938,15 +939,15 @@ def test_a_forward_not_of_table_rows_makes_the_compiled_loop_step_aside(odd):
     form it is made for, never a wrong value or a crash."""
     from torchtrace._capture.recorder import TRUNCATED
 
-    if _dispatch._output_call_values is None:
+    if _summaries._output_call_values is None:
         pytest.skip("torchtrace._native is not built here")
     forward, modules = table_row_forward([("shape",), {"0": ("shape",)}, ("shape",)])
     stats = forward.output_stats
 
     def made() -> Any:
         table = forward.stat_table
-        return _dispatch._output_call_values(
-            forward.module, stats, forward.extras, OUTPUTS, *_dispatch._names_of(modules), table.values,
+        return _summaries._output_call_values(
+            forward.module, stats, forward.extras, OUTPUTS, *_summaries._names_of(modules), table.values,
             table.count_mask(),
         )  # fmt: skip
 

@@ -604,6 +604,7 @@ def instrument(
             "(torchtrace.handle_of(model) gives it back)"
         )
     options = resolve_options(**{key: value for key, value in locals().items() if key != "model"})
+    settings.current()  # a malformed TORCHTRACE_* setting raises here, not at a signal, in a hook or at remove()
     overlapping = _overlapping_model(model)
     if overlapping is not None:  # e.g. instrument(m), then instrument(DDP(m)): every call would be traced twice
         raise ValueError(

@@ -544,6 +544,10 @@ class StatTable:
         return stats
 
 
+# The placeholders a stats dict may end with (its last key; ``summaries`` reads them): a row of the forward's table,
+# or a reduction still on a device. Spelled as literals on this file's hot path (a constant, not a global lookup).
+ROW = "_row"
+PENDING = "_pending"
 _COUNTS = frozenset(("nan_count", "inf_count"))
 _COUNT_MASKS: dict[tuple[str, ...], bytes] = {}  # a StatTable's columns -> its count_mask() (few: one per stats=)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
