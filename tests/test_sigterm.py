@@ -307,7 +307,7 @@ def test_nothing_is_installed_when_opted_out_or_off_the_main_thread() -> None:
 def test_handle_sigterm_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "off")
     model = _model()
-    with torchtrace.instrument(model, exporter="none") as handle:
+    with torchtrace.instrument(model, exporter="none"):
         assert torchtrace.configure().handle_sigterm is False and not _signals.installed()
     monkeypatch.setenv("TORCHTRACE_HANDLE_SIGTERM", "maybe")
     with pytest.raises(ValueError, match="TORCHTRACE_HANDLE_SIGTERM"):
