@@ -269,6 +269,11 @@ def option(
     )
 
 
+def switch(default: bool | None, doc: str, env: str) -> Any:
+    """An on/off option with its variable (``true`` / ``false``, ``1`` / ``0``, ``yes`` / ``no``, ``on`` / ``off``)."""
+    return option(default, doc, env=env, parse=parse_bool, check=boolean)
+
+
 def resolve_fields(owner: Any, prefix: str = "") -> dict[str, Any]:
     """Each option field of the dataclass instance ``owner``: its keyword value, else its variable, else its
     default; checked. Errors name ``prefix + field`` (``Stats.max_tensors``) or the variable."""
@@ -321,9 +326,7 @@ class Stats(_Group):
     extra: Mapping[str, StatFunction] | None = option(
         MappingProxyType({}), '`{"name": fn(tensor) -> number}`: statistics of your own', check=_extra_stats
     )
-    inputs: bool | None = option(
-        False, "statistics of inputs too", env="TORCHTRACE_INPUTS", parse=parse_bool, check=boolean
-    )
+    inputs: bool | None = switch(False, "statistics of inputs too", "TORCHTRACE_INPUTS")
     max_tensors: int | None = option(
         8, "tensors summarised per output / input", env="TORCHTRACE_MAX_TENSORS", parse=parse_int, check=number(1)
     )
@@ -426,10 +429,9 @@ class Training(_Group):
         None, "`step -> bool`: which steps are traced (`None`: every step; env: every Nth)",
         env="TORCHTRACE_STEP_EVERY", parse=_every_nth_step, check=_schedule,
     )  # fmt: skip
-    param_stats: bool | None = option(
-        False, "parameter / parameter-gradient norms on backward spans",
-        env="TORCHTRACE_PARAM_STATS", parse=parse_bool, check=boolean,
-    )  # fmt: skip
+    param_stats: bool | None = switch(
+        False, "parameter / parameter-gradient norms on backward spans", "TORCHTRACE_PARAM_STATS"
+    )
     comm_hook: tuple[Callable, Any] | None = option(
         None, "`(hook, state)`: your DDP comm hook, timed per bucket (`None`: DDP's all-reduce)", check=_comm_hook
     )
@@ -505,10 +507,7 @@ class Options:
         1.0, "trace this fraction of outermost forwards (in training: of steps, the same on every rank)",
         env="TORCHTRACE_SAMPLE_RATIO", parse=parse_float, check=number(0, 1, integer=False),
     )  # fmt: skip
-    backward: bool | None = option(
-        False, "module backward spans with gradient statistics",
-        env="TORCHTRACE_BACKWARD", parse=parse_bool, check=boolean,
-    )  # fmt: skip
+    backward: bool | None = switch(False, "module backward spans with gradient statistics", "TORCHTRACE_BACKWARD")
     optimizer: Any = option(None, "its `step()` is timed and closes each training step", check=_optimizer)
     training: Training = field(default_factory=Training)
     metrics: Any = option(

@@ -8,29 +8,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from torchtrace._core.options import boolean, option, parse_bool, resolve_fields
+from torchtrace._core.options import resolve_fields, switch
 
 
 @dataclass(frozen=True)
 class Settings:
     """What ``torchtrace.configure()`` sets; each field ``None`` until set there or by its variable."""
 
-    handle_sigterm: bool | None = option(
-        True, "on SIGTERM, deliver what was recorded, then end as the signal would have",
-        env="TORCHTRACE_HANDLE_SIGTERM", parse=parse_bool, check=boolean,
-    )  # fmt: skip
-    print_summary: bool | None = option(
-        None, "print the per-layer table at `remove()` / exit (`None`: with the embedded file default)",
-        env="TORCHTRACE_PRINT_SUMMARY", parse=parse_bool, check=boolean,
-    )  # fmt: skip
-    cuda_events: bool | None = option(
-        True, "CUDA module durations from events (device time); false: host clock (launch)",
-        env="TORCHTRACE_CUDA_EVENTS", parse=parse_bool, check=boolean,
-    )  # fmt: skip
-    triton: bool | None = option(
-        True, "false: CUDA statistics with torch ops, never the Triton kernel (read at the first CUDA statistics)",
-        env="TORCHTRACE_TRITON", parse=parse_bool, check=boolean,
-    )  # fmt: skip
+    handle_sigterm: bool | None = switch(
+        True, "on SIGTERM, deliver what was recorded, then end as the signal would have", "TORCHTRACE_HANDLE_SIGTERM"
+    )
+    print_summary: bool | None = switch(
+        None,
+        "print the per-layer table at `remove()` / exit (`None`: with the embedded file default)",
+        "TORCHTRACE_PRINT_SUMMARY",
+    )
+    cuda_events: bool | None = switch(
+        True, "CUDA module durations from events (device time); false: host clock (launch)", "TORCHTRACE_CUDA_EVENTS"
+    )
+    triton: bool | None = switch(
+        True,
+        "false: CUDA statistics with torch ops, never the Triton kernel (read at the first CUDA statistics)",
+        "TORCHTRACE_TRITON",
+    )
 
 
 _configured = Settings()
