@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,24 @@ def test_ddp_exports_every_rank_to_a_receiver_and_reports_json_last() -> None:
     ddp = report["ddp"]
     assert (ddp["world_size"], ddp["steps"], ddp["exporter"], ddp["failed_spans"]) == (2, 3, "otlp", 0), stdout
     assert ddp["spans_per_step"] > 16 and ddp["plain_ms"] > 0 and ddp["traced_ms"] > 0
+
+
+def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None:
+    """instructions.py under callgrind (two variants, 1 and 2 counted forwards: 50-65 s on 2 cores): every variant
+    costs instructions, and tracing with spans costs more than the untraced model."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        pytest.skip("valgrind (callgrind) is not installed")
+    out = tmp_path / "instructions.json"
+    script = ROOT / "benchmarks" / "instructions.py"
+    args = ["--variants", "untraced,spans", "--calls", "1,2", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(script), *args], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["calls_per_forward"] == 129 and report["forwards"] == [1, 2]
+    variants = report["variants"]
+    assert set(variants) == {"untraced", "spans"}
+    assert all(values["per_call"] > 0 for values in variants.values()), variants
+    assert variants["spans"]["per_call"] > variants["untraced"]["per_call"], variants
+    assert variants["spans"]["added_per_call"] > 0 and "spans" in result.stdout

@@ -178,3 +178,88 @@ def test_every_attribute_name_torchtrace_writes_is_documented() -> None:
     pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in documenting)
     names = {name: value for name, value in vars(attributes).items() if name.isupper()}
     assert names and not [value for value in names.values() if value not in pages]
+
+
+# What the docs' snippets take as given (a model, a batch, an optimizer...): defined before each runs, per page where
+# a page needs more (a process group, spikingjelly's monitors).
+SNIPPET_GIVENS = """
+import torch
+from torch import nn
+import torchtrace
+
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4)
+        self.head = nn.Sigmoid()
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+model = MyModel()
+batch = x = torch.randn(3, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = [torch.randn(3, 4) for _ in range(12)]
+
+def loss_fn(output):
+    return output.sum()
+"""
+PAGE_GIVENS = {
+    "ddp.md": """
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+""",
+    "records.md": """
+from spikingjelly.activation_based import layer, monitor, neuron
+net = nn.Sequential(layer.Linear(4, 4), neuron.IFNode(), layer.Linear(4, 2), neuron.IFNode())
+x = torch.rand(3, 4) * 3
+""",
+}
+# After it: its test functions called, a handle it left open used once (a forward, a step) and removed.
+SNIPPET_AFTER = """
+for name, value in list(globals().items()):
+    if name.startswith("test_") and callable(value):
+        value()
+handle = globals().get("handle")
+if handle is not None:
+    traced = globals().get("ddp", model)
+    traced(x).sum().backward()
+    handle.step() if handle.options.optimizer is None and handle.options.backward else optimizer.step()
+    handle.remove()
+print("ran")
+"""
+
+
+def _snippets() -> list[tuple[str, str]]:
+    """(page and number, code) of every Python snippet in the README and docs/, but the training recipes (run by
+    their own test)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        page = path.read_text(encoding="utf-8")
+        blocks = re.findall(r"(<!-- recipe: \w+ -->\n)?```python\n(.*?)```", page, flags=re.S)
+        found += [(f"{path.name}#{number}", code) for number, (recipe, code) in enumerate(blocks, 1) if not recipe]
+    return found
+
+
+@pytest.mark.parametrize(("where", "code"), _snippets(), ids=[where for where, _ in _snippets()])
+def test_every_docs_snippet_runs_as_written(where: str, code: str, tmp_path: Path) -> None:
+    """Each snippet, as it is on its page, in a fresh process, after the givens it takes for granted."""
+    page = where.partition("#")[0]
+    if page == "records.md":
+        require_modules("spikingjelly")
+    givens = SNIPPET_GIVENS + PAGE_GIVENS.get(page, "").replace("{port}", str(_free_port()))
+    env = checkout_env(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_TIMEOUT="1")
+    result = subprocess.run(
+        [sys.executable, "-c", givens + code + SNIPPET_AFTER], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout.rstrip().endswith("ran"), result.stderr[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

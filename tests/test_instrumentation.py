@@ -320,15 +320,20 @@ def test_config_shows_each_value_and_where_it_came_from(monkeypatch, capsys) -> 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=secret")
     monkeypatch.setenv("TORCHTRACE_TRITON", "off")
     monkeypatch.setenv("TORCHTRACE_STEP_EVERY", "5")
-    assert main(["config", "--json", "--stats", "mean,max"]) == 0
+    torchtrace.configure(cuda_events=False)
+    assert main(["config", "--json", "--stats", "mean,max", "--stats-sample", "512"]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
-    assert rows["schedule"] == {"name": "schedule", "value": "every(5)", "source": "env TORCHTRACE_STEP_EVERY"}
-    triton = rows["triton statistics"]
+    assert rows["Training.schedule"] == {
+        "name": "Training.schedule", "value": "every(5)", "source": "env TORCHTRACE_STEP_EVERY"
+    }  # fmt: skip
+    triton = rows["configure.triton"]
     assert (triton["value"], triton["source"]) == ("False", "env TORCHTRACE_TRITON")
+    assert rows["configure.cuda_events"] == {"name": "configure.cuda_events", "value": "False", "source": "configure()"}
     assert rows["sample_every"] == {"name": "sample_every", "value": "4", "source": "env TORCHTRACE_SAMPLE_EVERY"}
-    assert rows["stats"] == {"name": "stats", "value": "mean,max", "source": "keyword"}
-    assert rows["stats_sample"] == {"name": "stats_sample", "value": "(unset)", "source": "default"}
-    assert rows["max_pending_calls"]["source"] == "default"
+    assert rows["Stats.names"] == {"name": "Stats.names", "value": "mean,max", "source": "keyword"}
+    assert rows["Stats.sample"] == {"name": "Stats.sample", "value": "512", "source": "keyword"}
+    assert rows["Stats.max_tensors"] == {"name": "Stats.max_tensors", "value": "8", "source": "default"}
+    assert rows["Limits.max_pending_calls"]["source"] == "default"
     assert rows["OTEL_EXPORTER_OTLP_HEADERS"]["value"] == "(set, hidden)"
     assert "secret" not in json.dumps(rows)
 

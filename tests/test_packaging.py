@@ -47,7 +47,7 @@ def test_the_wheel_holds_the_package_its_data_and_the_compiled_pass(tmp_path):
         pytest.skip("no C compiler: the wheel is pure Python, statistics take numpy's passes")
     names = wheel_files(tmp_path)
     assert any(map(is_compiled_module, names)), names
-    for expected in ("torchtrace/__init__.py", "torchtrace/_capture/stats.py", "torchtrace/_report_page.html"):
+    for expected in ("torchtrace/__init__.py", "torchtrace/_capture/stats.py", "torchtrace/_offline/report_page.html"):
         assert expected in names
     assert not any(name.startswith("tests/") for name in names)
 

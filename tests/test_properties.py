@@ -221,7 +221,8 @@ def test_invalid_options_raise_a_clear_error_at_instrument_time(options: dict) -
     with pytest.raises((ValueError, TypeError)) as raised:
         torchtrace.instrument(model, **options)
     message = str(raised.value)
-    assert any(name in message for name in options) or any(str(v) in message for v in options.values()), message
+    names = [*options, *(field for value in options.values() if hasattr(value, "given") for field in value.given())]
+    assert any(name in message for name in names) or any(str(v) in message for v in options.values()), message
     assert traced_modules(model) == []
     assert not _handle._live_handles
 

@@ -111,10 +111,10 @@ def test_instrument_rotates_as_the_variables_say_and_every_span_is_accounted(
 
 def test_rotation_options_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model()
-    for keyword, value in (("trace_file_max_mb", -1), ("trace_file_max_mb", float("inf")), ("trace_file_backups", -1),
-                           ("trace_file_backups", True), ("trace_file_max_mb", False)):  # fmt: skip
-        with pytest.raises(ValueError, match=keyword):
-            torchtrace.instrument(model, exporter="none", **{keyword: value})
+    for field, value in (("max_mb", -1), ("max_mb", float("inf")), ("backups", -1), ("backups", True),
+                         ("max_mb", False)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"TraceFile.{field}"):
+            torchtrace.instrument(model, exporter="none", trace_file=torchtrace.TraceFile(**{field: value}))
     monkeypatch.setenv("TORCHTRACE_TRACE_FILE_BACKUPS", "two")
     with pytest.raises(ValueError, match="TORCHTRACE_TRACE_FILE_BACKUPS"):
         torchtrace.instrument(model, exporter="none")

@@ -44,6 +44,7 @@ MAX_EXPORT_INTERVAL_MS = 365 * 24 * 3600 * 1000
 MAX_TRACE_FILE_BACKUPS = 1000  # each rotation renames every backup: 10**6 of them took 7.4 s on the model's thread
 MAX_PENDING_CALLS = 10**9  # calls held for export (each a few hundred bytes): past this, a bound that bounds nothing
 ENV_EXPORTER = "TORCHTRACE_EXPORTER"
+ENV_TRACE_FILE = "TORCHTRACE_TRACE_FILE"
 ENV_METRICS = "TORCHTRACE_METRICS"
 ENV_METRICS_PORT = "TORCHTRACE_METRICS_PORT"  # asking for a scrape endpoint asks for metrics
 
@@ -354,7 +355,7 @@ class TraceFile(_Group):
         DEFAULT_TRACE_FILE,
         "path of the OTLP JSON lines written by the `file` exporter; its directory is made at `instrument()` "
         "(a `ValueError` where it cannot be)",
-        env="TORCHTRACE_TRACE_FILE", check=_path,
+        env=ENV_TRACE_FILE, check=_path,
     )  # fmt: skip
     max_mb: float | None = option(
         100.0, "rotate the trace file past this many MiB (a number; 0: never)",

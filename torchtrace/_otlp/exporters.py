@@ -308,7 +308,7 @@ _MIB = 1024 * 1024
 def file_sender(trace_file: Any) -> JsonFileSender:
     """The ``file`` exporter's sender for a resolved ``TraceFile``: rotation as configured, the trace directory made
     now (a ValueError naming the option where it cannot be), symlinks refused at the default path."""
-    from torchtrace._core.options import DEFAULT_TRACE_FILE
+    from torchtrace._core.options import DEFAULT_TRACE_FILE, ENV_TRACE_FILE
 
     path = trace_file.path
     sender = JsonFileSender(
@@ -321,7 +321,7 @@ def file_sender(trace_file: Any) -> JsonFileSender:
         sender.file.make_directory()
     except OSError as error:
         reason = f"{error.strerror}: {error.filename}" if error.strerror else str(error)
-        raise ValueError(f"trace_file={path!r}: cannot write traces there ({reason})") from None
+        raise ValueError(f"trace_file ({ENV_TRACE_FILE})={path!r}: cannot write traces there ({reason})") from None
     return sender
 
 

@@ -1,0 +1,231 @@
+"""Instructions per traced module call on the CPU hot path, counted with valgrind's callgrind: a deterministic guard.
+
+Wall-clock overhead (benchmarks/overhead.py) moves with the load of a shared host; instruction counts hardly do. Each
+variant runs in its own process under ``valgrind --tool=callgrind --instr-atstart=no``: the process (this script with
+the hidden ``--child`` flag) warms up (5 forwards + flush), switches counting on for itself with ``callgrind_control
+-i on <pid>``, runs N forwards and the flush, and switches counting off. That is done for two values of N; the
+difference of the two "totals:" counts over the extra module calls is the cost of one module call, start-up and the
+fixed part of the flush cancelling out. Children run with PYTHONHASHSEED=0, torch.set_num_threads(1),
+torch.manual_seed(0), random.seed(0) (span ids), without the caller's OTEL_* and TORCHTRACE_* variables and with
+TORCHTRACE_PRINT_SUMMARY=false.
+
+Model: "cheap" = 64 x (Linear(32, 32) + ReLU) in nn.Sequential at batch 4, default grad mode: 129 module calls per
+forward (the root included), so the tracer's work dominates.
+
+Variants:
+  untraced     the model as it is
+  empty_hooks  a no-op forward pre-hook and forward hook on every module: the floor of any hook-based tracer
+  spans        torchtrace.instrument(model, exporter="none", stats=False)
+  stats        torchtrace.instrument(model, exporter="none"): every statistic (the default)
+
+Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
+the empty hooks' added count ("x empty hook"). The untraced and empty-hook counts repeat exactly from run to run; the
+traced ones move by up to ~1-2%: torchtrace's dispatch thread (counted too) resolves records on wall-clock ticks, so
+how the work is split between it and the model's thread differs from run to run. Compare counts of the same script
+version only: a change to the child itself (even an added call before the window) shifts every count a little.
+
+Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
+Needs valgrind and callgrind_control on PATH (exits with status 2 without them); about 30-45 s per variant on 2 cores
+(two valgrind runs at once, --jobs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+VARIANTS = ("untraced", "empty_hooks", "spans", "stats")
+WARMUP_FORWARDS = 5
+LAYERS = 64
+WIDTH = 32
+BATCH = 4
+
+
+# -- the child: one variant, N counted forwards, run under callgrind ---------------------------------------------------
+
+
+def callgrind_instrumentation(state: str) -> None:
+    """Switches callgrind's counting for this process on or off (blocks until callgrind has done it)."""
+    subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
+
+
+def run_child(variant: str, forwards: int) -> None:
+    """Builds the model and the variant, warms up, counts ``forwards`` forwards and the flush. Prints one JSON line."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+    import torch
+    from torch import nn
+
+    import torchtrace
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    random.seed(0)  # span and trace ids (torchtrace draws them from random): the same values every run
+    model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+    x = torch.randn(BATCH, WIDTH)
+    calls_per_forward = len(list(model.modules()))  # nn.Sequential calls each child once, plus the root
+
+    def flush() -> None:
+        pass
+
+    if variant == "empty_hooks":
+
+        def pre(module: nn.Module, args: tuple) -> None:
+            pass
+
+        def post(module: nn.Module, args: tuple, output: object) -> None:
+            pass
+
+        for module in model.modules():
+            module.register_forward_pre_hook(pre)
+            module.register_forward_hook(post)
+    elif variant in ("spans", "stats"):
+        # only exporter= and stats=: the summary print is off through TORCHTRACE_PRINT_SUMMARY (set by the parent)
+        no_stats = {"stats": False} if variant == "spans" else {}  # "stats": the default, every statistic
+        handle = torchtrace.instrument(model, exporter="none", **no_stats)
+        flush = handle.flush
+
+    for _ in range(WARMUP_FORWARDS):  # first calls, lazy imports, caches
+        model(x)
+    flush()
+    gc.collect()  # both runs start counting from the same collector state
+    callgrind_instrumentation("on")
+    for _ in range(forwards):
+        model(x)
+    flush()
+    callgrind_instrumentation("off")
+    print(json.dumps({"calls_per_forward": calls_per_forward, "torch": torch.__version__}))
+
+
+# -- the parent: valgrind runs, the difference, the report -------------------------------------------------------------
+
+
+def child_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("OTEL_", "TORCHTRACE_"))}
+    env.update(PYTHONHASHSEED="0", TORCHTRACE_PRINT_SUMMARY="false")
+    return env
+
+
+def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int, dict]:
+    """(callgrind's total instructions while counting was on, the child's JSON line) for one child run."""
+    out_file = os.path.join(directory, f"callgrind.{variant}.{forwards}.out")
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={out_file}",
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        variant,
+        str(forwards),
+    ]
+    result = subprocess.run(command, env=child_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{variant} with {forwards} forwards exited {result.returncode}:\n{result.stderr[-4000:]}")
+    with open(out_file) as lines:
+        totals = [int(line.split()[1]) for line in lines if line.startswith("totals:")]
+    if len(totals) != 1 or totals[0] <= 0:
+        raise RuntimeError(f"{out_file}: expected one positive 'totals:' line, found {totals}")
+    return totals[0], json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int) -> dict:
+    runs = [(variant, forwards) for variant in variants for forwards in calls]
+    with tempfile.TemporaryDirectory(prefix="torchtrace-callgrind-") as directory, ThreadPoolExecutor(jobs) as pool:
+        counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory), runs)))
+    child_lines = [line for _, line in counted.values()]
+    calls_per_forward = child_lines[0]["calls_per_forward"]
+    extra_calls = (calls[1] - calls[0]) * calls_per_forward
+    results: dict[str, dict] = {}
+    for variant in variants:
+        totals = [counted[(variant, forwards)][0] for forwards in calls]
+        results[variant] = {"totals": totals, "per_call": round((totals[1] - totals[0]) / extra_calls, 1)}
+    untraced = results.get("untraced", {}).get("per_call")
+    floor = results["empty_hooks"]["per_call"] - untraced if untraced and "empty_hooks" in results else None
+    for values in results.values():
+        added = None if untraced is None else round(values["per_call"] - untraced, 1)
+        values["added_per_call"] = added
+        values["x_empty_hook"] = None if added is None or not floor else round(added / floor, 3)
+    return {
+        "model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}",
+        "calls_per_forward": calls_per_forward,
+        "forwards": list(calls),
+        "torch": child_lines[0]["torch"],
+        "python": platform.python_version(),
+        "variants": results,
+    }
+
+
+def print_table(report: dict) -> None:
+    forwards = report["forwards"]
+    extra = (forwards[1] - forwards[0]) * report["calls_per_forward"]
+    print(
+        f"{report['model']}: {report['calls_per_forward']} module calls per forward; {forwards[0]} and {forwards[1]} "
+        f"counted forwards, the difference over {extra} module calls"
+    )
+    header = f"{'variant':<12} {'instr/call':>11} {'added/call':>11} {'x empty hook':>13}"
+    print(header)
+    print("-" * len(header))
+    for name, values in report["variants"].items():
+        added = "n/a" if values["added_per_call"] is None else f"{values['added_per_call']:,.0f}"
+        ratio = "n/a" if values["x_empty_hook"] is None else f"{values['x_empty_hook']:.3f}"
+        print(f"{name:<12} {values['per_call']:>11,.0f} {added:>11} {ratio:>13}")
+
+
+def parse_calls(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"\s*(\d+)\s*,\s*(\d+)\s*", text)
+    if not match or not 0 < int(match[1]) < int(match[2]):
+        raise argparse.ArgumentTypeError(f"expected N1,N2 with 0 < N1 < N2, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated: {', '.join(VARIANTS)}")
+    parser.add_argument("--calls", type=parse_calls, default=(2, 8), help="counted forwards of the two runs (2,8)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    parser.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="valgrind runs at once (counts do not change)"
+    )
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "FORWARDS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        run_child(args.child[0], int(args.child[1]))
+        return 0
+    variants = [name.strip() for name in args.variants.split(",") if name.strip()]
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
+    if missing:
+        print(f"instructions.py needs {' and '.join(missing)} on PATH (valgrind's callgrind)", file=sys.stderr)
+        return 2
+
+    version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+    print(f"{version}, python {platform.python_version()}, PYTHONHASHSEED=0, 1 torch thread")
+    start = time.monotonic()
+    report = measure(variants, args.calls, max(1, args.jobs))
+    report["valgrind"] = version
+    print(f"torch {report['torch']}; {len(variants) * 2} valgrind runs in {time.monotonic() - start:.0f} s\n")
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+            out.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
