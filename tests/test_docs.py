@@ -46,6 +46,8 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     assert "TORCHTRACE_TRITON" in page and "&lt;!-- options" not in page
     api = (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
     assert "Trace every call of the selected modules" in api  # instrument()'s docstring
+    spans = (tmp_path / "site" / "spans" / "index.html").read_text(encoding="utf-8")
+    assert "<code>torchtrace.module.path</code>" in spans and "&lt;!-- attributes" not in spans  # the table, generated
 
 
 def test_every_option_and_variable_is_documented() -> None:
@@ -143,7 +145,7 @@ def test_no_attribute_name_is_spelled_outside_torchtrace_attributes() -> None:
 
     from torchtrace import attributes
 
-    names = {value for name, value in vars(attributes).items() if name.isupper()}
+    names = {value for name, value in vars(attributes).items() if name.isupper() and isinstance(value, str)}
     spelled = []
     for path in sorted((ROOT / "torchtrace").rglob("*.py")):
         if path.name == "attributes.py" or "_vendor" in path.parts:
@@ -169,15 +171,32 @@ def test_no_attribute_name_is_spelled_outside_torchtrace_attributes() -> None:
     assert not spelled
 
 
-def test_every_attribute_name_torchtrace_writes_is_documented() -> None:
-    """The names in ``torchtrace.attributes`` (every key and prefix written on spans and resources) each appear in the
-    pages that describe them."""
+def _hook(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_span_attribute_table_is_generated_from_torchtrace_attributes() -> None:
+    """docs/spans.md's table: a row per entry of ``SPAN_ATTRIBUTES``, and every name of the module in one."""
     from torchtrace import attributes
 
-    documenting = ("spans.md", "training.md", "ddp.md")
-    pages = "".join((ROOT / "docs" / page).read_text(encoding="utf-8") for page in documenting)
-    names = {name: value for name, value in vars(attributes).items() if name.isupper()}
-    assert names and not [value for value in names.values() if value not in pages]
+    table = _hook("attribute_table")
+    rendered = table.render((ROOT / "docs" / "spans.md").read_text(encoding="utf-8"))
+    for key, kind, _ in attributes.SPAN_ATTRIBUTES:
+        assert f"| `{key}` | {kind} |" in rendered
+    names = [value for name, value in vars(attributes).items() if name.isupper() and isinstance(value, str)]
+    assert names and all(f"`{name}" in rendered for name in names)
+
+
+def test_an_attribute_name_without_a_row_fails_the_docs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtrace import attributes
+
+    table = _hook("attribute_table")
+    monkeypatch.setattr(attributes, "BRAND_NEW", "torchtrace.brand_new", raising=False)
+    with pytest.raises(table.AttributeDocsError, match="BRAND_NEW"):
+        table.render((ROOT / "docs" / "spans.md").read_text(encoding="utf-8"))
 
 
 # What the docs' snippets take as given (a model, a batch, an optimizer...): defined before each runs, per page where

@@ -10,6 +10,7 @@ for a bare tensor and ``<prefix>.<name>.<stat>`` for one inside a container::
     layer = span.attributes[attributes.MODULE_PATH]
 
 torchtrace's own writers and readers import them from here; no name is spelled anywhere else in the package.
+``SPAN_ATTRIBUTES`` documents each (docs/spans.md's table is generated from it).
 """
 
 from __future__ import annotations
@@ -36,3 +37,67 @@ COMM_BYTES = "torchtrace.comm.bytes"
 COMM_LAST = "torchtrace.comm.last"
 OPTIMIZER_CLOSURE_FORWARDS = "torchtrace.optimizer.closure_forwards"  # forwards a closure optimizer's step ran
 OPTIMIZER_CALL_SECONDS = "torchtrace.optimizer.call_seconds"  # its whole step() call
+
+# (key, value type, meaning): the span attribute table of docs/spans.md, generated from here at build time.
+_OUT = f"{OUTPUT_PREFIX}[.<name>]"
+SPAN_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
+    (MODULE_PATH, "string", 'path from `named_modules()` (`""` for the model itself)'),
+    (MODULE_TYPE, "string", "class name, e.g. `Linear`"),
+    (f"{OUTPUT_PREFIX}.<stat>", "see below", "statistic of a module output that is a tensor"),
+    (f"{OUTPUT_PREFIX}.<name>.<stat>", "", "statistic of a tensor inside the output (see naming)"),
+    (
+        f"{OUTPUT_PREFIX}.truncated",
+        "bool",
+        "more than `Stats(max_tensors=)` tensors in the output; the first ones are summarised",
+    ),
+    (
+        f"{_OUT}.stats_error",
+        "string",
+        "a statistic failed (with a name; a `Stats(extra=)` function's error starts with its key, `p99: RuntimeError: "
+        "...`), or one of your functions / a capture failed on this call (without); everything else on the span is "
+        "intact",
+    ),
+    (
+        f"{_OUT}.sampled",
+        "int",
+        "with `Stats(sample=N)`, on a tensor larger than N: the statistics are of this many evenly spaced elements",
+    ),
+    (
+        f"{INPUT_PREFIX}.<name>.<stat>",
+        "",
+        "with `Stats(inputs=True)`: positional inputs by index (`0`), keyword inputs by name",
+    ),
+    (
+        f"{MODULE_ATTRIBUTE_PREFIX}.<attr>",
+        "",
+        "with `Records(module_attributes=)`: the attribute's value after the call",
+    ),
+    (f"{_OUT}.<extra>", "number", 'a user statistic from `Stats(extra={"<extra>": fn})`'),
+    (
+        f"{GRAD_OUTPUT_PREFIX}.<name>.<stat>",
+        "",
+        "backward spans: gradient reaching the output named as in the forward (`0` for a bare tensor; `mean`, "
+        "`abs_max`, `norm`, `nan_count`, `inf_count`); absent for an output that got none",
+    ),
+    (
+        f"{GRAD_INPUT_PREFIX}.<i>.<stat>",
+        "",
+        "backward spans: gradient leaving for input `i` (or parameter `i` for a first layer)",
+    ),
+    (
+        PARAM_NORM,
+        "double",
+        "backward spans with `Training(param_stats=True)`: joint L2 norm of the module's own parameters",
+    ),
+    (PARAM_GRAD_NORM, "double", "the same spans: joint L2 norm of their gradients"),
+    (STEP, "int", "`train_step` (and `rank N`) spans: the step number, from 0"),
+    (RANK, "int", "DDP: on `rank N` spans (and a resource attribute)"),
+    (WORLD_SIZE, "int", "DDP: on the shared `train_step` root (and a resource attribute)"),
+    (LOCAL_RANK, "int", "resource attribute: the rank on its node"),
+    (COMM_SECONDS, "double", "DDP: the rank's all-reduce wait in the step (on `rank N`)"),
+    (COMM_BUCKET, "int", "DDP: on `allreduce bucket <i>` spans, the bucket's index"),
+    (COMM_BYTES, "int", "DDP: on `allreduce bucket <i>` spans, its size"),
+    (COMM_LAST, "bool", "DDP: on `allreduce bucket <i>` spans, whether it is the step's last bucket"),
+    (OPTIMIZER_CLOSURE_FORWARDS, "int", "on an optimizer step span: the forwards its closure ran (LBFGS)"),
+    (OPTIMIZER_CALL_SECONDS, "double", "on an optimizer step span: the whole `step()` call"),
+)
