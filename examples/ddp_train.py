@@ -4,7 +4,9 @@
     OTEL_EXPORTER_OTLP_ENDPOINT=http://localhost:4318 TORCHTRACE_METRICS_PORT=9464 torchrun ... # to a collector
 
 Each rank exports its spans; rank 0 also sends the root span of each step. Every rank serves its metrics on
-TORCHTRACE_METRICS_PORT + LOCAL_RANK. ``--delay-rank`` makes one rank slow, to see it named the straggler.
+TORCHTRACE_METRICS_PORT + LOCAL_RANK. ``--delay-rank`` makes one rank slow (every step, or at ``--delay-step``), to
+see it named the straggler; ``--nan-rank`` / ``--nan-step`` put a NaN in one rank's batch, to see where it started.
+With TORCHTRACE_RANK_DETAIL=auto only those ranks (and rank 0) send their module spans of those steps.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ def main() -> None:
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--delay-rank", type=int, default=-1, help="this rank sleeps before each backward")
     parser.add_argument("--delay-ms", type=float, default=200.0)
+    parser.add_argument("--delay-step", type=int, default=-1, help="only at this step (default: every step)")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="every rank also works this long a step (sleeps)")
+    parser.add_argument("--nan-rank", type=int, default=-1, help="this rank's batch holds a NaN at --nan-step")
+    parser.add_argument("--nan-step", type=int, default=-1)
     parser.add_argument("--linger", type=float, default=0.0, help="seconds to keep serving metrics after training")
     args = parser.parse_args()
 
@@ -40,10 +46,14 @@ def main() -> None:
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)  # small buckets: several all-reduce spans per step
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     handle = torchtrace.instrument(ddp, backward=True, optimizer=optimizer)
-    for _ in range(args.steps):
-        loss = ddp(torch.randn(32, 64, device=device)).pow(2).mean()
-        if rank == args.delay_rank:
-            time.sleep(args.delay_ms / 1000)  # arrives late at every all-reduce: the others wait for it
+    for step in range(args.steps):
+        batch = torch.randn(32, 64, device=device)
+        if rank == args.nan_rank and step == args.nan_step:
+            batch[0, 0] = float("nan")  # spreads to every rank's parameters through the gradient all-reduce
+        loss = ddp(batch).pow(2).mean()
+        time.sleep(args.step_ms / 1000)  # a stand-in for a bigger model's compute
+        if rank == args.delay_rank and args.delay_step in (-1, step):
+            time.sleep(args.delay_ms / 1000)  # arrives late at the all-reduce: the others wait for it
         loss.backward()
         optimizer.step()  # closes the step: its trace goes out
         optimizer.zero_grad()

@@ -241,6 +241,16 @@ def test_ddp_exports_every_rank_to_a_receiver_and_reports_json_last() -> None:
     assert ddp["spans_per_step"] > 16 and ddp["plain_ms"] > 0 and ddp["traced_ms"] > 0
 
 
+def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:
+    """Four gloo ranks, each policy: under "auto" the median rank sends its step and phase spans only, rank 0 all of
+    them; under "all" every rank sends every module span."""
+    report, stdout = run_benchmark("ranks.py", "--ranks", "4", "--steps", "6", timeout=400)
+    rows = {row["policy"]: row for row in report["ranks"]}
+    assert rows["auto"]["spans_per_rank_step"] < rows["all"]["spans_per_rank_step"] / 3, stdout
+    assert rows["auto"]["max_spans_per_rank_step"] == rows["all"]["max_spans_per_rank_step"]  # rank 0: everything
+    assert report["projection"]["1000"]["auto"] < report["projection"]["1000"]["all"] / 3
+
+
 def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None:
     """instructions.py under callgrind (two variants, 1 and 2 counted forwards: 50-65 s on 2 cores): every variant
     costs instructions, and tracing with spans costs more than the untraced model."""

@@ -56,12 +56,15 @@ def free_port(count: int = 1) -> int:
     raise RuntimeError("no free port range")
 
 
-def torchrun(ranks: int, receiver: OtlpHttpReceiver, *args: str, metrics_port: int | None = None) -> subprocess.Popen:
+def torchrun(
+    ranks: int, receiver: OtlpHttpReceiver, *args: str, metrics_port: int | None = None, **env_updates: str
+) -> subprocess.Popen:
     env = checkout_env(
         OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
         OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
         OTEL_SERVICE_NAME="ddp-test",
         OMP_NUM_THREADS="1",
+        **env_updates,
     )
     if metrics_port is not None:
         env["TORCHTRACE_METRICS_PORT"] = str(metrics_port)
@@ -471,3 +474,64 @@ def test_fsdp2_modules_are_named_by_the_classes_they_were_made_from(tmp_path):
         ("1.linear", "Linear"),
     ]
     assert report["model"] == "Sequential"
+
+
+# -- rank detail at scale: step spans from every rank, module spans from the ranks that explain the step -------------
+
+
+def _facts(wait: float, step: float = 1.0, nonfinite: bool = False, raised: bool = False) -> list[float]:
+    return [wait, step, float(nonfinite), float(raised)]
+
+
+def test_the_straggler_is_the_rank_the_others_waited_for_past_the_noise():
+    from torchtrace._pipeline.rank_detail import reasons
+
+    balanced = [_facts(0.100), _facts(0.102), _facts(0.099), _facts(0.101)]  # a 3 ms spread of a 1 s step: noise
+    assert [reasons(balanced, rank, frozenset({0}), False) for rank in range(4)] == [("rank",), (), (), ()]
+    late = [_facts(0.600), _facts(0.020), _facts(0.590), _facts(0.610)]  # the others waited ~0.6 s for rank 1
+    assert [reasons(late, rank, frozenset({0}), False) for rank in range(4)] == [("rank",), ("straggler",), (), ()]
+    no_comm = [_facts(-1.0), _facts(0.5)]  # a rank that recorded no all-reduce: no straggler can be named
+    assert reasons(no_comm, 1, frozenset(), False) == ()
+
+
+def test_a_nan_is_detailed_where_it_started_not_where_the_all_reduce_carried_it():
+    from torchtrace._pipeline.rank_detail import reasons
+
+    started = [_facts(0.1), _facts(0.1, nonfinite=True), _facts(0.1)]
+    assert reasons(started, 1, frozenset(), nonfinite_before=False) == ("nonfinite",)
+    everywhere = [_facts(0.1, nonfinite=True)] * 3  # the step after: every rank's parameters hold it
+    assert [reasons(everywhere, rank, frozenset(), nonfinite_before=True) for rank in range(3)] == [(), (), ()]
+    assert reasons([_facts(0.1), _facts(0.1, raised=True)], 1, frozenset(), False) == ("raised",)
+
+
+def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_each_step():
+    """8 gloo ranks, a straggler at step 1 (rank 3) and a NaN starting on rank 5 at step 2: every rank sends its step
+    spans every step, one trace a step; module spans come from rank 0, rank 3 at step 1, rank 5 at step 2, and no
+    other (at step 3 every rank holds the NaN, through the all-reduce: none is where it started)."""
+    ranks, steps = 8, 4
+    with OtlpHttpReceiver() as receiver:
+        finish(
+            torchrun(ranks, receiver, f"--steps={steps}", "--step-ms=300", "--delay-rank=3", "--delay-step=1",
+                     "--delay-ms=1500", "--nan-rank=5", "--nan-step=2", TORCHTRACE_RANK_DETAIL="auto"),
+            timeout=300,
+        )  # fmt: skip
+        spans = spans_by_rank(receiver)
+    step_of_trace = {}
+    detail = {}
+    for rank, span in spans:
+        attributes = attributes_dict(span.attributes)
+        if span.name == f"rank {rank}":
+            step_of_trace[span.trace_id] = attributes["torchtrace.step"]
+            detail[rank, attributes["torchtrace.step"]] = attributes["torchtrace.rank.detail"]
+    assert len(step_of_trace) == steps  # one trace a step, across the ranks
+    assert set(detail) == {(rank, step) for rank in range(ranks) for step in range(steps)}  # every rank, every step
+    with_modules = {
+        (rank, step_of_trace[span.trace_id])
+        for rank, span in spans
+        if attributes_dict(span.attributes).get("torchtrace.module.path", "") != ""
+    }
+    expected = {(0, step) for step in range(steps)} | {(3, 1), (5, 2)}
+    assert with_modules == expected, sorted(detail.items())
+    assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite" and detail[0, 0] == "rank"
+    assert all(detail[rank, step] == "none" for rank in range(1, ranks) for step in range(steps)
+               if (rank, step) not in expected)  # fmt: skip

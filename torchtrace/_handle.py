@@ -41,6 +41,7 @@ from torchtrace._core.options import (
 from torchtrace._core.ranks import rank_info
 from torchtrace._core.schedule import always, sampled
 from torchtrace._pipeline.dispatcher import Dispatcher, first_nonfinite, resolve_forward
+from torchtrace._pipeline.rank_detail import RankDetail, policy_for
 from torchtrace._sinks.metrics_server import forget_unmetered, note_unmetered
 from torchtrace._sinks.records import RecordStore
 from torchtrace._sinks.sdk_spans import SdkSpanSink
@@ -65,6 +66,9 @@ class TraceHandle:
         modules = [info for _, info in selected]
         self.buffer = RecordBuffer(options.limits.max_pending_calls)
         self._steps = _step_tracker(options, model)
+        rank = self._steps.rank if self._steps is not None else None
+        auto = policy_for(options.training.rank_detail, rank) == "auto"
+        self._rank_detail = RankDetail(rank, options.training.detail_ranks) if auto else None
         self._recorder = HookRecorder(modules, options, self.buffer, self._steps, resolve_forward)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.records.max_records, on_drop=self._recorder.release_capture)
@@ -268,7 +272,10 @@ class TraceHandle:
             model = self._model_ref()
             if model is not None and is_ddp(model):
                 unwatch_ddp(model, self._steps)
-            self._deliver_step(self._steps.finish())  # what the unfinished step recorded is delivered too
+            record = self._steps.finish()  # what the unfinished step recorded is delivered too
+            if record is not None and self._rank_detail is not None:  # no gather: the other ranks may be gone
+                record.detail = ("rank",) if self._rank_detail.rank in self._rank_detail.detail_ranks else ()
+            self._deliver_step(record)
         self._dispatcher.stop()
         self.flush()
         for shutdown in self._shutdowns():
@@ -309,9 +316,21 @@ class TraceHandle:
         verdict = None
         if record is not None and self.options.stats.on_nonfinite == "raise":
             verdict = first_nonfinite(record, self._recorder.modules)  # before the worker may read and release it
+        if record is not None and self._rank_detail is not None:
+            nonfinite = True if verdict is not None else self._started_nonfinite(record)
+            record.detail = self._rank_detail.decide(record, nonfinite)
         self._deliver_step(record)
         if verdict is not None:
             raise NonFiniteError(verdict)
+
+    def _started_nonfinite(self, record: StepRecord) -> bool | None:
+        """Whether NaN/Inf showed in this step's forward outputs or gradients (before any all-reduce); None where
+        statistics are still on a device (reading them would wait for it)."""
+        if record.device is not None or any(forward.device is not None for forward in record.forwards):
+            return None
+        if record.grads_finite and all(forward.all_finite for forward in record.forwards):
+            return False
+        return first_nonfinite(record, self._recorder.modules) is not None
 
     @property
     def step_number(self) -> int | None:

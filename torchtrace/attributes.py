@@ -31,6 +31,7 @@ STEP = "torchtrace.step"  # a training step's number
 RANK = "torchtrace.rank"  # on a rank's step span, and as a resource attribute
 LOCAL_RANK = "torchtrace.local_rank"  # resource
 WORLD_SIZE = "torchtrace.world_size"  # on the all-ranks root span, and as a resource attribute
+RANK_DETAIL = "torchtrace.rank.detail"  # on a rank's step span under rank_detail="auto": why it has module spans
 COMM_SECONDS = "torchtrace.comm.seconds"  # a rank's all-reduce time in the step
 COMM_BUCKET = "torchtrace.comm.bucket"  # an all-reduce span's bucket index
 COMM_BYTES = "torchtrace.comm.bytes"
@@ -94,6 +95,12 @@ SPAN_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     (RANK, "int", "DDP: on `rank N` spans (and a resource attribute)"),
     (WORLD_SIZE, "int", "DDP: on the shared `train_step` root (and a resource attribute)"),
     (LOCAL_RANK, "int", "resource attribute: the rank on its node"),
+    (
+        RANK_DETAIL,
+        "string",
+        'DDP with `Training(rank_detail="auto")`, on `rank N`: why this rank sent its module spans of the step '
+        "(`rank`, `straggler`, `nonfinite`, `raised`, comma-separated), or `none`: its step and phase spans only",
+    ),
     (COMM_SECONDS, "double", "DDP: the rank's all-reduce wait in the step (on `rank N`)"),
     (COMM_BUCKET, "int", "DDP: on `allreduce bucket <i>` spans, the bucket's index"),
     (COMM_BYTES, "int", "DDP: on `allreduce bucket <i>` spans, its size"),

@@ -67,6 +67,9 @@ class StepRecord:
     comm: list = field(default_factory=list)  # (bucket, bytes, perf start, perf end, is_last, (start, end events))
     device: DeviceWork | None = None  # gradient and parameter statistics, backward timing events, on the device
     grads_finite: bool = False  # every gradient summarised on the host with no NaN or Inf (False: not known)
+    detail: tuple[str, ...] | None = (
+        None  # rank_detail="auto": why this rank sends its module spans (empty: it does not)
+    )
 
 
 class StepTracker:

@@ -212,6 +212,29 @@ def _comm_hook(label: str, value: Any) -> Any:
     return value
 
 
+RANK_DETAIL_POLICIES = ("all", "auto")
+
+
+def _rank_detail(label: str, value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in RANK_DETAIL_POLICIES:
+        raise ValueError(f"{label} must be one of {', '.join(RANK_DETAIL_POLICIES)}, got {value!r}")
+    return value.lower()
+
+
+def _rank_numbers(label: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str):
+        try:
+            value = tuple(int(part) for part in _split(value))
+        except ValueError:
+            raise ValueError(f"{label}={value!r}: expected comma-separated rank numbers") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    if not isinstance(value, Iterable) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                  for r in value):  # fmt: skip
+        raise TypeError(f"{label} must be rank numbers (ints >= 0), got {value!r}")
+    return tuple(sorted(set(value)))
+
+
 def _exporter(label: str, value: Any) -> str:
     if not isinstance(value, str) or value.lower() not in EXPORTERS:
         raise (ValueError if isinstance(value, str) else TypeError)(
@@ -424,6 +447,11 @@ class Training(_Group):
         schedule: ``step -> bool``: which steps are traced (``torchtrace.schedule(...)``, ``every(n)``).
         param_stats: parameter and parameter-gradient norms on backward spans.
         comm_hook: ``(hook, state)``: your DDP comm hook, timed per bucket (default: DDP's all-reduce).
+        rank_detail: in a distributed job, which ranks send module spans: ``"all"``, or ``"auto"``: every rank sends
+            its step and phase spans, module spans come only from ``detail_ranks``, the step's straggler, the rank
+            where a NaN/Inf started and a rank whose forward raised (default: ``"auto"`` from 64 ranks, where every
+            rank's module spans would make a step's trace too large to draw or ingest; else ``"all"``).
+        detail_ranks: the ranks that always send module spans under ``"auto"`` (default: rank 0).
     """
 
     schedule: Callable[[int], bool] | None = option(
@@ -436,6 +464,15 @@ class Training(_Group):
     comm_hook: tuple[Callable, Any] | None = option(
         None, "`(hook, state)`: your DDP comm hook, timed per bucket (`None`: DDP's all-reduce)", check=_comm_hook
     )
+    rank_detail: str | None = option(
+        None, "`all`, or `auto`: module spans only from `detail_ranks`, a step's straggler, the rank where a NaN/Inf "
+        "started, a rank that raised (see DDP); default `auto` from 64 ranks, else `all`",
+        env="TORCHTRACE_RANK_DETAIL", parse=_rank_detail, check=_rank_detail, shown="`all` below 64 ranks",
+    )  # fmt: skip
+    detail_ranks: Iterable[int] | None = option(
+        (0,), "the ranks that always send module spans under `rank_detail=\"auto\"` (env: comma-separated)",
+        env="TORCHTRACE_DETAIL_RANKS", parse=_rank_numbers, check=_rank_numbers,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""Which ranks send module spans for a training step under ``Training(rank_detail="auto")``.
+
+Every rank sends its step span and its phases (the forward and backward roots, the optimizer step, each all-reduce
+bucket) every traced step. A rank's module spans of a step are sent only where they explain it: a rank of
+``detail_ranks``; the step's straggler (the rank the others waited for at the gradient all-reduce: its own wait the
+shortest, the waits spread by more than ``STRAGGLER_FRACTION`` of the step and ``STRAGGLER_MIN_S``); the rank where
+a NaN/Inf started (in its forward outputs or its gradients before the all-reduce, in a step after one where no rank
+saw any: after the all-reduce every rank has it); a rank whose forward raised. What the other ranks saw comes from
+one all-gather of four numbers per rank and traced step, at the step's end on the training thread, never in a hook:
+on the job's own group where it carries CPU tensors (gloo), else on a gloo group made for it at ``instrument()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import statistics
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchtrace._capture.recorder import ERROR
+from torchtrace._capture.steps import StepRecord
+from torchtrace._core.ranks import RankInfo
+
+AUTO_FROM_WORLD_SIZE = 64  # "auto" is the default from here: ranks x modules spans a step is past what UIs draw
+STRAGGLER_FRACTION = 0.25  # a wait spread below this share of the step (or STRAGGLER_MIN_S) is noise, not a straggler
+STRAGGLER_MIN_S = 0.01
+GATHER_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that never reaches the step's end must not hang the others
+# What each rank tells the others at a step's end (a float each; -1: not known)
+COMM_WAIT, STEP_SECONDS, NONFINITE, RAISED = range(4)
+
+_logger = logging.getLogger(__name__)
+
+
+def policy_for(rank_detail: str | None, rank: RankInfo | None) -> str:
+    """The policy in force: the option, else ``auto`` from ``AUTO_FROM_WORLD_SIZE`` ranks; ``all`` outside a job."""
+    if rank is None:
+        return "all"
+    if rank_detail is not None:
+        return rank_detail
+    return "auto" if rank.world_size >= AUTO_FROM_WORLD_SIZE else "all"
+
+
+def reasons(
+    facts: Sequence[Sequence[float]], rank: int, detail_ranks: frozenset[int], nonfinite_before: bool
+) -> tuple[str, ...]:
+    """Why ``rank`` sends its module spans of a step, given every rank's facts (empty: it sends none)."""
+    found = []
+    if rank in detail_ranks:
+        found.append("rank")
+    waits = [fact[COMM_WAIT] for fact in facts]
+    if len(facts) > 1 and min(waits) >= 0:
+        typical_step = statistics.median(fact[STEP_SECONDS] for fact in facts)
+        spread = max(waits) - min(waits)
+        if spread > max(STRAGGLER_FRACTION * typical_step, STRAGGLER_MIN_S) and waits.index(min(waits)) == rank:
+            found.append("straggler")
+    if facts[rank][NONFINITE] > 0 and not nonfinite_before:
+        found.append("nonfinite")
+    if facts[rank][RAISED] > 0:
+        found.append("raised")
+    return tuple(found)
+
+
+def step_facts(record: StepRecord, nonfinite: bool | None) -> list[float]:
+    """This rank's facts of a step: its all-reduce wait, the step's length, whether NaN/Inf started in its forward or
+    gradients (``nonfinite``; None: not known on the host without a device sync, counted as no), whether a forward
+    raised."""
+    wait = sum(end - start for _, _, start, end, *_ in record.comm) / 1e9 if record.comm else -1.0
+    raised = any(extras[ERROR] is not None for forward in record.forwards for extras in forward.extras.values())
+    return [wait, (record.end_ns - record.start_ns) / 1e9, float(bool(nonfinite)), float(raised)]
+
+
+class RankDetail:
+    """The ``auto`` policy of one handle on one rank: ``decide()`` at each traced step's end."""
+
+    def __init__(self, rank: RankInfo, detail_ranks: Sequence[int]) -> None:
+        self.rank = rank.rank
+        self.world_size = rank.world_size
+        self.detail_ranks = frozenset(detail_ranks)
+        self.nonfinite_before = False  # some rank saw NaN/Inf at the previous traced step
+        self._failed = False
+        # Made here, where every rank calls instrument() at the same point of its program (a group made later could
+        # interleave with the job's own). The job's group when it carries CPU tensors.
+        backend = str(dist.get_backend())
+        self._group = None if "gloo" in backend else dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+
+    def decide(self, record: StepRecord, nonfinite: bool | None) -> tuple[str, ...]:
+        """The reasons this rank sends its module spans of ``record`` (one all-gather with the other ranks)."""
+        mine = step_facts(record, nonfinite)
+        facts = self._gather(mine)
+        if facts is None:  # on its own, from what it knows of itself: no straggler
+            own = frozenset({0}) if self.rank in self.detail_ranks else frozenset()
+            decided = reasons([mine], 0, own, self.nonfinite_before)
+            self.nonfinite_before = mine[NONFINITE] > 0
+            return decided
+        decided = reasons(facts, self.rank, self.detail_ranks, self.nonfinite_before)
+        self.nonfinite_before = any(fact[NONFINITE] > 0 for fact in facts)
+        return decided
+
+    def _gather(self, mine: list[float]) -> list[list[float]] | None:
+        if self._failed:
+            return None
+        try:
+            gathered = [torch.empty(len(mine), dtype=torch.float64) for _ in range(self.world_size)]
+            dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64), group=self._group)
+        except Exception as error:  # a rank gone, a timeout: detail from what this rank knows, from now on
+            self._failed = True
+            _logger.warning("torchtrace: rank detail: the ranks' step facts could not be gathered (%s); each rank "
+                            "decides on its own from now on (no straggler detail)", error)  # fmt: skip
+            return None
+        return [tensor.tolist() for tensor in gathered]
