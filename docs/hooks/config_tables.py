@@ -59,7 +59,7 @@ def _default(item: Any) -> str:
     if value is None:
         return "`None`"
     if isinstance(value, tuple):
-        return f"`{','.join(value)}`" if value else "none"
+        return f"`{','.join(map(str, value))}`" if value else "none"
     if isinstance(value, dict) or type(value).__name__ == "mappingproxy":
         return "none" if not value else f"`{dict(value)}`"
     return f"`{value}`"
