@@ -60,7 +60,8 @@ def worker(steps: int, trace_dir: str) -> None:
         optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     handle.remove()
-    print("RESULT " + json.dumps({"rank": rank, "step_s": times}), flush=True)
+    with open(os.path.join(trace_dir, f"rank{rank}.times.json"), "w", encoding="utf-8") as out:  # not stdout: ranks
+        json.dump(times, out)  # print at once, and torchrun interleaves their lines
     dist.destroy_process_group()
 
 
@@ -83,16 +84,16 @@ def run(ranks: int, steps: int, policy: str) -> dict:
                    PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))  # fmt: skip
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={port}",
                    os.path.abspath(__file__), "--worker", f"--steps={steps}", f"--trace-dir={trace_dir}"]  # fmt: skip
-        output = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True).stdout
-        results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+        subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=True)
+        with open(os.path.join(trace_dir, "rank0.times.json"), encoding="utf-8") as times:
+            rank0_step_s = json.load(times)
         spans = [_spans_in(os.path.join(trace_dir, f"rank{rank}.jsonl")) / steps for rank in range(ranks)]
         sizes = [os.path.getsize(os.path.join(trace_dir, f"rank{rank}.jsonl")) / steps for rank in range(ranks)]
-    rank0 = next(result for result in results if result["rank"] == 0)
     return {
         "ranks": ranks, "policy": policy,
         "spans_per_rank_step": round(statistics.median(spans), 1), "max_spans_per_rank_step": round(max(spans), 1),
         "bytes_per_rank_step": round(statistics.median(sizes)), "spans_per_step": round(sum(spans), 1),
-        "bytes_per_step": round(sum(sizes)), "step_ms": round(statistics.median(rank0["step_s"][1:]) * 1e3, 2),
+        "bytes_per_step": round(sum(sizes)), "step_ms": round(statistics.median(rank0_step_s[1:]) * 1e3, 2),
     }  # fmt: skip
 
 

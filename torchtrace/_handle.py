@@ -274,7 +274,7 @@ class TraceHandle:
                 unwatch_ddp(model, self._steps)
             record = self._steps.finish()  # what the unfinished step recorded is delivered too
             if record is not None and self._rank_detail is not None:  # no gather: the other ranks may be gone
-                record.detail = ("rank",) if self._rank_detail.rank in self._rank_detail.detail_ranks else ()
+                record.detail = self._rank_detail.alone()
             self._deliver_step(record)
         self._dispatcher.stop()
         self.flush()
@@ -318,7 +318,7 @@ class TraceHandle:
             verdict = first_nonfinite(record, self._recorder.modules)  # before the worker may read and release it
         if record is not None and self._rank_detail is not None:
             nonfinite = True if verdict is not None else self._started_nonfinite(record)
-            record.detail = self._rank_detail.decide(record, nonfinite)
+            record.detail = self._rank_detail.start(record, nonfinite)
         self._deliver_step(record)
         if verdict is not None:
             raise NonFiniteError(verdict)

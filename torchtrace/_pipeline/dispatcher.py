@@ -275,13 +275,14 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         for bucket, size, start, end, is_last, marks in record.comm
     ]
     attributes = {STEP: record.number}
+    detail = record.detail() if record.detail is not None else None  # waits for the other ranks' facts
     rank = record.rank
     if rank is None:
         head = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
     else:  # one root for all ranks (rank 0 sends it), each rank's step under it: Jaeger shows them side by side
         attributes[RANK] = rank.rank
-        if record.detail is not None:
-            attributes[RANK_DETAIL] = ",".join(record.detail) or "none"
+        if detail is not None:
+            attributes[RANK_DETAIL] = ",".join(detail) or "none"
         if comm:
             attributes[COMM_SECONDS] = sum(end - start for _, _, start, end, _ in comm) / 1e9
         root = record.root_span_id
@@ -307,7 +308,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     if backward:
         head.append(backward[0])  # the step's own spans in one list (one encoding run), then columns
     columns = [*backward[1:], *batches.values()]  # each forward's backward spans, then each forward's calls
-    if record.detail == ():  # rank_detail="auto", no reason for this rank's module spans: each forward's root only
+    if detail == ():  # rank_detail="auto", no reason for this rank's module spans: each forward's root only
         columns = [batch[:1] for batch in batches.values()]
     starts = [call.start_ns for call in head] + [min(batch.start_ns) for batch in columns if batch]
     ends = [call.end_ns for call in head] + [max(batch.end_ns) for batch in columns if batch]

@@ -6,16 +6,18 @@ bucket) every traced step. A rank's module spans of a step are sent only where t
 shortest, the waits spread by more than ``STRAGGLER_FRACTION`` of the step and ``STRAGGLER_MIN_S``); the rank where
 a NaN/Inf started (in its forward outputs or its gradients before the all-reduce, in a step after one where no rank
 saw any: after the all-reduce every rank has it); a rank whose forward raised. What the other ranks saw comes from
-one all-gather of four numbers per rank and traced step, at the step's end on the training thread, never in a hook:
-on the job's own group where it carries CPU tensors (gloo), else on a gloo group made for it at ``instrument()``.
+one all-gather of four numbers per rank and traced step, started at the step's end on the training thread (never in
+a hook) and left running, on a gloo group made for it at ``instrument()``.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +75,10 @@ def step_facts(record: StepRecord, nonfinite: bool | None) -> list[float]:
 
 
 class RankDetail:
-    """The ``auto`` policy of one handle on one rank: ``decide()`` at each traced step's end."""
+    """The ``auto`` policy of one handle on one rank. At each traced step's end ``start()`` sends this rank's facts
+    to the others (one all-gather a step, left running: the training thread goes on; on a gloo group of its own, so
+    it never interleaves with the job's collectives) and gives the step its decision to read, which waits for the
+    others' facts where it is read: on the worker, steps in order."""
 
     def __init__(self, rank: RankInfo, detail_ranks: Sequence[int]) -> None:
         self.rank = rank.rank
@@ -82,14 +87,36 @@ class RankDetail:
         self.nonfinite_before = False  # some rank saw NaN/Inf at the previous traced step
         self._failed = False
         # Made here, where every rank calls instrument() at the same point of its program (a group made later could
-        # interleave with the job's own). The job's group when it carries CPU tensors.
-        backend = str(dist.get_backend())
-        self._group = None if "gloo" in backend else dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+        # interleave with the job's own group creations).
+        self._group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
 
-    def decide(self, record: StepRecord, nonfinite: bool | None) -> tuple[str, ...]:
-        """The reasons this rank sends its module spans of ``record`` (one all-gather with the other ranks)."""
+    def start(self, record: StepRecord, nonfinite: bool | None) -> Callable[[], tuple[str, ...]]:
+        """This rank's facts of ``record`` on their way to the others; the reasons for its module spans, to read
+        later."""
         mine = step_facts(record, nonfinite)
-        facts = self._gather(mine)
+        gathered = [torch.empty(len(mine), dtype=torch.float64) for _ in range(self.world_size)]
+        work = None
+        if not self._failed:
+            try:
+                work = dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64), group=self._group,
+                                       async_op=True)  # fmt: skip
+            except Exception as error:
+                self._give_up(error)
+        return functools.partial(self._decide, mine, gathered, work)
+
+    def alone(self) -> Callable[[], tuple[str, ...]]:
+        """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
+        decided = ("rank",) if self.rank in self.detail_ranks else ()
+        return lambda: decided
+
+    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any) -> tuple[str, ...]:
+        facts = None
+        if work is not None:
+            try:
+                work.wait()
+                facts = [tensor.tolist() for tensor in gathered]
+            except Exception as error:
+                self._give_up(error)
         if facts is None:  # on its own, from what it knows of itself: no straggler
             own = frozenset({0}) if self.rank in self.detail_ranks else frozenset()
             decided = reasons([mine], 0, own, self.nonfinite_before)
@@ -99,15 +126,9 @@ class RankDetail:
         self.nonfinite_before = any(fact[NONFINITE] > 0 for fact in facts)
         return decided
 
-    def _gather(self, mine: list[float]) -> list[list[float]] | None:
-        if self._failed:
-            return None
-        try:
-            gathered = [torch.empty(len(mine), dtype=torch.float64) for _ in range(self.world_size)]
-            dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64), group=self._group)
-        except Exception as error:  # a rank gone, a timeout: detail from what this rank knows, from now on
+    def _give_up(self, error: BaseException) -> None:
+        """A rank gone, a timeout: detail from what this rank knows, from now on."""
+        if not self._failed:
             self._failed = True
             _logger.warning("torchtrace: rank detail: the ranks' step facts could not be gathered (%s); each rank "
                             "decides on its own from now on (no straggler detail)", error)  # fmt: skip
-            return None
-        return [tensor.tolist() for tensor in gathered]
