@@ -559,9 +559,6 @@ class Options:
     limits: Limits = field(default_factory=Limits)
 
 
-PLAIN_OPTIONS = tuple(item.name for item in fields(Options) if item.name not in GROUPS)
-
-
 def keyword_set(kwargs: Mapping[str, Any]) -> set[str]:
     """The options (as ``option_rows`` names them) that keyword arguments set: ``stats=True`` sets ``Stats.names``,
     ``stats=Stats(inputs=True)`` sets ``Stats.inputs``."""

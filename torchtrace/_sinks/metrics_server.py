@@ -23,9 +23,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import REGISTRY, CollectorRegistry, make_wsgi_app
 
+from torchtrace._core.options import ENV_METRICS_PORT
+
 __all__ = ["ENV_METRICS_ADDR", "ENV_METRICS_PORT", "MetricsServer", "metrics_from_env", "serve_metrics"]
 
-ENV_METRICS_PORT = "TORCHTRACE_METRICS_PORT"
 ENV_METRICS_ADDR = "TORCHTRACE_METRICS_ADDR"
 DEFAULT_METRICS_ADDR = "127.0.0.1"  # loopback: tensor statistics are not for the whole network unless asked
 MAX_THREADS = 4  # connections answered at once (a scrape takes milliseconds; Prometheus scrapes one at a time)
