@@ -535,3 +535,24 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
     assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite" and detail[0, 0] == "rank"
     assert all(detail[rank, step] == "none" for rank in range(1, ranks) for step in range(steps)
                if (rank, step) not in expected)  # fmt: skip
+
+
+def test_rank_detail_is_auto_from_64_ranks_unless_asked_and_validated_at_instrument(monkeypatch):
+    from torchtrace._core.ranks import RankInfo
+    from torchtrace._pipeline.rank_detail import policy_for
+
+    def rank(world: int) -> RankInfo:
+        return RankInfo(0, 0, world, "node", "run")
+
+    assert [policy_for(None, rank(world)) for world in (2, 63, 64, 1000)] == ["all", "all", "auto", "auto"]
+    assert policy_for("all", rank(1000)) == "all" and policy_for("auto", rank(2)) == "auto"
+    assert policy_for("auto", None) == "all"  # one process: there are no ranks to choose from
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="Training.rank_detail must be one of all, auto"):
+        torchtrace.instrument(model, exporter="none", training=torchtrace.Training(rank_detail="some"))
+    monkeypatch.setenv("TORCHTRACE_DETAIL_RANKS", "0,x")
+    with pytest.raises(ValueError, match="TORCHTRACE_DETAIL_RANKS"):
+        torchtrace.instrument(model, exporter="none")
+    monkeypatch.setenv("TORCHTRACE_DETAIL_RANKS", "3, 1,3")
+    with torchtrace.instrument(model, exporter="none") as handle:
+        assert handle.options.training.detail_ranks == (1, 3)
