@@ -82,8 +82,8 @@ def effective_config(keywords: Mapping[str, Any] | None = None) -> list[dict[str
     options = _config.resolve_options(**keywords)
     given = _config.keyword_set(keywords)
     rows = []
-    for group, name, item, _ in _config.option_rows():
-        value = getattr(options, name) if not group else getattr(_config.group_of(options, group), item.name)
+    for keyword, name, item in _config.option_rows():
+        value = getattr(options, name) if keyword is None else getattr(getattr(options, keyword), item.name)
         text = _format(value)
         if name == "exporter" and value == "auto":
             text = f"auto ({_auto_exporter()})"

@@ -30,7 +30,7 @@ def set_attributes(batch: CallBatch, forward: RawForward, modules: Sequence[Modu
     """The forward's statistics (and module attributes) as each call's span attributes on ``batch``: flat where
     every call holds its outputs' statistics alone, by the compiled loop where it is built; else a dict per call."""
     if forward.device is not None and forward.device.rows and forward.stat_table is None:
-        tabulate_device_rows(forward)
+        _tabulate_device_rows(forward)
     flat = None
     if _only_output_summaries(forward):
         flat = _compiled_output_attributes(forward, modules) or _flat_output_attributes(forward, modules)
@@ -75,11 +75,11 @@ def _stat_attributes(
 ) -> None:
     keys: list[str] = []
     values: list = []
-    stat_items(keys, values, prefix, summaries, table)
+    _stat_items(keys, values, prefix, summaries, table)
     attributes.update(zip(keys, values))
 
 
-def stat_items(
+def _stat_items(
     keys: list[str], values: list, prefix: str, summaries: dict[str, dict] | None, table: StatTable | None = None
 ) -> None:
     """Appends the attribute keys and values of each tensor's statistics (``_tensor_items``), and the own keys of a
@@ -96,16 +96,16 @@ def stat_items(
 
 
 def gradient_items(keys: list[str], values: list, prefix: str, summaries: dict[str, dict]) -> None:
-    """``stat_items`` of a backward span's gradient summaries, whose stats dicts are the values themselves (read on
+    """``_stat_items`` of a backward span's gradient summaries, whose stats dicts are the values themselves (read on
     the host: no table row) in the usual case: their keys come straight from ``_keys_of``'s cache, without its
     layers of calls (~0.5 us a summary, two a span); anything else (a marker, statistics still on a device) takes
-    ``stat_items``."""
+    ``_stat_items``."""
     for name, stats in summaries.items():
         cache_key = (prefix, name, *stats)
         cached = _prefixed_keys.get(cache_key)
         if cached is None or cached[1] is not None:  # not made yet, or made for a table row
             if type(name) is not str or PENDING in stats or ROW in stats:
-                stat_items(keys, values, prefix, {name: stats})
+                _stat_items(keys, values, prefix, {name: stats})
                 continue
             keys += _keys_of(_prefixed_keys, cache_key, prefix, name, stats, None)
         else:
@@ -141,11 +141,11 @@ def fill_table_rows(forward: RawForward) -> None:
     table = forward.stat_table
     if table is None:
         return
-    for stats in tensor_summaries(forward):
+    for stats in _tensor_summaries(forward):
         table.fill(stats)
 
 
-def tensor_summaries(forward: RawForward) -> Iterable[dict]:
+def _tensor_summaries(forward: RawForward) -> Iterable[dict]:
     """Every stats dict of a forward's calls: bare tensor outputs', then the tensors of other outputs and inputs."""
     yield from forward.output_stats.values()
     for extras in forward.extras.values():
@@ -154,10 +154,10 @@ def tensor_summaries(forward: RawForward) -> Iterable[dict]:
                 yield from summaries.values()
 
 
-def tabulate_device_rows(forward: RawForward) -> None:
+def _tabulate_device_rows(forward: RawForward) -> None:
     """A forward's statistics still in device rows become its table (read as a CPU forward's small tensors are),
     and it says whether any holds NaN or Inf."""
-    made = device_table(tensor_summaries(forward))
+    made = device_table(_tensor_summaries(forward))
     if made is not None:
         forward.stat_table, forward.all_finite = made
 
@@ -265,7 +265,7 @@ def _flat_output_attributes(forward: RawForward, modules: Sequence[ModuleInfo]) 
             _tensor_items(keys, values, OUTPUT_PREFIX, "", stats, table)
         extras = all_extras.get(position)
         if extras is not None:  # any other output (a tuple, a dict): its tensors by name; or none
-            stat_items(keys, values, OUTPUT_PREFIX, extras[OUTPUTS], table)
+            _stat_items(keys, values, OUTPUT_PREFIX, extras[OUTPUTS], table)
         counts.append(len(keys) - before)
     return interned(tuple(counts)), interned(tuple(keys)), tuple(values)
 

@@ -286,7 +286,7 @@ def option(
 ) -> Any:
     """One option: unset (None) until resolved to the keyword, else ``env`` (read by ``parse``), else ``default``;
     ``check`` validates what was given or read. ``shown`` is the default as the docs print it, where the value
-    itself would not say (a factory, a default decided later)."""
+    itself would not say (a default decided later, a long tuple)."""
     return field(
         default=None,
         metadata={"default": default, "doc": doc, "env": env, "parse": parse, "check": check, "shown": shown},
@@ -605,19 +605,14 @@ def resolve_options(**kwargs: Any) -> Options:
     return options
 
 
-def group_of(options: Options, group: str) -> _Group:
-    """The resolved option object of ``options`` whose class is named ``group`` (``"Stats"``)."""
-    return next(getattr(options, keyword) for keyword, kind in GROUPS.items() if kind.__name__ == group)
-
-
-def option_rows() -> list[tuple[str, str, Any, Any]]:
-    """(group, name, field, owner class) of every option, in the order ``instrument()`` lists them: a plain keyword
-    is its own group ``""``; a grouped one is named ``Group.field``."""
+def option_rows() -> list[tuple[str | None, str, Any]]:
+    """(its keyword's option object, or None for a plain keyword; name; field) of every option, in the order
+    ``instrument()`` lists them: a grouped one is named ``Group.field``."""
     rows = []
     for item in fields(Options):
         if item.name in GROUPS:
             kind = GROUPS[item.name]
-            rows += [(kind.__name__, f"{kind.__name__}.{inner.name}", inner, kind) for inner in fields(kind)]
+            rows += [(item.name, f"{kind.__name__}.{inner.name}", inner) for inner in fields(kind)]
         else:
-            rows.append(("", item.name, item, Options))
+            rows.append((None, item.name, item))
     return rows
