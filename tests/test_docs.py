@@ -229,6 +229,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 """,
+    "drift.md": """
+loader = [torch.randn(3, 4) for _ in range(100)]
+_made = torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=50_000))
+for _batch in loader:
+    model(_batch)
+_made.baseline().save("baseline.json")  # a baseline of the model, as the page's first snippet makes one
+_made.remove()
+""",
     "records.md": """
 from spikingjelly.activation_based import layer, monitor, neuron
 net = nn.Sequential(layer.Linear(4, 4), neuron.IFNode(), layer.Linear(4, 2), neuron.IFNode())

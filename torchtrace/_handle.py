@@ -26,9 +26,11 @@ from torchtrace._capture.steps import StepRecord, StepTracker
 from torchtrace._capture.traced_forward import can_wrap, wrap_forward
 from torchtrace._core import settings
 from torchtrace._core import signals as _signals
+from torchtrace._core.baseline import DRIFT_STATS, Baseline, BaselineBuilder
 from torchtrace._core.calls import ModuleCall, NonFiniteError
 from torchtrace._core.options import (
     ENV_METRICS,
+    Drift,
     Limits,
     Options,
     Records,
@@ -42,6 +44,7 @@ from torchtrace._core.ranks import rank_info
 from torchtrace._core.schedule import always, sampled
 from torchtrace._pipeline.dispatcher import Dispatcher, first_nonfinite, resolve_forward
 from torchtrace._pipeline.rank_detail import RankDetail, policy_for
+from torchtrace._sinks.drift import DriftScorer, DriftStatus
 from torchtrace._sinks.metrics_server import forget_unmetered, note_unmetered
 from torchtrace._sinks.records import RecordStore
 from torchtrace._sinks.sdk_spans import SdkSpanSink
@@ -64,6 +67,7 @@ class TraceHandle:
         self._monitored = frozenset(self.monitored_layers)
         self._warned_open_step = False
         modules = [info for _, info in selected]
+        self._drift = _drift_scorer(options, model, modules)
         self.buffer = RecordBuffer(options.limits.max_pending_calls)
         self._steps = _step_tracker(options, model)
         rank = self._steps.rank if self._steps is not None else None
@@ -96,7 +100,13 @@ class TraceHandle:
         # at once (they batch): first, as they may write the provider's ids back into the calls
         export_sinks = self._export_sinks
         batched = export_sinks if self.exporter in ("otlp", "file") else []
-        sinks = [*(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks, *options.sinks]
+        # drift first: the calls it marks reach every other sink and exporter marked
+        drift = [self._drift] if self._drift is not None else []
+        sinks = [*drift, *(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks,
+                 *options.sinks]  # fmt: skip
+        for sink in [*metrics_sinks, *options.sinks]:
+            if hasattr(sink, "drift") and self._drift is not None:  # a MetricsSink exposes the drift scores
+                sink.drift = self._drift
         self._dispatcher = Dispatcher(
             self.buffer,
             modules,
@@ -349,6 +359,31 @@ class TraceHandle:
     def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
+    # -- drift --------------------------------------------------------------------------------------------------------
+
+    def drift(self) -> DriftStatus:
+        """Each traced layer's drift from the baseline (``instrument(baseline=...)``): scores, the first drifted
+        layer and since when. Scores cover the calls delivered so far (drained first)."""
+        if self._drift is None:
+            raise ValueError('drift() needs a baseline: instrument(model, baseline="baseline.json")')
+        self._dispatcher.drain()
+        return self._drift.status()
+
+    def baseline(self) -> Baseline:
+        """A ``Baseline`` of this model from the forward calls the records keep (``Records(max_records=)`` sets how
+        many: keep a few hundred forwards); ``.save(path)`` it, and pass it or its path to ``instrument(baseline=)``
+        where the model runs later."""
+        builder = BaselineBuilder()
+        for call in self.records:
+            if call.kind == "forward":
+                builder.add(call.path, call.type_name, call.attributes)
+        model = self.model
+        return builder.build(
+            parameters=_parameter_count(model) if model is not None else None,
+            source=f"records of {self.model_name}",
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+
     # -- in-memory records (spikingjelly monitor style) ----------------------------------------------------------------
 
     @property
@@ -470,6 +505,30 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
     )
 
 
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if is_ddp(model) else model
+
+
+def _parameter_count(model: torch.nn.Module) -> int:
+    return sum(parameter.numel() for parameter in _inner(model).parameters())
+
+
+def _drift_scorer(options: Options, model: torch.nn.Module, modules: list) -> DriftScorer | None:
+    """The drift sink of ``baseline=``, once the baseline is known to be this model's and statistics it scores are
+    on; raises (a ``BaselineError``, a ValueError) otherwise."""
+    drift: Drift = options.baseline
+    if drift.baseline is None:
+        return None
+    drift.baseline.check(type_name(_inner(model)), _parameter_count(model), {info.path: info.type_name for info in
+                                                                              modules})  # fmt: skip
+    if not set(options.stats.names) & set(DRIFT_STATS):
+        raise ValueError(
+            f"baseline= scores the statistics {', '.join(DRIFT_STATS)} of each layer's output: stats= turns all of "
+            f"them off ({list(options.stats.names)})"
+        )
+    return DriftScorer(drift.baseline, drift.window, drift.threshold)
+
+
 def _watch_optimizer(optimizer: torch.optim.Optimizer, handle: TraceHandle) -> list:
     """optimizer.step() is timed as the step's "optimizer.step" span and closes the step."""
     steps = handle._steps
@@ -583,6 +642,7 @@ def instrument(
     sinks: Iterable[Callable] | None = None,
     records: Records | None = None,
     limits: Limits | None = None,
+    baseline: str | os.PathLike | Baseline | Drift | None = None,
 ) -> TraceHandle:
     """Trace every call of the selected modules of ``model``: a span each, with tensor statistics.
 
@@ -611,6 +671,9 @@ def instrument(
         sinks: callables receiving each batch of ``ModuleCall`` off the hot path.
         records: a ``Records``: what the in-memory records (``handle.records``) keep.
         limits: a ``Limits``: the export interval and how many calls may wait for export.
+        baseline: a ``Baseline`` of this model, or its path, or a ``Drift`` with the window and threshold: each
+            traced layer's statistics are scored against it (``handle.drift()``, the ``torchtrace_layer_drift``
+            gauge, span attributes on drifted calls).
 
     Returns:
         The ``TraceHandle``: ``records``, ``summary()``, ``flush()``, ``remove()``.

@@ -15,6 +15,9 @@ torchtrace's own writers and readers import them from here; no name is spelled a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 MODULE_PATH = "torchtrace.module.path"  # the module's path in its model ("" for the model: its class name)
 MODULE_TYPE = "torchtrace.module.type"  # the module's class name
 
@@ -38,6 +41,9 @@ COMM_BYTES = "torchtrace.comm.bytes"
 COMM_LAST = "torchtrace.comm.last"
 OPTIMIZER_CLOSURE_FORWARDS = "torchtrace.optimizer.closure_forwards"  # forwards a closure optimizer's step ran
 OPTIMIZER_CALL_SECONDS = "torchtrace.optimizer.call_seconds"  # its whole step() call
+DRIFT_SCORE = "torchtrace.drift.score"  # a call whose layer drifted from the baseline: its highest score (1 = alert)
+DRIFT_STATISTIC = "torchtrace.drift.statistic"  # the statistic that score is of
+DRIFT_FIRST = "torchtrace.drift.first"  # true on the forward's first drifted call (the earliest to finish)
 
 # (key, value type, meaning): the span attribute table of docs/spans.md, generated from here at build time.
 _OUT = f"{OUTPUT_PREFIX}[.<name>]"
@@ -107,4 +113,37 @@ SPAN_ATTRIBUTES: tuple[tuple[str, str, str], ...] = (
     (COMM_LAST, "bool", "DDP: on `allreduce bucket <i>` spans, whether it is the step's last bucket"),
     (OPTIMIZER_CLOSURE_FORWARDS, "int", "on an optimizer step span: the forwards its closure ran (LBFGS)"),
     (OPTIMIZER_CALL_SECONDS, "double", "on an optimizer step span: the whole `step()` call"),
+    (
+        DRIFT_SCORE,
+        "double",
+        "with a baseline, on a call whose layer is over the drift threshold: its highest drift score (1.0 is the "
+        "alert threshold; see Drift)",
+    ),
+    (DRIFT_STATISTIC, "string", "the statistic of that score (`mean`, `std`, `abs_max`, `zero_fraction`)"),
+    (
+        DRIFT_FIRST,
+        "bool",
+        "`true` on the forward's first drifted call: of those over the threshold, the earliest to finish",
+    ),
 )
+
+_NON_STAT_KEYS = ("truncated", "stats_error")
+
+
+def main_output_prefix(attributes: Mapping[str, Any]) -> str:
+    """Attribute prefix of a call's main output: the output itself when it is a tensor, else its first tensor.
+
+    Follows the span attribute naming: ``torchtrace.output.<stat>`` for a bare tensor, ``torchtrace.output.
+    <name>.<stat>`` inside containers, in the order the tensors were found.
+    """
+    if f"{OUTPUT_PREFIX}.dtype" in attributes:
+        return OUTPUT_PREFIX
+    start = len(OUTPUT_PREFIX) + 1
+    for key in attributes:
+        if key.startswith(OUTPUT_PREFIX + ".") and key.endswith(".dtype"):
+            return key[: -len(".dtype")]
+    for key in attributes:  # statistics chosen without dtype: the first tensor-named statistic
+        rest = key[start:] if key.startswith(OUTPUT_PREFIX + ".") else ""
+        if "." in rest and rest.rsplit(".", 1)[1] not in _NON_STAT_KEYS:
+            return key.rsplit(".", 1)[0]
+    return OUTPUT_PREFIX

@@ -193,6 +193,19 @@ def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
     report.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
     report.add_argument("-o", "--output", default="report.html", metavar="PATH", help="default: report.html")
     report.set_defaults(handler=_write_report)
+    baseline = subcommands.add_parser(
+        "baseline",
+        help="write a drift baseline of a model from trace files",
+        description=(
+            "Reads OTLP JSON lines trace files of a model known to be good and writes its baseline: per layer and "
+            "statistic (mean, std, abs_max, zero_fraction of each output), the distribution of the values, and the "
+            "model's class and layers. instrument(model, baseline=PATH) scores later calls against it."
+        ),
+    )
+    baseline.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
+    baseline.add_argument("-o", "--output", default="baseline.json", metavar="PATH", help="default: baseline.json")
+    baseline.add_argument("--model", metavar="CLASS", help="the model's class name, where the files hold several")
+    baseline.set_defaults(handler=_write_baseline)
 
 
 def _print_file_summary(args: argparse.Namespace) -> int:
@@ -211,6 +224,12 @@ def _write_report(args: argparse.Namespace) -> int:
     from torchtrace._offline.report import report_command
 
     return report_command(args.traces, args.output)
+
+
+def _write_baseline(args: argparse.Namespace) -> int:
+    from torchtrace._offline.baseline import baseline_command
+
+    return baseline_command(args.traces, args.output, args.model)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -280,6 +280,16 @@ class CallBatch(Sequence[ModuleCall]):
         sparse = self.sparse.get(i)
         return sparse[0] if sparse is not None else None
 
+    def add_attributes(self, i: int, extra: dict[str, Any]) -> None:
+        """Adds attributes to call ``i``: for a sink that annotates calls (drift), before the exporters read them."""
+        column = self.attributes  # made from the flat form if need be
+        own = dict(self.span_attributes(i))
+        own.update(extra)
+        column[i] = own
+        self._flat[0] = None
+        if self.made:
+            self._made[0][i].attributes = own
+
     def set_error(self, i: int, error: BaseException) -> None:
         sparse = self.sparse.get(i)
         if sparse is None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
+from torchtrace._core.baseline import Baseline, BaselineError
 from torchtrace._core.schedule import every
 
 EXPORTERS = ("auto", "otlp", "sdk", "file", "none")
@@ -233,6 +234,18 @@ def _rank_numbers(label: str, value: Any) -> tuple[int, ...]:
                                                   for r in value):  # fmt: skip
         raise TypeError(f"{label} must be rank numbers (ints >= 0), got {value!r}")
     return tuple(sorted(set(value)))
+
+
+def _baseline(label: str, value: Any) -> Baseline:
+    """A ``Baseline``, or the path of one (read now: a bad file raises at ``instrument()``)."""
+    if isinstance(value, Baseline):
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{label} must be a path or a torchtrace.Baseline, got {value!r}")
+    try:
+        return Baseline.load(value)
+    except BaselineError as error:
+        raise BaselineError(f"{label}: {error}") from None
 
 
 def _exporter(label: str, value: Any) -> str:
@@ -497,16 +510,47 @@ class Limits(_Group):
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Drift(_Group):
+    """Layer drift against a baseline: ``baseline=Drift(...)`` where a path alone is not enough.
+
+    Args:
+        baseline: a ``Baseline`` or the path of one (``torchtrace baseline``, ``handle.baseline()``); it must be of
+            this model (its class, parameter count and layers), else ``instrument()`` raises.
+        window: the calls of a layer each score is over.
+        threshold: the score's unit, in standard deviations of the window's mean rank: a score of 1.0 (the alert)
+            is ``threshold`` of them away from the baseline.
+    """
+
+    baseline: str | os.PathLike | Baseline | None = option(
+        None, "a `Baseline` or its path: each traced layer's statistics are scored against it (`None`: no drift)",
+        env="TORCHTRACE_BASELINE", parse=_baseline, check=_baseline,
+    )  # fmt: skip
+    window: int | None = option(
+        32, "the calls of a layer each drift score is over",
+        env="TORCHTRACE_DRIFT_WINDOW", parse=parse_int, check=number(2, 100_000),
+    )  # fmt: skip
+    threshold: float | None = option(
+        6.0, "standard deviations of a window's mean rank that make a drift score of 1.0 (the alert)",
+        env="TORCHTRACE_DRIFT_THRESHOLD", parse=parse_float, check=number(0.5, 1000, integer=False),
+    )  # fmt: skip
+
+
 GROUPS: dict[str, type[_Group]] = {  # keyword -> its option object
     "stats": Stats,
     "trace_file": TraceFile,
     "records": Records,
     "training": Training,
     "limits": Limits,
+    "baseline": Drift,
 }
 # What a plain value of a grouped keyword means: stats=True is Stats(names=True), trace_file="t.jsonl" a path.
-_PLAIN_FIELD = {"stats": "names", "trace_file": "path"}
-PLAIN_VALUES = {"stats": "`True`/`False` or statistic names (its `names`)", "trace_file": "a path (its `path`)"}
+_PLAIN_FIELD = {"stats": "names", "trace_file": "path", "baseline": "baseline"}
+PLAIN_VALUES = {
+    "stats": "`True`/`False` or statistic names (its `names`)",
+    "trace_file": "a path (its `path`)",
+    "baseline": "a path or a `Baseline` (its `baseline`)",
+}
 
 
 @dataclass(frozen=True)
@@ -557,6 +601,7 @@ class Options:
     )
     records: Records = field(default_factory=Records)
     limits: Limits = field(default_factory=Limits)
+    baseline: Drift = field(default_factory=Drift)
 
 
 def keyword_set(kwargs: Mapping[str, Any]) -> set[str]:

@@ -43,7 +43,7 @@ from prometheus_client.utils import floatToGoString
 
 from torchtrace._core.calls import ModuleCall, NonFiniteError
 from torchtrace._core.ranks import rank_info
-from torchtrace.attributes import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE
+from torchtrace.attributes import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE, main_output_prefix
 
 __all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 
@@ -61,7 +61,6 @@ OUTPUT_STATS: dict[str, tuple[str, str, str]] = {
 }
 _OUTPUT_PREFIX = OUTPUT_PREFIX
 _GRAD_OUTPUT_PREFIX = GRAD_OUTPUT_PREFIX + "."
-_NON_STAT_KEYS = ("truncated", "stats_error")
 
 
 @dataclass(slots=True)
@@ -107,7 +106,7 @@ class _OutputLayout:
     @classmethod
     def of(cls, attributes: dict[str, Any], *, with_stats: bool) -> _OutputLayout:
         outputs = [key for key in attributes if key.startswith(_OUTPUT_PREFIX + ".")]
-        prefix = _main_output_prefix(attributes)
+        prefix = main_output_prefix(attributes)
         return cls(
             size=len(attributes),
             nan_keys=tuple(key for key in outputs if key.endswith(".nan_count")),
@@ -223,6 +222,7 @@ class MetricsSink(Collector):
         self._recorded = 0
         self._watched: list[_Watched] = []
         self._owner: weakref.ref | None = None  # the handle whose calls this sink aggregates
+        self.drift: Any = None  # the handle's DriftScorer (instrument(baseline=)): its scores are exposed too
         if registry is not None:
             registry.register(self)
 
@@ -358,7 +358,10 @@ class MetricsSink(Collector):
                 recorded=self._recorded,
                 overflowed_paths=self._overflowed_paths,
                 watched=list(self._watched),
+                named={path for path, entry in self._paths.items() if entry.state_is_named},
             )
+        if self.drift is not None:
+            snapshot.drift = self.drift.status()
         return self._families(snapshot)
 
     def _families(self, snapshot: _Snapshot | None = None) -> list[Metric]:
@@ -435,8 +438,31 @@ class MetricsSink(Collector):
             duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped,
             sink_errors, step_duration, grad_norm, nonfinite, comm_wait,
         ]  # fmt: skip
+        if self.drift is not None:
+            drift = GaugeMetricFamily(
+                f"{ns}_layer_drift",
+                "Drift of the module's output statistic from the baseline over its last window of calls; 1 is the "
+                "alert threshold (see docs/drift.md).",
+                labels=[*base, "module", "statistic"],
+            )
+            first = GaugeMetricFamily(
+                f"{ns}_layer_drift_first_timestamp",
+                "The first drifted layer: of the layers over the threshold, the earliest in execution order; the "
+                "value is when it went over (Unix time). No sample while no layer is over.",
+                labels=[*base, "module", "statistic"],
+                unit="seconds",
+            )
+            families += [drift, first]
         if snapshot is None:
             return families
+        if snapshot.drift is not None:
+            for layer in snapshot.drift.layers:  # bounded as the per-module series are: named paths only
+                if layer.module in snapshot.named:
+                    drift.add_metric([snapshot.model, self.rank, layer.module or snapshot.model, layer.statistic],
+                                     layer.score)  # fmt: skip
+            top = snapshot.drift.first
+            if top is not None and top.since is not None:
+                first.add_metric([snapshot.model, self.rank, top.module or snapshot.model, top.statistic], top.since)
 
         model_rank = [snapshot.model, self.rank]
         bounds = [*(floatToGoString(b) for b in self.bucket_bounds), "+Inf"]
@@ -526,6 +552,8 @@ class _Snapshot:
     recorded: int
     overflowed_paths: int
     watched: list[_Watched]
+    named: set[str] = field(default_factory=set)  # paths with series of their own (not the overflow's)
+    drift: Any = None  # the DriftStatus at the scrape, with a baseline
 
 
 def _copy_state(state: _ModuleState) -> _ModuleState:
@@ -538,22 +566,3 @@ def _copy_state(state: _ModuleState) -> _ModuleState:
 def _exemplar(raw: _RawExemplar) -> Exemplar:
     trace_id, span_id, seconds, end_ns = raw
     return Exemplar({"trace_id": f"{trace_id:032x}", "span_id": f"{span_id:016x}"}, seconds, end_ns / 1e9)
-
-
-def _main_output_prefix(attributes: dict[str, Any]) -> str:
-    """Attribute prefix of a call's main output: the output itself when it is a tensor, else its first tensor.
-
-    Follows the span attribute naming: ``torchtrace.output.<stat>`` for a bare tensor, ``torchtrace.output.
-    <name>.<stat>`` inside containers, in the order the tensors were found.
-    """
-    if f"{_OUTPUT_PREFIX}.dtype" in attributes:
-        return _OUTPUT_PREFIX
-    start = len(_OUTPUT_PREFIX) + 1
-    for key in attributes:
-        if key.startswith(_OUTPUT_PREFIX + ".") and key.endswith(".dtype"):
-            return key[: -len(".dtype")]
-    for key in attributes:  # statistics chosen without dtype: the first tensor-named statistic
-        rest = key[start:] if key.startswith(_OUTPUT_PREFIX + ".") else ""
-        if "." in rest and rest.rsplit(".", 1)[1] not in _NON_STAT_KEYS:
-            return key.rsplit(".", 1)[0]
-    return _OUTPUT_PREFIX
