@@ -5,7 +5,8 @@
 
 The generated files are committed; a test checks they equal this script's output, and a test against a real
 Prometheus runs every panel's PromQL (``panel_queries()``). Only metrics that torchtrace exports appear; the step
-time, gradient norm, all-reduce wait and NaN/Inf provenance panels fill once steps are traced (``backward=True``).
+time, gradient norm, all-reduce wait and NaN/Inf provenance panels fill once steps are traced (``backward=True``), the
+drift row once a model is traced against a baseline (``baseline=``).
 """
 
 from __future__ import annotations
@@ -244,7 +245,60 @@ def layers_dashboard() -> dict[str, Any]:
             options={"displayMode": "gradient", "orientation": "horizontal",
                      "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
         ),
-        _row("Training", 59),
+        _row("Drift by layer", 59),
+        # status-history, not a heatmap: Grafana's heatmap puts numeric buckets on its y axis, status-history one
+        # row per series (here per layer) over time, each cell coloured by the thresholds
+        _panel(
+            "status-history", "Drift by layer (highest statistic)",
+            "Each layer's drift score against the baseline (instrument(baseline=)), the highest of its output "
+            "statistics (mean, std, abs max, zero fraction) over its last window of calls. 1 is the alert threshold "
+            "(TorchtraceLayerDrift). Empty without a baseline.",
+            [_target(f"max by (module) (torchtrace_layer_drift{{{MODULE_SELECTOR}}})", "{{module}}")],
+            (0, 60, 14, 10),
+            fieldConfig={"defaults": {"unit": "short", "min": 0, "decimals": 2, "color": {"mode": "thresholds"},
+                                      "thresholds": {"mode": "absolute", "steps": [
+                                          {"color": "green", "value": None}, {"color": "yellow", "value": 0.5},
+                                          {"color": "red", "value": 1}]}},
+                         "overrides": []},
+            options={"showValue": "never", "rowHeight": 0.9, "colWidth": 0.9, "legend": {"showLegend": False},
+                     "tooltip": {"mode": "single"}},
+        ),
+        _panel(
+            "table", "First drifted layer",
+            "Of the layers over the threshold, the earliest in execution order, the statistic that put it over and "
+            "since when: where a change starts (the layers after it often follow). Not filtered by the module "
+            "variable. Empty while no layer is over.",
+            [
+                _target(f"torchtrace_layer_drift_first_timestamp_seconds{{{SELECTOR}}} * 1000", instant=True,
+                        fmt="table"),
+                _target(f"torchtrace_layer_drift{{{SELECTOR}}} and on (model, rank, module, statistic) "
+                        f"torchtrace_layer_drift_first_timestamp_seconds{{{SELECTOR}}}", ref="B", instant=True,
+                        fmt="table"),
+            ],
+            (14, 60, 10, 6),
+            fieldConfig={"defaults": {"unit": "short"}, "overrides": [
+                {"matcher": {"id": "byName", "options": "Value #A"}, "properties": [
+                    {"id": "displayName", "value": "over since"}, {"id": "unit", "value": "dateTimeAsIso"}]},
+                {"matcher": {"id": "byName", "options": "Value #B"}, "properties": [
+                    {"id": "displayName", "value": "score"}, {"id": "decimals", "value": 2}]},
+            ]},
+            transformations=[
+                {"id": "merge", "options": {}},  # one row per series: A's time and B's score side by side
+                {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True}, "indexByName": {
+                    "model": 0, "rank": 1, "module": 2, "statistic": 3, "Value #A": 4, "Value #B": 5}}},
+            ],
+        ),
+        _panel(
+            "stat", "Layers over the threshold",
+            "Layers with a drift score of 1 or more (any statistic): what TorchtraceLayerDrift fires on.",
+            [_target(f"count(max by (model, rank, module) (torchtrace_layer_drift{{{MODULE_SELECTOR}}}) >= 1) "
+                     "or vector(0)", "layers", instant=True)],  # 0, not "No data", while none is over
+            (14, 66, 10, 4),
+            fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
+            options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
+        ),
+        _row("Training", 70),
         _panel(
             "timeseries", "Step time p50 / p99 (exemplars → step trace)",
             "Duration of traced training steps. Each exemplar opens the step's trace: forward, backward, optimizer.",
@@ -254,21 +308,21 @@ def layers_dashboard() -> dict[str, Any]:
                 _target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
                         f"{{{SELECTOR}}}[{RATE}])))", "p50 rank {{rank}}", ref="B"),
             ],
-            (0, 60, 12, 8), unit="s",
+            (0, 71, 12, 8), unit="s",
         ),
         _panel(
             "timeseries", "Gradient norm by module",
             "L2 norm of the gradient reaching each module's output, latest traced backward: vanishing or "
             "exploding gradients show here first.",
             [_target(f"torchtrace_gradient_norm{{{MODULE_SELECTOR}}}", "{{module}}")],
-            (12, 60, 12, 8),
+            (12, 71, 12, 8),
         ),
         _panel(
             "timeseries", "Step time by rank (p50)",
             "Median traced step time of each rank: a rank above the others is slow in its own compute.",
             [_target("histogram_quantile(0.5, sum by (le, rank) (rate(torchtrace_step_duration_seconds_bucket"
                      f"{{{SELECTOR}}}[{RATE}])))", "rank {{rank}}")],
-            (0, 68, 12, 8), unit="s",
+            (0, 79, 12, 8), unit="s",
         ),
         _panel(
             "stat", "Straggler: rank waiting least in all-reduce",
@@ -276,7 +330,7 @@ def layers_dashboard() -> dict[str, Any]:
             "wait for. Shows the rank label of the lowest all-reduce wait rate.",
             [_target(f"bottomk(1, sum by (rank) (rate(torchtrace_comm_wait_seconds_total{{{SELECTOR}}}[{RATE}])))",
                      "rank {{rank}}", instant=True)],
-            (12, 68, 6, 8),
+            (12, 79, 6, 8),
             options={"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
                      "textMode": "name"},
         ),
@@ -285,9 +339,9 @@ def layers_dashboard() -> dict[str, Any]:
             "Seconds per second each rank spends waiting in DDP gradient all-reduce during traced steps.",
             [_target(f"sum by (rank) (rate(torchtrace_comm_wait_seconds_total{{{SELECTOR}}}[{RATE}]))",
                      "rank {{rank}}")],
-            (18, 68, 6, 8), unit="percentunit",
+            (18, 79, 6, 8), unit="percentunit",
         ),
-        _row("Exporter health", 76),
+        _row("Exporter health", 87),
         _panel(
             "timeseries", "Spans recorded / exported / dropped per second",
             "Recorded: module calls seen. Exported: delivered by the OTLP/file exporter. Dropped: lost because the "
@@ -299,14 +353,14 @@ def layers_dashboard() -> dict[str, Any]:
                 _target(f"sum by (reason) (rate(torchtrace_spans_dropped_total{{{SELECTOR}}}[{RATE}]))",
                         "dropped ({{reason}})", ref="C"),
             ],
-            (0, 77, 16, 8), unit="ops",
+            (0, 88, 16, 8), unit="ops",
         ),
         _panel(
             "stat", "Spans dropped (selected range)",
             "Any drop means missing traces: raise max_pending_calls, sample, or fix the backend.",
             [_target(f"sum(increase(torchtrace_spans_dropped_total{{{SELECTOR}}}[$__range]))", "dropped",
                      instant=True)],
-            (16, 77, 4, 8),
+            (16, 88, 4, 8),
             fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
                 {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
             options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
@@ -315,7 +369,7 @@ def layers_dashboard() -> dict[str, Any]:
             "stat", "Modules past the label limit",
             "Module paths counted under module=\"__other__\" because max_module_labels was reached.",
             [_target(f"max(torchtrace_metrics_overflowed_modules{{{SELECTOR}}})", "overflowed", instant=True)],
-            (20, 77, 4, 8),
+            (20, 88, 4, 8),
             options={"reduceOptions": {"calcs": ["lastNotNull"]}},
         ),
     ]  # fmt: skip
@@ -324,7 +378,8 @@ def layers_dashboard() -> dict[str, Any]:
     return {
         "uid": DASHBOARD_UID,
         "title": "torchtrace: layers",
-        "description": "Per-layer latency, activation statistics, numerical and exporter health from torchtrace.",
+        "description": "Per-layer latency, activation statistics, drift from a baseline, numerical and exporter "
+        "health from torchtrace.",
         "tags": ["torchtrace", "pytorch"],
         "timezone": "browser",
         "editable": True,

@@ -37,6 +37,15 @@ def labels(module: str, module_type: str, model: str = "Tiny") -> dict[str, str]
     return {"model": model, "rank": "0", "module": module, "module_type": module_type}
 
 
+def tiny_baseline() -> torchtrace.Baseline:
+    """A baseline of ``tiny_model()``: with it, a handle's metrics sink exposes the drift gauges too."""
+    model = tiny_model()
+    with torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=1_000)) as handle:
+        for _ in range(25):
+            model(torch.randn(3, 4))
+        return handle.baseline()
+
+
 def run(model: nn.Module, sink: MetricsSink, batches: int = 3, **options) -> list[torchtrace.ModuleCall]:
     with torchtrace.instrument(model, exporter="none", sinks=[sink], **options) as handle:
         for _ in range(batches):
@@ -445,14 +454,15 @@ def test_dashboard_queries_use_only_exported_metrics_and_known_variables():
     builder = _load_builder()
     registry = CollectorRegistry()
     model = tiny_model()
-    with torchtrace.instrument(
-        model, exporter="none", metrics=MetricsSink(registry, model="Tiny"), backward=True
-    ) as handle:
+    sink = MetricsSink(registry, model="Tiny")
+    with torchtrace.instrument(model, exporter="none", metrics=sink, backward=True, baseline=tiny_baseline()) as handle:
         model(torch.randn(3, 4)).sum().backward()  # a traced training step: step and gradient metrics too
         handle.step()
         handle.flush()
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     exported |= {"torchtrace_spans_exported_total"}  # present with an OTLP/file exporter (see watch())
+    # gauges with no sample yet: the first drifted layer's (while no layer is over the threshold)
+    exported |= {family.name for family in sink.describe() if family.type == "gauge"}
     dashboard = builder.layers_dashboard()
     variables = {v["name"] for v in dashboard["templating"]["list"]}
     assert variables >= {"model", "module", "rank"}
@@ -590,7 +600,9 @@ def documented_metric_names() -> set[str]:
 
 
 def test_the_docs_metrics_table_lists_exactly_what_the_collector_exposes():
-    exposed = set()
-    for family in MetricsSink(registry=None, model="Tiny").describe():
-        exposed.add(f"{family.name}_total" if family.type == "counter" else family.name)
+    sink = MetricsSink(registry=None, model="Tiny")
+    with torchtrace.instrument(tiny_model(), exporter="none", sinks=[sink], baseline=tiny_baseline()):
+        families = sink.describe()  # with a baseline: the drift gauges too
+    exposed = {f"{family.name}_total" if family.type == "counter" else family.name for family in families}
+    assert {"torchtrace_layer_drift", "torchtrace_layer_drift_first_timestamp_seconds"} <= exposed
     assert documented_metric_names() == exposed

@@ -24,7 +24,9 @@ from torchtrace._sinks.metrics import MetricsSink
 from torchtrace._sinks.metrics_server import serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "grafana/dashboards/torchtrace-layers.json"
 MODEL = "TinyNet"
+DRIFTED = "linear_1"  # the layer scaled during the scraped run: the first drifted layer
 # dashboard variables: "All" for the regex ones, a concrete model; Grafana's own intervals as fixed windows
 VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".*",
              "$__rate_interval": "1m", "$__range": "5m"}  # fmt: skip
@@ -32,7 +34,8 @@ VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".
 
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory: pytest.TempPathFactory):
-    """An instrumented model run while a real Prometheus scrapes its metrics; the handle is removed on return."""
+    """An instrumented model run while a real Prometheus scrapes its metrics, against a baseline, DRIFTED made to
+    drift at its end; the handle is removed on return."""
     directory = tmp_path_factory.mktemp("prometheus")
     require_binary("prometheus")
     registry = CollectorRegistry()
@@ -46,13 +49,22 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
         optimizer.step()  # closes the traced step: forward, backward and optimizer spans reach the sinks
         optimizer.zero_grad()
 
+    # a baseline of the untrained model, for the drift gauges; a short window and a low threshold let 100 baseline
+    # forwards and a few drifted ones cross it (the default's highest score with a window of 8 is under 1)
+    made = torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=50_000))
+    with torch.no_grad():
+        for _ in range(100):
+            model(torch.randn(3, 4))
+    drift = torchtrace.Drift(baseline=made.baseline(), window=8, threshold=3.0)
+    made.remove()
     started = time.time()
     server = serve_metrics(0, registry=registry)
     with server, PrometheusServer([f"127.0.0.1:{server.port}"], directory) as prom:
         trace_file = directory / "traces.jsonl"
         with torchtrace.instrument(
-            model, exporter="file", trace_file=str(trace_file), metrics=sink, backward=True, optimizer=optimizer
-        ) as handle:
+            model, exporter="file", trace_file=str(trace_file), metrics=sink, backward=True, optimizer=optimizer,
+            baseline=drift,
+        ) as handle:  # fmt: skip
             with torch.no_grad():
                 model(torch.full((2, 4), float("nan")))  # something for the NaN panels, without poisoning weights
             deadline = time.monotonic() + 30
@@ -62,12 +74,20 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
                 train_step(torch.randn(3, 4))
                 handle.flush()
                 time.sleep(0.05)
-            train_step(torch.randn(3, 4))
-            handle.flush()
+            with torch.no_grad():  # DRIFTED's outputs, exactly 3x: its std and abs-max leave the baseline's range
+                getattr(model, DRIFTED).weight.mul_(3)
+                getattr(model, DRIFTED).bias.mul_(3)
+            for _ in range(40):
+                train_step(torch.randn(3, 4))
+                handle.flush()
+                first = handle.drift().first
+                if first is not None and first.module == DRIFTED:
+                    break
+            assert first is not None and first.module == DRIFTED, handle.drift()
             records = handle.records
         # the final state reaches Prometheus in the next scrape
         prom.wait_for("torchtrace_spans_recorded_total", lambda r: r and float(r[0]["value"][1]) == len(records))
-        yield prom, records, started
+        yield prom, records, started, first
 
 
 def _values(result: list[dict]) -> dict[str, float]:
@@ -75,8 +95,8 @@ def _values(result: list[dict]) -> dict[str, float]:
 
 
 def test_every_dashboard_query_returns_data(scraped_run):
-    prom, _, _ = scraped_run
-    dashboard = json.loads((ROOT / "grafana/dashboards/torchtrace-layers.json").read_text())
+    prom, *_ = scraped_run
+    dashboard = json.loads(DASHBOARD.read_text())
     expressions = [
         (p["title"], t["expr"], t.get("legendFormat", "")) for p in dashboard["panels"] for t in p.get("targets", [])
     ]
@@ -100,8 +120,30 @@ def test_every_dashboard_query_returns_data(scraped_run):
     assert not unlabelled, "legends naming labels the series do not have:\n" + "\n".join(unlabelled)
 
 
+def test_the_dashboard_names_the_first_drifted_layer(scraped_run):
+    prom, _, _, first = scraped_run
+    panels = {panel["title"]: panel for panel in json.loads(DASHBOARD.read_text())["panels"]}
+
+    def query(title: str, ref: str = "A") -> list[dict]:
+        (expr,) = [target["expr"] for target in panels[title]["targets"] if target["refId"] == ref]
+        for name, value in VARIABLES.items():
+            expr = expr.replace(name, value)
+        return prom.query(expr)
+
+    (since,) = query("First drifted layer")
+    assert {k: since["metric"][k] for k in ("model", "module", "statistic")} == {
+        "model": MODEL, "module": DRIFTED, "statistic": first.statistic}  # fmt: skip
+    assert float(since["value"][1]) == pytest.approx(first.since * 1000, abs=1)  # ms: Grafana's dateTimeAsIso unit
+    (score,) = query("First drifted layer", "B")
+    assert score["metric"]["module"] == DRIFTED and float(score["value"][1]) >= 1
+    rows = _values(query("Drift by layer (highest statistic)"))
+    assert set(rows) == {DRIFTED, "relu", "linear_2", MODEL}  # one row per layer, the model itself included
+    assert rows[DRIFTED] >= 1
+    assert float(query("Layers over the threshold")[0]["value"][1]) >= 1
+
+
 def test_prometheus_values_equal_the_span_statistics(scraped_run):
-    prom, records, _ = scraped_run
+    prom, records, *_ = scraped_run
     for path in ("linear_1", "relu", "linear_2"):
         latest = [r for r in records if r.path == path and r.kind == "forward"][-1].attributes
         for stat, metric in STATS_TO_METRICS.items():
@@ -121,7 +163,7 @@ def test_prometheus_values_equal_the_span_statistics(scraped_run):
 
 
 def test_exemplars_reach_prometheus_and_point_at_recorded_spans(scraped_run):
-    prom, records, started = scraped_run
+    prom, records, started, _ = scraped_run
     by_span = {f"{r.span_id:016x}": r for r in records}
     series = prom.query_exemplars(f'torchtrace_module_call_duration_seconds_bucket{{model="{MODEL}"}}',
                                   started - 60, time.time() + 60)  # fmt: skip
