@@ -24,17 +24,27 @@ _CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 _ERRORS_HOOK = "<script>window.__errors=[];addEventListener('error',e=>__errors.push(String(e.message)));</script>"
 _PROBE = """<script>{
 const ink = c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; let any = 0, red = 0;
+  const orange = {};  // the drift outline's pixels (#f70) per 12-pixel heatmap row
   for (let i = 0; i < d.length; i += 4) {  // one readback per canvas
     if (d[i] < 250 || d[i + 1] < 250 || d[i + 2] < 250) any++;
     if (d[i] > 200 && d[i + 1] < 40 && d[i + 2] < 40) red++;
-  } return [any, red]; };
-const [heatInk, heatRed] = ink(document.getElementById('heat'));
+    if (d[i] > 230 && d[i + 1] > 90 && d[i + 1] < 150 && d[i + 2] < 40) {
+      const row = Math.floor(i / 4 / c.width / 12); orange[row] = (orange[row] || 0) + 1;
+    }
+  } return [any, red, orange]; };
+const [heatInk, heatRed, heatOrange] = ink(document.getElementById('heat'));
+const shown = e => !!e && e.getClientRects().length > 0 && getComputedStyle(e).visibility !== 'hidden';
 const probe = document.createElement('pre'); probe.id = 'probe';
 probe.textContent = JSON.stringify({
   errors: window.__errors,
   rows: [...document.querySelectorAll('#summary tbody tr')].map(tr => [...tr.children].map(td => td.textContent)),
   timeline_rects: document.querySelectorAll('#timeline rect').length,
-  heat_ink: heatInk, heat_red: heatRed,
+  heat_ink: heatInk, heat_red: heatRed, heat_drift_rows: heatOrange,
+  drifted: [...document.querySelectorAll('#summary tbody tr.drifted')].map(tr => ({
+    cells: [...tr.children].map(td => td.textContent), visible: shown(tr), badge: shown(tr.querySelector('.badge')),
+    background: getComputedStyle(tr.firstChild).backgroundColor})),
+  summary_head: [...document.querySelectorAll('#summary th')].map(th => th.textContent),
+  drift_legend: shown(document.getElementById('drift-legend')),
   line_ink: [...document.querySelectorAll('#lines canvas')].map(c => ink(c)[0]).reduce((a, b) => a + b, 0),
   producers: [...document.querySelectorAll('#provenance-table a')].map(a => [a.textContent, a.getAttribute('href')]),
   span_ids: [...document.querySelectorAll('#timeline rect')].map(r => r.id),

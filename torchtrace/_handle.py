@@ -242,10 +242,13 @@ class TraceHandle:
         self._losses_at_flush = losses
         return ok
 
-    def report(self, path: str | os.PathLike[str] = "report.html") -> Path:
+    def report(
+        self, path: str | os.PathLike[str] = "report.html", baseline: Baseline | str | os.PathLike[str] | None = None
+    ) -> Path:
         """Writes the HTML report (``torchtrace report``) of this handle's trace file, flushed first; returns its
         path. The file holds earlier runs appended to it too. Only for the file exporter. The overview shows this
-        handle's ``dropped_calls``, ``failed_spans`` and ``sink_errors`` (trace files do not record them)."""
+        handle's ``dropped_calls``, ``failed_spans`` and ``sink_errors`` (trace files do not record them).
+        ``baseline`` (a ``Baseline`` or its file) marks the layers that drifted from it, as ``--baseline``."""
         if self.exporter != "file":
             raise ValueError(
                 f"handle.report() reads the trace file of the file exporter; this handle's is {self.exporter!r}"
@@ -255,7 +258,7 @@ class TraceHandle:
         self.flush()
         losses = {"dropped_calls": self.dropped_calls, "failed_spans": self.failed_spans}
         losses["sink_errors"] = self.sink_errors
-        write_report([self.options.trace_file.path], path, losses=losses)
+        write_report([self.options.trace_file.path], path, losses=losses, baseline=baseline)
         return Path(path)
 
     def remove(self) -> None:

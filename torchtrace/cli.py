@@ -192,6 +192,11 @@ def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
     )
     report.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
     report.add_argument("-o", "--output", default="report.html", metavar="PATH", help="default: report.html")
+    report.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="a drift baseline (torchtrace baseline): mark the layers of its model that drifted from it",
+    )
     report.set_defaults(handler=_write_report)
     baseline = subcommands.add_parser(
         "baseline",
@@ -223,7 +228,7 @@ def _write_perfetto(args: argparse.Namespace) -> int:
 def _write_report(args: argparse.Namespace) -> int:
     from torchtrace._offline.report import report_command
 
-    return report_command(args.traces, args.output)
+    return report_command(args.traces, args.output, args.baseline)
 
 
 def _write_baseline(args: argparse.Namespace) -> int:

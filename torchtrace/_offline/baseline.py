@@ -5,40 +5,67 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from torchtrace._core.baseline import Baseline, BaselineBuilder, BaselineError
 from torchtrace._core.calls import call_name
 from torchtrace._offline.reader import Span, TraceFileError, TraceReader, file_command
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
-__all__ = ["baseline_command", "baseline_from_spans"]
+__all__ = ["ForwardSpan", "ForwardSpans", "baseline_command", "baseline_from_spans"]
 
 _SEEN_SPANS = 1 << 16  # forward span ids -> their model, for the spans nested in them (one forward: one line)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardSpan:
+    """A module's forward span and the model it belongs to: ``model`` is the class of the root span (module path
+    "") it is nested in, ``root`` that span's id."""
+
+    span: Span
+    path: str
+    kind: str
+    model: str
+    root: str
+
+
+class ForwardSpans:
+    """Tells the forward spans of a stream of spans, in file order, with the model each belongs to: two models
+    traced in one request's trace are kept apart. ``forward(span)`` is None for other spans (a module's backward,
+    a step, another producer's) and for a forward whose root span was not read (a file cut at a forward's start)."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, tuple[str, str]] = {}  # span id -> its model's class and root id; ordered, bounded
+
+    def forward(self, span: Span) -> ForwardSpan | None:
+        path, kind = span.attributes.get(MODULE_PATH), span.attributes.get(MODULE_TYPE)
+        if not span.torchtrace or not isinstance(path, str) or not isinstance(kind, str):
+            return None
+        if span.name != call_name(path, kind, "forward"):
+            return None  # a module's backward span
+        owner = (kind, span.span_id) if path == "" else self._owner.get(span.parent_span_id)
+        if owner is None:
+            return None
+        self._owner[span.span_id] = owner
+        if len(self._owner) > _SEEN_SPANS:
+            del self._owner[next(iter(self._owner))]
+        return ForwardSpan(span, path, kind, *owner)
 
 
 def baseline_from_spans(spans: Iterable[Span], model: str | None = None, source: str = "") -> Baseline:
     """A baseline of the forward spans of one model: ``model`` (a class name) where the spans hold several.
 
-    Each forward span belongs to the model whose root span (module path "") it is nested in: two models traced
-    in one request's trace are kept apart."""
+    Each forward span belongs to the model whose root span (module path "") it is nested in (``ForwardSpans``)."""
     builders: dict[str, BaselineBuilder] = {}
-    model_of: dict[str, str] = {}  # span id -> its model's class, insertion-ordered, bounded
+    forwards = ForwardSpans()
     for span in spans:
-        path, kind = span.attributes.get(MODULE_PATH), span.attributes.get(MODULE_TYPE)
-        if not span.torchtrace or not isinstance(path, str) or not isinstance(kind, str):
+        found = forwards.forward(span)
+        if found is None:
             continue
-        if span.name != call_name(path, kind, "forward"):
-            continue  # a module's backward span
-        owner = kind if path == "" else model_of.get(span.parent_span_id)
-        if owner is None:
-            continue  # its model's root span was not read (a file cut at a forward's start)
-        model_of[span.span_id] = owner
-        if len(model_of) > _SEEN_SPANS:
-            del model_of[next(iter(model_of))]
-        builder = builders.get(owner)
+        builder = builders.get(found.model)
         if builder is None:
-            builder = builders[owner] = BaselineBuilder()
-        builder.add(path, kind, span.attributes)
+            builder = builders[found.model] = BaselineBuilder()
+        builder.add(found.path, found.kind, span.attributes)
     if model is not None:
         if model not in builders:
             found = ", ".join(sorted(builders)) or "none"

@@ -9,6 +9,10 @@ several ranks, whose spans of one step share its trace but may be in different f
 are read again from every file (lines naming none of them are skipped unparsed), so a step shows every rank. A
 training step is drawn as lanes per rank (step, forward, backward, optimizer, all-reduce), a forward nested.
 Charts are drawn by uPlot (vendored, MIT; see _vendor/uplot/VERSION) and small canvas / SVG code here.
+
+With a baseline (``--baseline``), the forward spans of the baseline's model are scored against it in file order
+(``DriftScorer.observe``, a scorer per rank as each process has its own at run time): the per-layer table and the
+heatmap mark the layers and forwards over the alert threshold, and the overview names the first drifted layer.
 """
 
 from __future__ import annotations
@@ -24,7 +28,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from torchtrace._offline.reader import Span, TraceReader, file_command, replaced_when_complete, summary_from_spans
+from torchtrace._core.baseline import Baseline, BaselineError
+from torchtrace._offline.baseline import ForwardSpans
+from torchtrace._offline.reader import (
+    Span,
+    TraceFileError,
+    TraceReader,
+    file_command,
+    replaced_when_complete,
+    summary_from_spans,
+)
+from torchtrace._sinks.drift import DriftScorer
 from torchtrace.attributes import COMM_BUCKET, GRAD_OUTPUT_PREFIX, MODULE_PATH, MODULE_TYPE, OUTPUT_PREFIX, STEP
 
 __all__ = ["write_report", "report_command"]
@@ -39,6 +53,7 @@ _STATS = {  # the heatmap's choices: attribute, span kind
     "grad_norm": f"{GRAD_OUTPUT_PREFIX}.norm",
 }
 _PATH_KEY = MODULE_PATH
+_RECENT_ROOTS = 1024  # root span id -> its start, for the place of its layers' calls in their forward
 
 
 def _nonfinite(span: Span) -> bool:
@@ -63,8 +78,92 @@ def _number(value: Any) -> float | None:
     return None
 
 
+class _Drift:
+    """The drift of each layer of the baseline's model, scored from its forward spans in file order."""
+
+    def __init__(self, baseline: Baseline) -> None:
+        self.baseline = baseline
+        self.forward_spans = ForwardSpans()
+        self.scorers: dict[int | None, DriftScorer] = {}  # per rank: each process scores its own calls
+        self.over: dict[str, float] = {}  # span id -> its score, for spans at 1.0 or above until their trace ends
+        self.layers: dict[str, dict[str, Any]] = {}  # path -> latest and highest score, when it first went over
+        self.models: set[str] = set()  # every model (root span class) found
+        self.forwards = 0  # of the baseline's model
+        self.first: dict[str, Any] | None = None  # the first drifted layer when it first happened
+        self._first_root: str | None = None
+        self._first_place = (0, 0)
+        self._roots: dict[str, int] = {}  # root span id -> start ns, recent ones
+        self._place: dict[tuple[int | None, str], tuple[int, int]] = {}  # its call's end in its latest forward
+        self._seen = 0
+
+    def add(self, span: Span) -> None:
+        found = self.forward_spans.forward(span)
+        if found is None:
+            return
+        self._seen += 1
+        if found.path == "":
+            self.models.add(found.model)
+            if found.model == self.baseline.model:
+                self.forwards += 1
+                self._roots[span.span_id] = span.start_ns
+                if len(self._roots) > _RECENT_ROOTS:
+                    del self._roots[next(iter(self._roots))]
+        if found.model != self.baseline.model:  # loosely the baseline's model: the same class
+            return
+        rank = span.rank
+        scorer = self.scorers.get(rank)
+        if scorer is None:
+            scorer = self.scorers[rank] = DriftScorer(self.baseline)
+        scores = scorer.observe(found.path, span.attributes, span.end_ns)
+        if not scores:
+            return
+        statistic, score = max(scores.items(), key=lambda item: item[1])
+        # a call ends after the calls nested in it: its end in its forward is its place in execution order; at
+        # an equal end, the later span in the file (nested) finished first
+        place = (span.end_ns - self._roots.get(found.root, span.start_ns), -self._seen)
+        self._place[(rank, found.path)] = place
+        layer = self.layers.get(found.path)
+        if layer is None:
+            layer = self.layers[found.path] = {"type": found.kind, "latest": 0.0, "max": 0.0, "over": None}
+        layer["latest"] = round(score, 4)
+        layer["max"] = max(layer["max"], round(score, 4))
+        if score < 1.0:
+            return
+        self.over[span.span_id] = score
+        event = {"module": found.path, "statistic": statistic, "score": round(score, 4), "since_ns": span.end_ns,
+                 "rank": rank}  # fmt: skip
+        if layer["over"] is None:
+            layer["over"] = event
+        # the first forward with a layer over the threshold: its earliest call to finish over it
+        if self.first is None or (found.root == self._first_root and place < self._first_place):
+            self.first, self._first_root, self._first_place = event, found.root, place
+
+    def page(self) -> dict[str, Any]:
+        """The page's drift data: the baseline, each scored layer, the first drifted layer when it first
+        happened, and of those over the threshold at the end of the files the earliest in execution order."""
+        over = [(rank, layer) for rank, scorer in self.scorers.items() for layer in scorer.status().drifted]
+        now = None
+        if over:  # DriftScorer.status().first orders by the sink's forwards; observe() feeds it none
+            rank, layer = min(over, key=lambda item: (self._place.get((item[0], item[1].module), (1 << 62, 0)),
+                                                      -item[1].score))  # fmt: skip
+            since = None if layer.since is None else round(layer.since * 1e9)
+            now = {"module": layer.module, "statistic": layer.statistic, "score": round(layer.score, 4),
+                   "since_ns": since, "rank": rank}  # fmt: skip
+        baseline = self.baseline
+        return {
+            "baseline": {"model": baseline.model, "forwards": baseline.forwards, "source": baseline.source,
+                         "fingerprint": baseline.fingerprint, "layers": len({path for path, _ in baseline.references})},
+            "models_found": sorted(self.models),
+            "forwards": self.forwards,
+            "layers": self.layers,
+            "first": self.first,
+            "first_now": now,
+        }  # fmt: skip
+
+
 class _ReportData:
-    def __init__(self) -> None:
+    def __init__(self, drift: _Drift | None = None) -> None:
+        self.drift = drift
         self.open: dict[str, list[Span]] = {}
         self.layers: dict[str, int] = {}  # layer -> row, in first-seen order
         self.columns: list[dict[str, Any]] = []  # per kept forward / step: label, values per stat, NaN layers
@@ -95,6 +194,8 @@ class _ReportData:
             self.errors += 1
         if not span.torchtrace:
             return
+        if self.drift is not None:
+            self.drift.add(span)
         trace = self.open.pop(span.trace_id, None) or []
         trace.append(span)
         self.open[span.trace_id] = trace  # most recent last
@@ -108,6 +209,8 @@ class _ReportData:
 
     def _finish(self, spans: list[Span]) -> None:
         spans.sort(key=lambda span: (span.start_ns, -span.end_ns))
+        over = self.drift.over if self.drift is not None else {}
+        drifted = {span.span_id: over.pop(span.span_id) for span in spans if span.span_id in over}
         roots = [span for span in spans if span.attributes.get(_PATH_KEY) == "" and not span.name.endswith(" backward")]
         step = next((span for span in spans if span.name == "train_step"), None)
         self.forwards += len(roots)
@@ -118,7 +221,7 @@ class _ReportData:
         self.finished += 1
         self._choose(duration, spans)
         if index % self.stride == 0:
-            self._column(index, step, spans)
+            self._column(index, step, spans, drifted)
             if len(self.columns) > MAX_COLUMNS:
                 self.columns = self.columns[::2]
                 self.stride *= 2
@@ -151,9 +254,10 @@ class _ReportData:
                 )
                 del self.provenance[: -_CHOSEN_CAP * 10]
 
-    def _column(self, index: int, step: Span | None, spans: list[Span]) -> None:
+    def _column(self, index: int, step: Span | None, spans: list[Span], drifted: dict[str, float]) -> None:
         values: dict[str, dict[int, float]] = {stat: {} for stat in _STATS}
         nonfinite: list[int] = []
+        drift: dict[int, float] = {}  # row -> the highest drift score of its calls, those at 1.0 or above
         for span in spans:
             layer = _layer(span)
             if layer is None:
@@ -165,8 +269,13 @@ class _ReportData:
                     values[stat][row] = value
             if _nonfinite(span):
                 nonfinite.append(row)
+            if span.span_id in drifted:
+                drift[row] = max(drift.get(row, 0.0), round(drifted[span.span_id], 3))
         label = f"step {step.attributes.get(STEP)}" if step is not None else f"#{index}"
-        self.columns.append({"label": label, "values": values, "nonfinite": sorted(set(nonfinite))})
+        column = {"label": label, "values": values, "nonfinite": sorted(set(nonfinite))}
+        if drift:
+            column["drift"] = drift
+        self.columns.append(column)
 
     def timeline(self, parts: Sequence[Path]) -> list[dict[str, Any]]:
         chosen: dict[str, tuple[str, list[Span]]] = {}  # trace id -> why, spans
@@ -267,8 +376,10 @@ def _timeline_trace(why: str, spans: list[Span]) -> dict[str, Any]:
     }
 
 
-def _page_data(reader: TraceReader, losses: dict[str, int] | None = None) -> dict[str, Any]:
-    data = _ReportData()
+def _page_data(
+    reader: TraceReader, losses: dict[str, int] | None = None, baseline: Baseline | None = None
+) -> dict[str, Any]:
+    data = _ReportData(_Drift(baseline) if baseline is not None else None)
 
     def spans() -> Iterator[Span]:
         for span in reader:
@@ -304,6 +415,7 @@ def _page_data(reader: TraceReader, losses: dict[str, int] | None = None) -> dic
         "traces_read": data.finished,
         "timeline": data.timeline(reader.parts),
         "provenance": data.provenance,
+        "drift": data.drift.page() if data.drift is not None else None,
     }
 
 
@@ -327,24 +439,32 @@ def write_report(
     output: str | os.PathLike[str],
     *,
     losses: dict[str, int] | None = None,
+    baseline: Baseline | str | os.PathLike[str] | None = None,
 ) -> TraceReader:
     """Writes the HTML report of ``traces`` to ``output``; returns the reader (what was read, what was not).
 
     ``losses``: what a live handle lost (``dropped_calls``, ``failed_spans``, ``sink_errors``), shown in the
     overview; trace files do not record these counts, so a report of files alone says so instead.
+    ``baseline``: a ``Baseline`` or its file: the layers that drifted from it are marked (``BaselineError`` for a
+    file that is not one).
     """
+    if baseline is not None and not isinstance(baseline, Baseline):
+        baseline = Baseline.load(baseline)  # before reading the traces: a bad file fails at once
     reader = TraceReader(traces)
-    page = _page(_page_data(reader, losses))
+    page = _page(_page_data(reader, losses, baseline))
     with replaced_when_complete(output) as partial:
         partial.write_text(page, encoding="utf-8")
     return reader
 
 
-def report_command(traces: Sequence[str], output: str) -> int:
+def report_command(traces: Sequence[str], output: str, baseline: str | None = None) -> int:
     """``torchtrace report``: returns the exit status; messages on stderr."""
 
     def write() -> tuple[TraceReader, str]:
-        reader = write_report(traces, output)
+        try:
+            reader = write_report(traces, output, baseline=baseline)
+        except BaselineError as error:
+            raise TraceFileError(str(error)) from None
         return reader, f"report of {reader.spans} spans from {len(reader.parts)} file(s) written to {output}"
 
     return file_command("report", write)
