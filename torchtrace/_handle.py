@@ -104,9 +104,10 @@ class TraceHandle:
         drift = [self._drift] if self._drift is not None else []
         sinks = [*drift, *(export_sinks if not batched else []), self._records, self._summary, *metrics_sinks,
                  *options.sinks]  # fmt: skip
+        metrics = sys.modules.get("torchtrace._sinks.metrics")  # imported once a MetricsSink exists
         for sink in [*metrics_sinks, *options.sinks]:
-            if hasattr(sink, "drift") and self._drift is not None:  # a MetricsSink exposes the drift scores
-                sink.drift = self._drift
+            if self._drift is not None and metrics is not None and isinstance(sink, metrics.MetricsSink):
+                sink.drift = self._drift  # exposes the drift scores
         self._dispatcher = Dispatcher(
             self.buffer,
             modules,
