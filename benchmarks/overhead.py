@@ -19,9 +19,21 @@ do not: with it on, a layer is one call), so every encoder variant runs with tor
 same math and the same calls for all); the extra `none_fastpath` variant (encoder only) shows
 what the fast path alone is worth.
 
+Layer drift (docs/drift.md): the `*_baseline` variants score every forward against a baseline of the same model,
+made by the script first (BASELINE_FORWARDS traced forwards of the same inputs, records kept, `handle.baseline()`).
+A baseline, like metrics, sends CPU forwards to the worker instead of delivering them at the forward's end, so each
+baseline variant has its pair without one: `torchtrace_stats_otlp` / `torchtrace_stats_otlp_baseline` (shows that
+delivery change too) and `torchtrace_stats_otlp_metrics` / `torchtrace_stats_otlp_metrics_baseline` (the scoring
+alone). Printed per pair: the median of the per-round ratios (the variants of a round run back to back). Self-check:
+every forward a baseline variant ran was scored (the scorer's `scored_forwards`), else the script exits 1; where
+they were scored (on the worker, or in the flush on the model's thread) is reported.
+
 Run: python benchmarks/overhead.py [--quick] [--repeats R] [--models cheap,encoder,varlen] [--otlp-protocol P]
      [--threads N]   (torch's intra-op threads; default torch's own: one pass of statistics is single-threaded)
-The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}}}, ...}
+     [--variants NAME,...]   (only these, and always `none` and `empty_hooks`; default: every variant)
+The last line printed is one JSON object: {"cheap": {"variants": {name: {"us_per_call", "x_floor", "x_none"}},
+"drift": {"baseline_forwards", "variants": {name: {"forwards", "scored_forwards", "scored_on_worker", "drifted"}},
+"pairs": {name: {"without", "ratio", "round_ratios"}}}}, ...}
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +72,8 @@ BSP_QUEUE = 1 << 17
 
 # model -> (forwards per timed repetition, repetitions) for a normal and a --quick run (varlen: every length each time)
 PLAN = {"cheap": ((20, 40), (10, 5)), "encoder": ((3, 25), (1, 2)), "varlen": ((77, 4), (20, 2))}
+# forwards traced to make the drift variants' baseline (a normal and a --quick run; at least 20 to score a statistic)
+BASELINE_FORWARDS = (150, 30)
 
 
 class DiscardExporter(SpanExporter):
@@ -144,6 +159,9 @@ class Variant:
     close: Callable[[], Any] = _nothing  # after all repetitions
     window: Callable[[], Any] = contextlib.nullcontext  # entered/exited around each timed repetition
     times_ns: list[int] = field(default_factory=list)  # per forward, one per repetition
+    drift: Any = None  # the drift variants' DriftScorer
+    forwards_run: int = 0  # forwards run, warm-up included
+    drift_report: dict = field(default_factory=dict)  # drift: filled at close, before the handle goes
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -236,8 +254,10 @@ def _make_torchtrace(model: nn.Module, stats: bool) -> Variant:
     return Variant("torchtrace_stats" if stats else "torchtrace_spans", model, flush=handle.flush, close=close)
 
 
-def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
-    handle = torchtrace.instrument(model, stats=stats, exporter="otlp")
+def _make_torchtrace_otlp(
+    model: nn.Module, stats: bool, metrics: bool = False, baseline: torchtrace.Baseline | None = None
+) -> Variant:
+    handle = torchtrace.instrument(model, stats=stats, exporter="otlp", metrics=metrics, baseline=baseline)
     # TraceHandle.flush() drains into the sinks; if the OTLP sink sends in the background, flush it too.
     extra = [
         getattr(sink, name)
@@ -248,6 +268,19 @@ def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
 
     counted = [sink for sink in handle._dispatcher.sinks if hasattr(sink, "exported") and hasattr(sink, "failed")]
     name = "torchtrace_stats_otlp" if stats else "torchtrace_spans_otlp"
+    name += "_metrics" if metrics else ""
+    name += "_baseline" if baseline is not None else ""
+    scorer = handle._drift
+    on_model_thread = [0]
+    if scorer is not None:  # counts the forwards a flush scored on the model's thread (one thread-id test each)
+        score, model_thread = scorer._score, threading.get_ident()
+
+        def counted_score(batch: Any) -> None:
+            if threading.get_ident() == model_thread:
+                on_model_thread[0] += 1
+            score(batch)
+
+        scorer._score = counted_score
 
     def flush() -> None:
         handle.flush()
@@ -255,12 +288,20 @@ def _make_torchtrace_otlp(model: nn.Module, stats: bool) -> Variant:
             function()
 
     def close() -> None:
+        if scorer is not None:
+            variant.drift_report = {
+                "forwards": variant.forwards_run,
+                "scored_forwards": scorer.scored_forwards,
+                "scored_on_worker": scorer.scored_forwards - on_model_thread[0],
+                "drifted": len(handle.drift().drifted),  # layer statistics over the threshold at the end
+            }
         handle.remove()
         for sink in counted:  # a failing export is cheap: its numbers would mean nothing
             if sink.failed:
                 print(f"WARNING: {name}: {sink.failed} spans failed to export ({sink.exported} exported)")
 
-    return Variant(name, model, flush=flush, close=close)
+    variant = Variant(name, model, flush=flush, close=close, drift=scorer)
+    return variant
 
 
 def make_none_fastpath(model: nn.Module) -> Variant:
@@ -285,6 +326,27 @@ BASE_VARIANTS: list[Callable[[nn.Module], Variant]] = [
     partial(_make_torchtrace, stats=True),
 ]
 OTLP_VARIANTS = [partial(_make_torchtrace_otlp, stats=False), partial(_make_torchtrace_otlp, stats=True)]
+
+
+@dataclass(frozen=True)
+class WithBaseline:
+    """A variant factory that also takes the model's baseline: ``measure_model`` makes one per model, first."""
+
+    name: str
+    make: Callable[..., Variant]  # (model, baseline=) -> Variant
+
+
+# drift: each *_baseline variant beside the same variant without a baseline (its pair, in DRIFT_PAIRS)
+DRIFT_VARIANTS: list[Callable[[nn.Module], Variant] | WithBaseline] = [
+    WithBaseline("torchtrace_stats_otlp_baseline", partial(_make_torchtrace_otlp, stats=True)),
+    partial(_make_torchtrace_otlp, stats=True, metrics=True),
+    WithBaseline("torchtrace_stats_otlp_metrics_baseline", partial(_make_torchtrace_otlp, stats=True, metrics=True)),
+]
+DRIFT_PAIRS = {
+    "torchtrace_stats_otlp_baseline": "torchtrace_stats_otlp",
+    "torchtrace_stats_otlp_metrics_baseline": "torchtrace_stats_otlp_metrics",
+}
+ALWAYS = ("none", "empty_hooks")  # every ratio is to these
 
 
 # -- the local OTLP discard receiver (a separate process: it must not take the benchmark's GIL) ---------------------
@@ -360,7 +422,28 @@ def timed_repetition(variant: Variant, inputs: list[torch.Tensor], forwards: int
         for i in range(first, first + forwards):
             model(inputs[i % len(inputs)])
         flush()
-    return (time.perf_counter_ns() - start) // forwards
+    elapsed = time.perf_counter_ns() - start
+    variant.forwards_run += forwards
+    return elapsed // forwards
+
+
+def build_baseline(base: nn.Module, inputs: list[torch.Tensor], grad_context: Callable[[], Any], forwards: int,
+                   calls: int) -> torchtrace.Baseline:  # fmt: skip
+    """The drift variants' baseline: ``forwards`` traced forwards of a copy of the model on the inputs the timing
+    uses (in turn), every statistic, records kept, ``handle.baseline()``. The timed forwards are then in
+    distribution: their scores stay near 0, as a model that behaves as it did (the common case) gives."""
+    model = copy.deepcopy(base)
+    handle = torchtrace.instrument(
+        model, exporter="none", records=torchtrace.Records(max_records=(forwards + 1) * calls)
+    )
+    try:
+        with grad_context():
+            for i in range(forwards):
+                model(inputs[i % len(inputs)])
+        handle.flush()
+        return handle.baseline()
+    finally:
+        handle.remove()
 
 
 def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]], args: argparse.Namespace) -> dict:
@@ -379,7 +462,27 @@ def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]]
         torch.backends.mha.set_fastpath_enabled(False)  # same math and calls for every variant (docstring)
         factories = [*factories, make_none_fastpath]
     calls = count_calls(base, inputs[0], grad_context)
-    variants = [factory(copy.deepcopy(base)) for factory in factories]
+    chosen = set(args.variants.split(",")) | set(ALWAYS) if args.variants else None
+    baseline, baseline_forwards = None, BASELINE_FORWARDS[1 if args.quick else 0]
+    if any(isinstance(f, WithBaseline) and (chosen is None or f.name in chosen) for f in factories):
+        started = time.perf_counter()
+        baseline = build_baseline(base, inputs, grad_context, baseline_forwards, calls)
+        print(f"{name}: baseline of {baseline.forwards} forwards, {len(baseline.references)} layer statistics "
+              f"({time.perf_counter() - started:.1f} s)")  # fmt: skip
+    variants = []
+    for factory in factories:
+        if isinstance(factory, WithBaseline):
+            if chosen is None or factory.name in chosen:
+                variants.append(factory.make(copy.deepcopy(base), baseline=baseline))
+            continue
+        variant = factory(copy.deepcopy(base))
+        if chosen is None or variant.name in chosen:
+            variants.append(variant)
+        else:
+            variant.close()
+    unknown = chosen - {variant.name for variant in variants} - {"none_fastpath"} if chosen else set()
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}")
     try:
         with grad_context():
             for variant in variants:  # warm-up round, not timed (first calls, lazy imports, thread starts)
@@ -394,7 +497,32 @@ def measure_model(name: str, factories: Sequence[Callable[[nn.Module], Variant]]
         for variant in variants:
             variant.close()
         torch.backends.mha.set_fastpath_enabled(fastpath_before)
-    return report(name, variants, calls, forwards, repeats)
+    result = report(name, variants, calls, forwards, repeats)
+    if baseline is not None:
+        result["drift"] = drift_report(name, variants, baseline_forwards)
+    return result
+
+
+def drift_report(name: str, variants: list[Variant], baseline_forwards: int) -> dict:
+    """The drift variants' self-check (every forward they ran was scored) and each one against its pair."""
+    by_name = {variant.name: variant for variant in variants}
+    checks = {variant.name: variant.drift_report for variant in variants if variant.drift is not None}
+    pairs = {}
+    print(f"\n-- {name}: drift ({baseline_forwards} baseline forwards); per-round ratios, with / without a baseline")
+    for with_name, without_name in DRIFT_PAIRS.items():
+        if with_name not in by_name or without_name not in by_name:
+            continue
+        rounds = [a / b for a, b in zip(by_name[with_name].times_ns, by_name[without_name].times_ns)]
+        low, high = (min(rounds), max(rounds)) if rounds else (math.nan, math.nan)
+        ratio = statistics.median(rounds) if rounds else math.nan
+        pairs[with_name] = {"without": without_name, "ratio": round(ratio, 4),
+                            "round_ratios": [round(value, 4) for value in rounds]}  # fmt: skip
+        print(f"{with_name:<40} / {without_name:<30} median {ratio:.3f} (rounds {low:.3f}-{high:.3f})")
+    for variant_name, check in checks.items():
+        scored, forwards, on_worker = check["scored_forwards"], check["forwards"], check["scored_on_worker"]
+        print(f"{variant_name}: {scored} of {forwards} forwards scored, {on_worker} on the worker (the rest in a "
+              f"flush); {check['drifted']} layer statistics drifted at the end")  # fmt: skip
+    return {"baseline_forwards": baseline_forwards, "variants": checks, "pairs": pairs}
 
 
 def report(name: str, variants: list[Variant], calls: int, forwards: int, repeats: int) -> dict:
@@ -403,7 +531,8 @@ def report(name: str, variants: list[Variant], calls: int, forwards: int, repeat
     floor_added = medians["empty_hooks"] - none
     results: dict[str, dict[str, float | None]] = {}
     print(f"\n== {name}: {calls} module calls per forward, {forwards} forwards x {repeats} repetitions per variant")
-    header = f"{'variant':<22} {'ms/forward':>11} {'IQR':>6} {'us_per_call':>12} {'x_floor':>8} {'x_none':>7}"
+    width = max(22, *(len(variant.name) for variant in variants))
+    header = f"{'variant':<{width}} {'ms/forward':>11} {'IQR':>6} {'us_per_call':>12} {'x_floor':>8} {'x_none':>7}"
     print(header)
     print("-" * len(header))
     for variant in variants:
@@ -423,7 +552,8 @@ def report(name: str, variants: list[Variant], calls: int, forwards: int, repeat
             "x_none": round(x_none, 3),
         }
         floor_text = f"{x_floor:>8.2f}" if x_floor is not None else f"{'n/a':>8}"
-        print(f"{variant.name:<22} {median / 1e6:>11.3f} {spread} {added_per_call:>12.2f} {floor_text} {x_none:>7.3f}")
+        figures = f"{median / 1e6:>11.3f} {spread} {added_per_call:>12.2f} {floor_text} {x_none:>7.3f}"
+        print(f"{variant.name:<{width}} {figures}")
     if floor_added <= 0:
         print("note: empty hooks measured no slower than no hooks (noise): x_floor is null")
     return {"variants": results, "calls_per_forward": calls, "forwards_per_repetition": forwards, "repeats": repeats}
@@ -437,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="cheap,encoder,varlen", help="comma-separated: cheap, encoder, varlen")
     parser.add_argument("--otlp-protocol", default="http/protobuf", choices=("http/protobuf", "grpc"))
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (none, empty_hooks always)")
     parser.add_argument("--serve-discard", choices=("http/protobuf", "grpc"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_discard:
@@ -457,14 +588,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
         os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = args.otlp_protocol
         print(f"OTLP variants export to a local discard receiver at {endpoint} ({args.otlp_protocol})")
-        factories += OTLP_VARIANTS
+        factories += [*OTLP_VARIANTS, *DRIFT_VARIANTS]
         results = {name: measure_model(name, factories, args) for name in models}
+    unscored = [f"{name}: {variant}: {check['scored_forwards']} of {check['forwards']} forwards scored"
+                for name, result in results.items() if "drift" in result
+                for variant, check in result["drift"]["variants"].items()
+                if check["scored_forwards"] != check["forwards"]]  # fmt: skip
     for model_results in results.values():
         for values in model_results["variants"].values():
             for key, value in values.items():
                 if isinstance(value, float) and not math.isfinite(value):
                     values[key] = None
     print(json.dumps(results, separators=(",", ":")))
+    if unscored:  # the drift variants must have scored every forward they ran, or their timing means nothing
+        print("self-check failed: " + "; ".join(unscored), file=sys.stderr)
+        return 1
     return 0
 
 

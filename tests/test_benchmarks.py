@@ -26,6 +26,11 @@ BASE_VARIANTS = {
     "torchtrace_stats",
 }
 OTLP_VARIANTS = {"torchtrace_spans_otlp", "torchtrace_stats_otlp"}
+DRIFT_VARIANTS = {
+    "torchtrace_stats_otlp_baseline",
+    "torchtrace_stats_otlp_metrics",
+    "torchtrace_stats_otlp_metrics_baseline",
+}
 
 
 def run_benchmark(script: str, *args: str, timeout: int = 240) -> tuple[dict, str]:
@@ -47,7 +52,7 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     report, stdout = run_benchmark("overhead.py", "--quick", "--models", "cheap", "--threads", "1")
     assert set(report) == {"cheap"}
     variants = report["cheap"]["variants"]
-    expected = BASE_VARIANTS | OTLP_VARIANTS
+    expected = BASE_VARIANTS | OTLP_VARIANTS | DRIFT_VARIANTS
     assert set(variants) == expected, stdout
     for name, values in variants.items():
         assert set(values) == {"us_per_call", "x_floor", "x_none"}, name
@@ -59,6 +64,40 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     assert report["cheap"]["calls_per_forward"] == 129
     assert "cheap: 129 module calls per forward" in stdout
     assert "torch.get_num_threads() = 1 (set by --threads)" in stdout
+    # the baseline variants scored every forward they ran (the script exits 1 otherwise), on the worker at least in
+    # part (a flush inside the timed window may score the last forwards on the model's thread)
+    drift = report["cheap"]["drift"]
+    assert drift["baseline_forwards"] == 30
+    assert set(drift["variants"]) == {"torchtrace_stats_otlp_baseline", "torchtrace_stats_otlp_metrics_baseline"}
+    for name, check in drift["variants"].items():
+        assert check["forwards"] == 1 + 5 * 10 and check["scored_forwards"] == check["forwards"], (name, check)
+        assert 0 < check["scored_on_worker"] <= check["scored_forwards"], (name, check)
+        assert check["drifted"] == 0, (name, check)  # the timed forwards are the baseline's own inputs
+    assert {name: pair["without"] for name, pair in drift["pairs"].items()} == {
+        "torchtrace_stats_otlp_baseline": "torchtrace_stats_otlp",
+        "torchtrace_stats_otlp_metrics_baseline": "torchtrace_stats_otlp_metrics",
+    }
+    for name, pair in drift["pairs"].items():
+        assert len(pair["round_ratios"]) == 5 and math.isfinite(pair["ratio"]) and pair["ratio"] > 0, (name, pair)
+
+
+def test_overhead_variants_option_keeps_the_named_variants_and_the_references() -> None:
+    report, stdout = run_benchmark(
+        "overhead.py", "--quick", "--models", "cheap", "--threads", "1", "--variants", "torchtrace_stats_otlp"
+    )
+    assert set(report["cheap"]["variants"]) == {"none", "empty_hooks", "torchtrace_stats_otlp"}, stdout
+    assert "drift" not in report["cheap"] and "baseline of" not in stdout  # no baseline variant: none made
+
+
+def test_drift_scoring_benchmark_times_the_scorer_on_real_forwards() -> None:
+    """drift.py --quick (a 2-layer BertModel): the scorer timed alone and in the pipeline, mostly on the worker."""
+    pytest.importorskip("transformers")
+    report, stdout = run_benchmark("drift.py", "--quick")
+    result = report["drift_scoring"]["bert2"]
+    assert result["calls_per_forward"] == 45 and result["series"] > 0 and result["forwards"] == 8, stdout
+    for key in ("in_distribution_us", "drifted_us", "in_pipeline_us"):
+        assert result[key]["median"] > 0, (key, result)
+    assert result["in_pipeline_us"]["scored"] == 16 and result["in_pipeline_us"]["scored_on_worker"] > 0
 
 
 GPU_VARIANTS = [
