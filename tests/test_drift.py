@@ -320,3 +320,28 @@ def test_torchtrace_baseline_makes_the_same_baseline_from_trace_files(tmp_path: 
     assert from_files.references == live.references and from_files.layers == live.layers
     assert from_files.parameters is None and live.parameters == 30  # trace files do not carry it
     assert from_files.fingerprint == live.fingerprint
+
+
+def test_zero_code_tracing_scores_the_model_the_baseline_is_of_and_logs_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As docs/drift.md says: TORCHTRACE_BASELINE applies to every model the process runs."""
+    from torchtrace.instrumentation import TorchInstrumentor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    monkeypatch.setenv("TORCHTRACE_BASELINE", str(_linear_baseline(model).save(tmp_path / "baseline.json")))
+    other = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    instrumentor = TorchInstrumentor()
+    instrumentor.instrument(exporter="none")
+    try:
+        model(torch.randn(8, 4))
+        outputs = [other(torch.ones(1, 4)) for _ in range(3)]  # refused once, then runs untraced
+        (handle,) = instrumentor.handles
+        assert handle.model is model and handle.drift().layers
+        assert instrumentor.errors == 1
+        with torch.no_grad():
+            assert torch.equal(outputs[-1], other[0](torch.ones(1, 4)))
+        assert "could not instrument Sequential" in caplog.text and "is not of this model" in caplog.text
+    finally:
+        instrumentor.uninstrument()

@@ -179,9 +179,11 @@ class TorchInstrumentor(BaseInstrumentor):
             if not self._traceable(module):
                 _see(module)
                 return
-            self._keep(_handle.instrument(module, **self._options))
-            for sub in module.modules():
-                _see(sub)
+            try:
+                self._keep(_handle.instrument(module, **self._options))
+            finally:  # traced, or refused (logged once): decided either way, not tried again at each call
+                for sub in module.modules():
+                    _see(sub)
 
 
 MAX_GONE_HANDLES = 32  # handles of models already gone, kept for the exit summaries
