@@ -156,8 +156,10 @@ def _print_config(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRACES_HELP = "trace files of the file exporter: files (rotated parts included), directories or globs"
+
+
 def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
-    traces_help = "trace files of the file exporter: files (rotated parts included), directories or globs"
     summary = subcommands.add_parser(
         "summary",
         help="print the per-layer table of trace files",
@@ -166,51 +168,53 @@ def _add_trace_file_commands(subcommands: argparse._SubParsersAction) -> None:
             "that handle.summary() prints: calls, total / mean / p95 time, share of the forward."
         ),
     )
-    summary.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
+    summary.add_argument("traces", nargs="+", metavar="TRACES", help=_TRACES_HELP)
     summary.add_argument("--limit", type=_positive_int, metavar="N", help="the N slowest layers only")
     summary.set_defaults(handler=_print_file_summary)
-    perfetto = subcommands.add_parser(
-        "perfetto",
+    perfetto = _writer(
+        subcommands, "perfetto", "trace.json",
         help="convert trace files to Chrome trace-event JSON for ui.perfetto.dev",
         description=(
             "Writes the spans of OTLP JSON lines trace files as Chrome trace-event JSON: nested complete slices, "
             "a process per service and rank, a thread per trace, statistics and ids as slice args. Open it in "
             "https://ui.perfetto.dev or chrome://tracing."
         ),
-    )
-    perfetto.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
-    perfetto.add_argument("-o", "--output", default="trace.json", metavar="PATH", help="default: trace.json")
+    )  # fmt: skip
     perfetto.set_defaults(handler=_write_perfetto)
-    report = subcommands.add_parser(
-        "report",
+    report = _writer(
+        subcommands, "report", "report.html",
         help="write one self-contained HTML report of trace files",
         description=(
             "Writes one HTML file that opens offline (every script inline): an overview, the per-layer table, a "
             "timeline of the slowest, a typical and every error / NaN trace, a layers x forwards heatmap of "
             "activation statistics, per-module line charts and NaN/Inf provenance."
         ),
-    )
-    report.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
-    report.add_argument("-o", "--output", default="report.html", metavar="PATH", help="default: report.html")
+    )  # fmt: skip
     report.add_argument(
         "--baseline",
         metavar="PATH",
         help="a drift baseline (torchtrace baseline): mark the layers of its model that drifted from it",
     )
     report.set_defaults(handler=_write_report)
-    baseline = subcommands.add_parser(
-        "baseline",
+    baseline = _writer(
+        subcommands, "baseline", "baseline.json",
         help="write a drift baseline of a model from trace files",
         description=(
             "Reads OTLP JSON lines trace files of a model known to be good and writes its baseline: per layer and "
             "statistic (mean, std, abs_max, zero_fraction of each output), the distribution of the values, and the "
             "model's class and layers. instrument(model, baseline=PATH) scores later calls against it."
         ),
-    )
-    baseline.add_argument("traces", nargs="+", metavar="TRACES", help=traces_help)
-    baseline.add_argument("-o", "--output", default="baseline.json", metavar="PATH", help="default: baseline.json")
+    )  # fmt: skip
     baseline.add_argument("--model", metavar="CLASS", help="the model's class name, where the files hold several")
     baseline.set_defaults(handler=_write_baseline)
+
+
+def _writer(subcommands: argparse._SubParsersAction, name: str, output: str, **texts: str) -> argparse.ArgumentParser:
+    """A command that reads trace files and writes one file (``-o``, default ``output``)."""
+    parser = subcommands.add_parser(name, **texts)
+    parser.add_argument("traces", nargs="+", metavar="TRACES", help=_TRACES_HELP)
+    parser.add_argument("-o", "--output", default=output, metavar="PATH", help=f"default: {output}")
+    return parser
 
 
 def _print_file_summary(args: argparse.Namespace) -> int:
