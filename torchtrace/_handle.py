@@ -20,10 +20,10 @@ from torchtrace._capture import replaced as _replaced
 from torchtrace._capture.buffer import RecordBuffer
 from torchtrace._capture.comm import is_ddp, unwatch_ddp, watch_ddp
 from torchtrace._capture.copies import follow_copies
-from torchtrace._capture.recorder import HookRecorder
+from torchtrace._capture.recorder import HookRecorder, warn_compiled_modules
 from torchtrace._capture.selection import is_compiled_module, select_modules, type_name
 from torchtrace._capture.steps import StepRecord, StepTracker
-from torchtrace._capture.traced_forward import can_wrap, wrap_forward
+from torchtrace._capture.traced_forward import can_wrap, compiled_call, wrap_compiled_call, wrap_forward
 from torchtrace._core import settings
 from torchtrace._core import signals as _signals
 from torchtrace._core.baseline import DRIFT_STATS, Baseline, BaselineBuilder
@@ -80,6 +80,7 @@ class TraceHandle:
         self._hook_handles: list = []
         self._handles_by_index: dict[int, list] = {}  # a traced module's (index into modules) hooks and entries
         self._warned_replaced = False
+        self._warned_compiled_after = False
         self._optimizer_hooks: list = []
         self._export_sinks: list = []
         self.metrics: Any = None
@@ -129,21 +130,10 @@ class TraceHandle:
         self._recorder.model_ref = weakref.ref(roots[0]) if roots else None
         # the root's hooks last: a forward other threads start meanwhile is traced whole or not at all (before
         # them, its submodules see its call on the stack: _inside_unseen_model_call)
+        self._module_refs = [weakref.ref(module) for module, _ in selected]
+        on_compile = weakref.WeakMethod(self._on_compiled)
         for index, (module, info) in reversed(list(enumerate(selected))):
-            # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
-            if info.path and can_wrap(module):
-                added = [wrap_forward(module, *self._recorder.traced_forward(index))]
-                hook_ids: frozenset[int] = frozenset()
-            else:
-                pre = self._recorder.forward_pre_hook(index)
-                post = self._recorder.forward_post_hook(index)
-                added = [module.register_forward_pre_hook(pre, with_kwargs=with_kwargs),
-                         module.register_forward_hook(post, always_call=True)]  # fmt: skip
-                hook_ids = frozenset(handle.id for handle in added)
-            # its copies run themselves: pickled or copied untraced, DataParallel's replicas traced
-            added.append(follow_copies(module, hook_ids))
-            self._hook_handles += added
-            self._handles_by_index[index] = added
+            self._trace(index, module, info, with_kwargs, on_compile)
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
         self._model_ref = weakref.ref(model)
         self.model_name = type_name(model)  # kept after the model is gone (summaries printed at exit)
@@ -157,6 +147,47 @@ class TraceHandle:
         self._dispatcher.start()
         if settings.current().handle_sigterm:
             _signals.hold(self, self._flush_within)
+
+    def _trace(self, index: int, module: torch.nn.Module, info: Any, with_kwargs: bool, on_compile: Any) -> None:
+        """Puts module ``index``'s tracing in: its traced forward, its compiled call or torch's hooks, and its
+        instance entries (copies, ``compile()``)."""
+        if info.path and compiled_call(module) is not None:  # module.compile(): around its compiled call (selection)
+            added: list = [wrap_compiled_call(module, self._recorder.traced_compiled_call(index))]
+            hook_ids: frozenset[int] = frozenset()
+        # the model's root keeps torch's hooks: they run outside a torch.compile'd region (region-level spans)
+        elif info.path and can_wrap(module):
+            added = [wrap_forward(module, *self._recorder.traced_forward(index))]
+            hook_ids = frozenset()
+        else:
+            pre = self._recorder.forward_pre_hook(index)
+            post = self._recorder.forward_post_hook(index)
+            added = [module.register_forward_pre_hook(pre, with_kwargs=with_kwargs),
+                     module.register_forward_hook(post, always_call=True)]  # fmt: skip
+            hook_ids = frozenset(handle.id for handle in added)
+        # its copies run themselves: pickled or copied untraced, DataParallel's replicas traced; compile() followed
+        watch = info.path and not is_compiled_module(module)  # the model's own compile() keeps its hooks
+        added.append(follow_copies(module, hook_ids, on_compile if watch else None))
+        self._hook_handles += added
+        self._handles_by_index[index] = added
+
+    def _on_compiled(self, module: torch.nn.Module) -> None:
+        """``module.compile()`` on a traced module after instrument(): from its next call it is traced as a whole,
+        around its compiled call, and the traced modules inside it no longer are (as where it was compiled before
+        instrument(): see ``selection.compiled_alone``); warned once per handle."""
+        index = next((i for i, ref in enumerate(self._module_refs) if ref() is module), None)
+        if self._removed or index is None or index not in self._handles_by_index:
+            return  # a copy of a traced module, or one no longer traced
+        path = self._recorder.modules[index].path
+        prefix = path + "."
+        inside = [i for i, info in enumerate(self._recorder.modules) if info.path.startswith(prefix)]
+        for stale in [index, *inside]:
+            for handle in self._handles_by_index.pop(stale, ()):
+                handle.remove()
+        self._trace(index, module, self._recorder.modules[index], self.options.stats.inputs,
+                    weakref.WeakMethod(self._on_compiled))  # fmt: skip
+        if not self._warned_compiled_after:
+            self._warned_compiled_after = True
+            warn_compiled_modules([path], stacklevel=4, after=True)
 
     def _on_replaced(self, path: str, new: Any) -> None:
         """Another module was put where the traced one at ``path`` was: it and the traced modules under it stop

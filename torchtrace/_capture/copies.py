@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchtrace._capture.traced_forward import EntriesHandle, TracedForward, copy_in
+from torchtrace._capture.traced_forward import EntriesHandle, TracedCompiledCall, TracedForward, copy_in
 
 # torch's forward-hook dicts, keyed by hook id: the hooks themselves, then the flags kept beside them
 _HOOK_DICTS = (
@@ -76,6 +76,8 @@ class UntracedState(_EntryOfModule):
         state = dict(state)  # the class's may be the instance dict itself: never edit that
         if isinstance(state.get("forward"), TracedForward):
             del state["forward"]
+        if isinstance(state.get("_compiled_call_impl"), TracedCompiledCall):
+            state["_compiled_call_impl"] = state["_compiled_call_impl"].compiled  # as module.compile() left it
         _drop_entries(state)
         for name in _HOOK_DICTS:
             hooks = state.get(name)
@@ -103,7 +105,30 @@ class TracedReplicas(_EntryOfModule):
         return replica
 
 
-_ENTRIES = ("__getstate__", "_replicate_for_data_parallel")  # what a traced module's instance dict gets here
+class CompileWatch(_EntryOfModule):
+    """``module.compile`` while traced: torch's ``nn.Module.compile``, then ``on_compile(module)`` (weakly held: the
+    handle's), which traces the module as a whole from then on (see ``selection.compiled_alone``). A module is
+    compiled so before its first call: no call of it is checked for this."""
+
+    __slots__ = ("on_compile",)
+
+    def __init__(self, module: torch.nn.Module, on_compile: weakref.WeakMethod) -> None:
+        super().__init__(module)
+        self.on_compile = on_compile
+
+    def of(self, module: torch.nn.Module) -> CompileWatch:
+        return CompileWatch(module, self.on_compile)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        module = self.module()
+        type(module).compile(module, *args, **kwargs)
+        on_compile = self.on_compile()
+        if on_compile is not None:
+            on_compile(module)
+
+
+# what a traced module's instance dict gets here
+_ENTRIES = ("__getstate__", "_replicate_for_data_parallel", "compile")
 
 
 def _drop_entries(entries: dict[str, Any]) -> None:
@@ -112,13 +137,18 @@ def _drop_entries(entries: dict[str, Any]) -> None:
             del entries[name]
 
 
-def follow_copies(module: torch.nn.Module, hook_ids: frozenset[int]) -> EntriesHandle:
+def follow_copies(
+    module: torch.nn.Module, hook_ids: frozenset[int], on_compile: weakref.WeakMethod | None = None
+) -> EntriesHandle:
     """Makes copies of ``module`` run themselves: pickled or copied untraced, replicated traced (see above);
-    ``hook_ids``: the ids of torchtrace's hooks on it. An entry the instance already has of its own is kept (the
-    module then pickles, or replicates, as before)."""
+    ``hook_ids``: the ids of torchtrace's hooks on it; ``on_compile``: called after ``module.compile()`` (see
+    ``CompileWatch``). An entry the instance already has of its own is kept (the module then pickles, or
+    replicates, or compiles, as before)."""
     entries: dict[str, Any] = {"__getstate__": UntracedState(module, hook_ids)}
     if isinstance(module.__dict__.get("forward"), TracedForward):
         entries["_replicate_for_data_parallel"] = TracedReplicas(module)
+    if on_compile is not None:
+        entries["compile"] = CompileWatch(module, on_compile)
     entries = {name: entry for name, entry in entries.items() if name not in module.__dict__}
     module.__dict__.update(entries)  # not nn.Module.__setattr__: plain attributes, set without its checks
     return EntriesHandle(module, entries)

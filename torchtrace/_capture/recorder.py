@@ -372,6 +372,61 @@ class HookRecorder:
         )  # fmt: skip
         return native, context
 
+    def traced_compiled_call(self, index: int) -> Callable[..., Any]:
+        """The body of module ``index``'s ``TracedCompiledCall`` (a module compiled with ``module.compile()``):
+        ``body(module_ref, compiled, *args, **kwargs)``. torch calls it eagerly, before the compiled code: it records
+        the call as ``traced_forward``'s Python body does, around ``compiled`` (the modules inside it are not
+        traced: the compiled code runs them). Not the hot path of uncompiled models: each call of a compiled module
+        costs dynamo's guards first."""
+        local = self._local
+        perf_counter_ns = time.perf_counter_ns
+        input_work = self._input_work
+        output_work = self._output_work
+        pre, post = self.forward_pre_hook(index), self.forward_post_hook(index)
+        mark_call_start = self._mark_start
+
+        def call(module_ref: Any, compiled: Any, *args: Any, **kwargs: Any) -> Any:
+            if _dynamo_compiling() or _compiler._is_compiling_flag:  # a compiled model calling it: dynamo inlines
+                return compiled(*args, **kwargs)
+            module = module_ref()
+            if module is None:  # torch's compiled call holds its module: only a call kept apart from it
+                return compiled(*args, **kwargs)
+            try:
+                state = local.state
+            except AttributeError:
+                state = None
+            if state is None or not state.stack:  # no traced forward open here: this call begins one
+                return _through_hooks(pre, post, module, _CallCompiled(compiled), args, kwargs)
+            if state.skip_depth:  # inside a forward that is not traced
+                return compiled(*args, **kwargs)
+            forward, stack = state.forward, state.stack
+            position = len(forward.start)
+            forward.module.append(index)
+            forward.parent.append(stack[-1])
+            forward.start.append(0)
+            forward.end.append(None)
+            if input_work:
+                _run_work(input_work, INPUTS, forward, position, module, args, kwargs)
+            stack.append(position)
+            if state.timer is not None:
+                mark_call_start(index, module, args, state.timer, forward, position)
+            forward.start[position] = perf_counter_ns()
+            try:
+                output = compiled(*args, **kwargs)
+            except BaseException as error:
+                call_failed(state, forward, position, perf_counter_ns(), error, module, args, output_work)
+                raise
+            end = perf_counter_ns()
+            _pop_to(state, forward, position, end)
+            forward.end[position] = end
+            if state.timer is not None:
+                mark_end(state, forward, position)
+            if output_work:
+                _run_work(output_work, OUTPUTS, forward, position, module, args, output)
+            return output
+
+        return call
+
     def forward_post_hook(self, index: int):
         local = self._local
         thread_state = self._thread_state
@@ -686,6 +741,18 @@ def _through_hooks(pre: Any, post: Any, module: torch.nn.Module, function: Any, 
     return output
 
 
+class _CallCompiled:
+    """A compiled call (it takes no module) where ``_through_hooks`` calls ``function(module, *args, **kwargs)``."""
+
+    __slots__ = ("compiled",)
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def __call__(self, _module: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
 def mark_start(timer: Any, forward: RawForward, position: int) -> None:
     """A call's start event (none where it cannot be recorded: the call keeps its host times)."""
     event = timer.mark()
@@ -841,6 +908,23 @@ def warn_region_level(model_name: str) -> None:
         "Run it uncompiled for per-module spans.",
         RuntimeWarning,
         stacklevel=4,
+    )
+
+
+def warn_compiled_modules(paths: list[str], stacklevel: int = 5, after: bool = False) -> None:
+    """Modules of the model compiled on their own (the per-block recipe): said once per instrument(), and once for
+    those compiled after it (``after``: the first one named)."""
+    if after:
+        named, verb = f"{paths[0]} (and any module compiled after it)", "was compiled after instrument()"
+    else:
+        named = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        verb = "is compiled on its own" if len(paths) == 1 else "are compiled on their own"
+    warnings.warn(
+        f"torchtrace: {named} {verb} (module.compile() or torch.compile(module)): each such module is traced as a "
+        "whole, outside its compiled code (one span per call, with its output statistics); the modules inside it "
+        "are not traced.",
+        RuntimeWarning,
+        stacklevel=stacklevel,
     )
 
 

@@ -7,7 +7,8 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from torchtrace._capture.recorder import ModuleInfo, warn_region_level
+from torchtrace._capture.recorder import ModuleInfo, warn_compiled_modules, warn_region_level
+from torchtrace._capture.traced_forward import compiled_call
 from torchtrace._core.options import Options
 
 
@@ -16,9 +17,19 @@ def is_compiled_module(model: torch.nn.Module) -> bool:
     return type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod")
 
 
+def compiled_alone(module: torch.nn.Module) -> bool:
+    """A module compiled on its own inside a model: ``module.compile()`` (the per-block recipe), or
+    ``torch.compile(module)`` put in its place (an OptimizedModule). It is traced as a whole, the modules inside it
+    not at all: a traced forward of theirs, one object per module, would be guarded by dynamo in each block's
+    compiled code, a graph per block (see docs/training.md)."""
+    return compiled_call(module) is not None or is_compiled_module(module)
+
+
 def type_name(module: torch.nn.Module) -> str:
     """The module's class name as its user wrote it: FSDP2's ``fully_shard`` swaps the class of a module for a
     generated subclass named ``FSDP<its class>``; spans, metrics and summaries name the class it was made from."""
+    if is_compiled_module(module):
+        return type_name(module._orig_mod)
     cls = type(module)
     fsdp = sys.modules.get("torch.distributed.fsdp")  # only where FSDP2 can be in use: never imported for it
     generated = getattr(fsdp, "FSDPModule", None) if fsdp is not None else None
@@ -39,7 +50,12 @@ def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module  # paths as in the user's model, without DDP's "module." prefix
     selected = []
+    compiled: list[str] = []  # paths of the modules compiled on their own: nothing under them is traced
     for path, module in model.named_modules():
+        if compiled and path.startswith(compiled[-1] + "."):
+            continue
+        if path and compiled_alone(module):  # the model itself compiled (model.compile()): region level, as above
+            compiled.append(path)
         depth = path.count(".") + 1 if path else 0
         if options.max_depth is not None and depth > options.max_depth:
             continue
@@ -50,6 +66,8 @@ def select_modules(model: torch.nn.Module, options: Options) -> list[tuple[torch
         if any(fnmatchcase(path, pattern) for pattern in options.exclude):
             continue
         selected.append((module, ModuleInfo(path=path, type_name=type_name(module), depth=depth)))
+    if compiled:
+        warn_compiled_modules(compiled)
     if not selected:
         raise ValueError(
             f"no module of {type(model).__name__} matches include={list(options.include)}, "

@@ -106,6 +106,53 @@ def wrap_forward(module: torch.nn.Module, body: Callable[..., Any], context: Any
     return EntriesHandle(module, {"forward": traced})
 
 
+def compiled_call(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """What ``module.compile()`` set: the module's call compiled (``torch.compile(module._call_impl)``), which
+    ``nn.Module.__call__`` runs in place of its own while set; None for a module never compiled so."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+class TracedCompiledCall(functools.partial):
+    """``module._compiled_call_impl`` while traced (a module compiled with ``module.compile()``):
+    ``body(module_ref, compiled, *args, **kwargs)``, where ``compiled`` is the compiled call torch set. torch calls it
+    from ``nn.Module.__call__`` before any compiled code runs, so the call is traced outside the compiled region,
+    around it, and the module's forward, hooks and submodules stay untouched for dynamo (identical blocks compile to
+    one graph, as untraced)."""
+
+    __slots__ = ()
+
+    @property
+    def compiled(self) -> Callable[..., Any]:
+        return self.args[1]
+
+    def __repr__(self) -> str:
+        return f"<torchtrace traced compiled call: {self.compiled!r}>"
+
+
+class CompiledCallHandle:
+    """Puts the compiled call back in place of ours (as ``EntriesHandle`` takes ours out); idempotent. A compiled
+    call set over ours since (``module.compile()`` again) is left alone."""
+
+    __slots__ = ("_module_ref", "_traced")
+
+    def __init__(self, module: torch.nn.Module, traced: TracedCompiledCall) -> None:
+        self._module_ref = weakref.ref(module)
+        self._traced = traced
+
+    def remove(self) -> None:
+        module = self._module_ref()
+        if module is not None and module.__dict__.get("_compiled_call_impl") is self._traced:
+            module.__dict__["_compiled_call_impl"] = self._traced.compiled
+
+
+def wrap_compiled_call(module: torch.nn.Module, body: Callable[..., Any]) -> CompiledCallHandle:
+    """Makes ``body`` the module's compiled call, around the one ``module.compile()`` set (``compiled_call(module)``
+    must not be None)."""
+    traced = TracedCompiledCall(body, weakref.ref(module), compiled_call(module))
+    module.__dict__["_compiled_call_impl"] = traced  # as nn.Module.__setattr__ sets it: a plain attribute
+    return CompiledCallHandle(module, traced)
+
+
 def class_forward(module: torch.nn.Module) -> Callable[..., Any]:
     """What ``module.forward`` calls without ours, taking the module first: its class's forward as it is now, which a
     library (or ``mock.patch.object``) may have replaced since the module was traced."""
