@@ -282,12 +282,18 @@ def test_ddp_exports_every_rank_to_a_receiver_and_reports_json_last() -> None:
 
 def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:
     """Four gloo ranks, each policy: under "auto" the median rank sends its step and phase spans only, rank 0 all of
-    them; under "all" every rank sends every module span."""
+    them; under "all" every rank sends every module span. Series, from each rank's scrape: under "auto" rank 0
+    exports every module's, every other rank (the straggler and the NaN's rank among them) its model-level ones."""
     report, stdout = run_benchmark("ranks.py", "--ranks", "4", "--steps", "6", timeout=400)
     rows = {row["policy"]: row for row in report["ranks"]}
     assert rows["auto"]["spans_per_rank_step"] < rows["all"]["spans_per_rank_step"] / 3, stdout
     assert rows["auto"]["max_spans_per_rank_step"] == rows["all"]["max_spans_per_rank_step"]  # rank 0: everything
     assert report["projection"]["1000"]["auto"] < report["projection"]["1000"]["all"] / 3
+    every, auto = rows["all"], rows["auto"]
+    assert every["series_rank0"] == every["series_per_other_rank"] == every["max_series_other_rank"] > 300, stdout
+    assert auto["series_rank0"] == every["series_rank0"] + 4  # + its rank detail steps, by reason
+    assert auto["series_per_other_rank"] == auto["max_series_other_rank"] == 43, stdout  # model-level only
+    assert report["series_projection"]["1000"]["auto"] < report["series_projection"]["1000"]["all"] / 5
 
 
 def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None:

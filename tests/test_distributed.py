@@ -232,6 +232,9 @@ def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_me
         return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
 
     assert comm_seconds(scraped[1], 1) < comm_seconds(scraped[0], 0)  # the straggler panel's signal
+    # rank detail "all" (the default below 64 ranks): every rank its per-module series, no rank detail counts
+    assert all(module_series(scraped[rank]) for rank in range(2))
+    assert "torchtrace_rank_detail_steps" not in scraped[0] + scraped[1]
 
 
 USER_COMM_HOOK_JOB = """
@@ -504,17 +507,46 @@ def test_a_nan_is_detailed_where_it_started_not_where_the_all_reduce_carried_it(
     assert reasons([_facts(0.1), _facts(0.1, raised=True)], 1, frozenset(), False) == ("raised",)
 
 
+def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: int, timeout: float) -> dict[int, str]:
+    """Each rank's /metrics (port ``base`` + its local rank) once it holds all ``steps`` (examples/ddp_train.py
+    ``--linger`` keeps serving after training), by rank."""
+    scraped: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(scraped) < ranks and time.monotonic() < deadline and process.poll() is None:
+        for rank in set(range(ranks)) - set(scraped):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=2) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue
+            if f'torchtrace_step_duration_seconds_count{{model="Sequential",rank="{rank}"}} {steps}.0' in text:
+                scraped[rank] = text
+        time.sleep(0.3)
+    return scraped
+
+
+def module_series(text: str) -> set[str]:
+    """The per-module samples of a scrape (labelled with a module) other than the model root's own."""
+    return {line.split(" ")[0] for line in text.splitlines()
+            if not line.startswith("#") and "module=" in line and 'module="Sequential"' not in line}  # fmt: skip
+
+
 def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_each_step():
     """8 gloo ranks, a straggler at step 1 (rank 3) and a NaN starting on rank 5 at step 2: every rank sends its step
     spans every step, one trace a step; module spans come from rank 0, rank 3 at step 1, rank 5 at step 2, and no
-    other (at step 3 every rank holds the NaN, through the all-reduce: none is where it started)."""
+    other (at step 3 every rank holds the NaN, through the all-reduce: none is where it started).
+
+    Metrics, scraped from every rank's endpoint: per-module series from rank 0 (the detail rank) only; ranks 3 and
+    5 sent module spans in a step but keep their model-level series (the model root's row, step and comm wait) and
+    count the step they explained by reason, so their series stay as few as any other rank's."""
     ranks, steps = 8, 4
+    base = free_port(ranks)
     with OtlpHttpReceiver() as receiver:
-        finish(
-            torchrun(ranks, receiver, f"--steps={steps}", "--step-ms=300", "--delay-rank=3", "--delay-step=1",
-                     "--delay-ms=1500", "--nan-rank=5", "--nan-step=2", TORCHTRACE_RANK_DETAIL="auto"),
-            timeout=300,
-        )  # fmt: skip
+        process = torchrun(ranks, receiver, f"--steps={steps}", "--step-ms=300", "--delay-rank=3", "--delay-step=1",
+                           "--delay-ms=1500", "--nan-rank=5", "--nan-step=2", "--linger=20", metrics_port=base,
+                           TORCHTRACE_RANK_DETAIL="auto")  # fmt: skip
+        scraped = scrape_every_rank(process, base, ranks, steps, timeout=280)
+        finish(process, timeout=300)
         spans = spans_by_rank(receiver)
     step_of_trace = {}
     detail = {}
@@ -535,6 +567,34 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
     assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite" and detail[0, 0] == "rank"
     assert all(detail[rank, step] == "none" for rank in range(1, ranks) for step in range(steps)
                if (rank, step) not in expected)  # fmt: skip
+
+    assert set(scraped) == set(range(ranks)), "every rank's endpoint served its steps"
+    assert 'module="0"' in scraped[0] and len(module_series(scraped[0])) > 20  # rank 0: every module, every family
+    for rank in (3, 5, 1, 2, 4, 6, 7):  # the straggler and the NaN's rank first
+        assert module_series(scraped[rank]) == set(), (rank, sorted(module_series(scraped[rank]))[:5])
+        assert not re.search(r"torchtrace_module_call_duration_seconds_bucket\{", scraped[rank]), rank
+    samples = [line for line in scraped[3].splitlines() if line.startswith("torchtrace_")]
+    assert len(samples) == len([line for line in scraped[1].splitlines() if line.startswith("torchtrace_")])
+
+    def value(rank: int, name: str, **labels: str) -> float:
+        wanted = {"model": "Sequential", "rank": str(rank), **labels}
+        for line in scraped[rank].splitlines():
+            found = re.fullmatch(r"(\w+)\{(.*)\} (\S+)", line)
+            if found and found[1] == name and dict(re.findall(r'(\w+)="([^"]*)"', found[2])) == wanted:
+                return float(found[3])
+        raise AssertionError(f"no {name}{wanted} in rank {rank}'s scrape")
+
+    def reason(rank: int, why: str) -> float:
+        return value(rank, "torchtrace_rank_detail_steps_total", reason=why)
+
+    assert reason(3, "straggler") == 1 and reason(5, "nonfinite") == 1 and reason(0, "rank") == steps
+    assert reason(1, "straggler") == reason(1, "nonfinite") == reason(3, "nonfinite") == 0
+    root = {"module": "Sequential", "module_type": "Sequential"}  # the model root's own row: its forward, every step
+    for rank in range(ranks):
+        assert value(rank, "torchtrace_module_calls_total", **root) == steps, rank
+        assert value(rank, "torchtrace_comm_wait_seconds_total") > 0, rank
+    assert value(5, "torchtrace_output_nan_values_total", **root) > 0  # the NaN's rank: its output counted
+    assert value(4, "torchtrace_output_nan_values_total", **root) > 0  # at step 3, through the all-reduce
 
 
 def test_rank_detail_is_auto_from_64_ranks_unless_asked_and_validated_at_instrument(monkeypatch):

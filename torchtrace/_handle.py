@@ -107,8 +107,16 @@ class TraceHandle:
                  *options.sinks]  # fmt: skip
         metrics = sys.modules.get("torchtrace._sinks.metrics")  # imported once a MetricsSink exists
         for sink in [*metrics_sinks, *options.sinks]:
-            if self._drift is not None and metrics is not None and isinstance(sink, metrics.MetricsSink):
+            if metrics is None or not isinstance(sink, metrics.MetricsSink):
+                continue
+            if self._drift is not None:
                 sink.drift = self._drift  # exposes the drift scores
+            # rank_detail="auto": a rank outside detail_ranks keeps its model-level series only, whatever steps it
+            # sends module spans of (a straggler's, a NaN's): its series stay bounded however long the job runs
+            sink.rank_detail = None
+            if self._rank_detail is not None:
+                detailed = self._rank_detail.rank in self._rank_detail.detail_ranks
+                sink.rank_detail = metrics.DETAIL_RANK if detailed else metrics.MODEL_ONLY
         self._dispatcher = Dispatcher(
             self.buffer,
             modules,

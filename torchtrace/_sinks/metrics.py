@@ -18,6 +18,12 @@ Cardinality is bounded by design (see docs/metrics.md):
 
 With step tracing: the step duration histogram (exemplars link to the step's trace), the latest gradient norm
 per module (from its backward span), and how often each module was the first to produce NaN/Inf.
+
+Under ``Training(rank_detail="auto")`` (large jobs) a rank outside ``detail_ranks`` sends the module spans of the
+steps it explains (a straggler, a NaN's first rank), but its series must not grow with them: over a long job every
+rank is detailed now and then, and series live on. ``instrument()`` sets ``rank_detail``: on such a rank only the
+model-level series and the model root's own row are kept (its forward every step: its time, errors and output
+NaN/Inf), and every auto rank counts the steps it was detailed in, by reason (a NaN that started there included).
 """
 
 from __future__ import annotations
@@ -43,9 +49,16 @@ from prometheus_client.utils import floatToGoString
 
 from torchtrace._core.calls import ModuleCall, NonFiniteError
 from torchtrace._core.ranks import rank_info
-from torchtrace.attributes import COMM_SECONDS, GRAD_OUTPUT_PREFIX, OUTPUT_PREFIX, WORLD_SIZE, main_output_prefix
+from torchtrace.attributes import (
+    COMM_SECONDS,
+    GRAD_OUTPUT_PREFIX,
+    OUTPUT_PREFIX,
+    RANK_DETAIL,
+    WORLD_SIZE,
+    main_output_prefix,
+)
 
-__all__ = ["DEFAULT_DURATION_BUCKETS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
+__all__ = ["DEFAULT_DURATION_BUCKETS", "DETAIL_REASONS", "OVERFLOW_MODULE", "OUTPUT_STATS", "MetricsSink"]
 
 OVERFLOW_MODULE = "__other__"
 # Module calls range from a few microseconds (an activation) to seconds (a whole model on CPU).
@@ -59,6 +72,11 @@ OUTPUT_STATS: dict[str, tuple[str, str, str]] = {
     "abs_max": ("output_abs_max", "", "Largest absolute value of the module's main output tensor, latest call."),
     "zero_fraction": ("output_zero", "ratio", "Fraction of zeros in the module's main output tensor, latest call."),
 }
+# why a rank sent its module spans of a step under rank_detail="auto" (the step span's torchtrace.rank.detail)
+DETAIL_REASONS = ("rank", "straggler", "nonfinite", "raised")
+# MetricsSink.rank_detail: under rank_detail="auto", a rank of detail_ranks (every series), or any other rank
+# (model-level series and the model root's row only)
+DETAIL_RANK, MODEL_ONLY = "detail", "model"
 _OUTPUT_PREFIX = OUTPUT_PREFIX
 _GRAD_OUTPUT_PREFIX = GRAD_OUTPUT_PREFIX + "."
 
@@ -223,6 +241,11 @@ class MetricsSink(Collector):
         self._watched: list[_Watched] = []
         self._owner: weakref.ref | None = None  # the handle whose calls this sink aggregates
         self.drift: Any = None  # the handle's DriftScorer (instrument(baseline=)): its scores are exposed too
+        # set by instrument() under Training(rank_detail="auto"): DETAIL_RANK or MODEL_ONLY (then module calls other
+        # than the model root's are not aggregated, whatever steps they come from); None: every series
+        self.rank_detail: str | None = None
+        self._detail_steps = {reason: 0 for reason in DETAIL_REASONS}  # steps this rank was detailed in, by reason
+        self._detail_exemplars: dict[str, _RawExemplar] = {}  # reason -> the latest such step's span
         if registry is not None:
             registry.register(self)
 
@@ -232,16 +255,31 @@ class MetricsSink(Collector):
         with self._lock:
             if self.model is None:
                 self.model = next((c.type_name for c in calls if c.path == "" and c.kind == "forward"), None) or "model"
+            model_only = self.rank_detail == MODEL_ONLY
             for call in calls:
                 kind = call.kind
                 if kind == "forward":
-                    self._add(call)
+                    if not model_only or call.path == "":  # the model root: every step, detailed or not
+                        self._add(call)
                 elif kind == "backward":
-                    self._add_backward(call)
+                    if not model_only:  # a rank's module backward spans come with its detailed steps only
+                        self._add_backward(call)
                 elif kind == "step" and WORLD_SIZE not in call.attributes:  # not the all-ranks root
                     _observe(self._steps, self.bucket_bounds, call)
                     self._comm_seconds += call.attributes.get(COMM_SECONDS, 0.0)
+                    detail = call.attributes.get(RANK_DETAIL)
+                    if detail is not None:
+                        self._count_detail(str(detail), call)
             self._recorded += len(calls)
+
+    def _count_detail(self, detail: str, step: ModuleCall) -> None:
+        """A step span's ``torchtrace.rank.detail`` ("none", "rank", "straggler,nonfinite"...): counted by reason,
+        the step's trace kept as the reason's exemplar."""
+        for reason in detail.split(","):
+            if reason in self._detail_steps:
+                self._detail_steps[reason] += 1
+                if step.trace_flags & 1:
+                    self._detail_exemplars[reason] = (step.trace_id, step.span_id, 1.0, step.end_ns)
 
     def _path(self, call: ModuleCall) -> _PathEntry:
         path = self._paths.get(call.path)
@@ -302,11 +340,14 @@ class MetricsSink(Collector):
         state = self._modules.get((label, type_name))
         if state is None:
             state = self._modules[(label, type_name)] = _ModuleState(type_name)
+        slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
+        if self.rank_detail == MODEL_ONLY:  # the root's row, no duration histogram: the step histogram is the rank's
+            detached = _HistogramState([0] * slots, [None] * slots)
+            return _PathEntry(state, detached, state_is_named=label != OVERFLOW_MODULE)
         if type_name not in self._histograms and len(self._histograms) >= self.max_module_labels:
             type_name = OVERFLOW_MODULE
         histogram = self._histograms.get(type_name)
         if histogram is None:
-            slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
             histogram = self._histograms[type_name] = _HistogramState([0] * slots, [None] * slots)
         return _PathEntry(state, histogram, state_is_named=label != OVERFLOW_MODULE)
 
@@ -359,6 +400,8 @@ class MetricsSink(Collector):
                 overflowed_paths=self._overflowed_paths,
                 watched=list(self._watched),
                 named={path for path, entry in self._paths.items() if entry.state_is_named},
+                detail_steps=dict(self._detail_steps) if self.rank_detail is not None else None,
+                detail_exemplars=dict(self._detail_exemplars),
             )
         if self.drift is not None:
             snapshot.drift = self.drift.status()
@@ -453,14 +496,30 @@ class MetricsSink(Collector):
                 unit="seconds",
             )
             families += [drift, first]
+        if snapshot is None or snapshot.detail_steps is not None:  # described always, exposed under "auto"
+            detail_steps = CounterMetricFamily(
+                f"{ns}_rank_detail_steps",
+                'Rank detail "auto": traced steps in which this rank sent its module spans, by reason: rank (one of '
+                "detail_ranks), straggler (the others waited for it at the all-reduce), nonfinite (a NaN/Inf started "
+                "on it), raised (its forward raised); exemplars link to the latest such step's trace.",
+                labels=[*base, "reason"],
+            )
+            families.append(detail_steps)
         if snapshot is None:
             return families
+        if snapshot.detail_steps is not None:  # every reason, 0 included: "never a straggler" is a value
+            for reason, count in snapshot.detail_steps.items():
+                raw = snapshot.detail_exemplars.get(reason)
+                detail_steps.add_metric([snapshot.model, self.rank, reason], count,
+                                        exemplar=_exemplar(raw) if raw else None)  # fmt: skip
         if snapshot.drift is not None:
             for layer in snapshot.drift.layers:  # bounded as the per-module series are: named paths only
                 if layer.module in snapshot.named:
                     drift.add_metric([snapshot.model, self.rank, layer.module or snapshot.model, layer.statistic],
                                      layer.score)  # fmt: skip
             top = snapshot.drift.first
+            if self.rank_detail == MODEL_ONLY and top is not None and top.module not in snapshot.named:
+                top = None  # a rank without module series: the first drifted layer only if it is the root
             if top is not None and top.since is not None:
                 first.add_metric([snapshot.model, self.rank, top.module or snapshot.model, top.statistic], top.since)
 
@@ -554,6 +613,8 @@ class _Snapshot:
     watched: list[_Watched]
     named: set[str] = field(default_factory=set)  # paths with series of their own (not the overflow's)
     drift: Any = None  # the DriftStatus at the scrape, with a baseline
+    detail_steps: dict[str, int] | None = None  # rank_detail="auto": steps detailed, by reason
+    detail_exemplars: dict[str, _RawExemplar] = field(default_factory=dict)
 
 
 def _copy_state(state: _ModuleState) -> _ModuleState:
