@@ -229,6 +229,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 """,
+    "large-jobs.md": """
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+""",
     "drift.md": """
 loader = [torch.randn(3, 4) for _ in range(100)]
 _made = torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=50_000))
