@@ -606,3 +606,44 @@ def test_the_docs_metrics_table_lists_exactly_what_the_collector_exposes():
     exposed = {f"{family.name}_total" if family.type == "counter" else family.name for family in families}
     assert {"torchtrace_layer_drift", "torchtrace_layer_drift_first_timestamp_seconds"} <= exposed
     assert documented_metric_names() == exposed
+
+
+def test_a_rank_without_detail_keeps_model_level_series_whatever_steps_it_explained():
+    """Under rank_detail="auto" instrument() sets a non-detail rank's sink to "model": the module calls of a step it
+    explained (a straggler's) reach it, yet it keeps only its model-level series and its model root's row, and
+    counts the step by reason, with the step's trace as exemplar (OpenMetrics). A detail rank keeps every module."""
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from torchtrace._core.calls import ModuleCall
+    from torchtrace.attributes import RANK, RANK_DETAIL, STEP
+
+    def step_calls(detail: str) -> list[ModuleCall]:
+        step = ModuleCall("", "rank 3", 0, 0xABC, 0x12, 0x1, 0, 2_000_000, {STEP: 1, RANK: 3, RANK_DETAIL: detail},
+                          kind="step")  # fmt: skip
+        root = ModuleCall("", "Net", 0, 0xABC, 0x13, 0x12, 0, 1_000_000)
+        layer = ModuleCall("layer", "Linear", 1, 0xABC, 0x14, 0x13, 10, 900_000)
+        backward = ModuleCall("layer", "Linear", 1, 0xABC, 0x15, 0x12, 1_000_000, 1_500_000, kind="backward")
+        return [step, root, layer, backward]
+
+    def scrape(role: str | None) -> str:
+        registry = CollectorRegistry()
+        sink = MetricsSink(registry=registry, model="Net", rank=3)
+        sink.rank_detail = role
+        sink(step_calls("straggler"))
+        sink(step_calls("none"))
+        return generate_latest(registry).decode()
+
+    others = scrape("model")
+    assert 'module="layer"' not in others and 'module_type="Linear"' not in others
+    assert 'torchtrace_module_calls_total{model="Net",module="Net",module_type="Net",rank="3"} 2.0' in others
+    assert "torchtrace_module_call_duration_seconds_bucket" not in others  # the step histogram is the rank's
+    assert 'torchtrace_step_duration_seconds_count{model="Net",rank="3"} 2' in others
+    straggler = next(line for line in others.splitlines() if 'reason="straggler"' in line)
+    assert straggler.startswith('torchtrace_rank_detail_steps_total{model="Net",rank="3",reason="straggler"} 1.0 # ')
+    assert f'trace_id="{0xABC:032x}"' in straggler
+    assert 'torchtrace_rank_detail_steps_total{model="Net",rank="3",reason="nonfinite"} 0.0' in others
+    detailed = scrape("detail")
+    assert 'torchtrace_module_calls_total{model="Net",module="layer",module_type="Linear",rank="3"} 2.0' in detailed
+    assert "torchtrace_rank_detail_steps_total" in detailed
+    unchanged = scrape(None)  # rank_detail="all", or no job
+    assert 'module="layer"' in unchanged and "torchtrace_rank_detail_steps" not in unchanged
