@@ -24,6 +24,7 @@ from torch import nn
 import torchtrace
 from torchtrace._sinks.metrics import OVERFLOW_MODULE, MetricsSink
 from torchtrace._sinks.metrics_server import metrics_from_env, serve_metrics
+from torchtrace.attributes import RANK_DETAIL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -530,8 +531,8 @@ ROUTING_KEYS = {"traceID", "service", "resource", "metric", "streamID", "attribu
 def test_the_large_job_collector_routes_each_step_to_one_sampler_that_keeps_errors_and_slow_steps():
     """deploy/otel-collector/large-jobs.yaml: every pipeline's parts defined; the agent tier routes by trace id (a
     training step is one trace across all ranks, so one sampler sees it whole); the sampler keeps status ERROR
-    (exceptions, the span where a NaN started), slow traces and a share of the rest; its decision waits longer
-    than torchtrace's export interval."""
+    (exceptions, the span where a NaN started), steps with a straggler, slow traces and a share of the rest; its
+    decision waits longer than torchtrace's export interval."""
     collector = yaml.safe_load((ROOT / "deploy/otel-collector/large-jobs.yaml").read_text())
     pipelines = collector["service"]["pipelines"]
     assert set(pipelines) == {"traces/agent", "traces/sampler"}
@@ -551,6 +552,9 @@ def test_the_large_job_collector_routes_each_step_to_one_sampler_that_keeps_erro
     assert set(policies) <= TAIL_SAMPLING_POLICIES and all(p["type"] in p for p in sampling["policies"])
     assert policies["status_code"]["status_code"]["status_codes"] == ["ERROR"]
     assert policies["latency"]["latency"]["threshold_ms"] > 0
+    straggler = policies["string_attribute"]["string_attribute"]
+    assert straggler["key"] == RANK_DETAIL and straggler["enabled_regex_matching"] is True
+    assert straggler["values"] == ["straggler"]
     assert 0 < policies["probabilistic"]["probabilistic"]["sampling_percentage"] < 100
     wait_s = int(sampling["decision_wait"].removesuffix("s"))
     interval_ms = torchtrace.Limits().resolved().export_interval_ms
@@ -615,7 +619,7 @@ def test_a_rank_without_detail_keeps_model_level_series_whatever_steps_it_explai
     from prometheus_client.openmetrics.exposition import generate_latest
 
     from torchtrace._core.calls import ModuleCall
-    from torchtrace.attributes import RANK, RANK_DETAIL, STEP
+    from torchtrace.attributes import RANK, STEP
 
     def step_calls(detail: str) -> list[ModuleCall]:
         step = ModuleCall("", "rank 3", 0, 0xABC, 0x12, 0x1, 0, 2_000_000, {STEP: 1, RANK: 3, RANK_DETAIL: detail},
