@@ -567,6 +567,13 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
     assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite" and detail[0, 0] == "rank"
     assert all(detail[rank, step] == "none" for rank in range(1, ranks) for step in range(steps)
                if (rank, step) not in expected)  # fmt: skip
+    # the shared root holds every rank's step span (a rank that ends a step first also begins the next one first)
+    roots = {span.span_id: span for _, span in spans if span.name == "train_step"}
+    for rank, span in spans:
+        if span.name == f"rank {rank}":
+            root = roots[span.parent_span_id]
+            assert root.start_time_unix_nano <= span.start_time_unix_nano, (rank, detail)
+            assert span.end_time_unix_nano <= root.end_time_unix_nano, (rank, detail)
 
     assert set(scraped) == set(range(ranks)), "every rank's endpoint served its steps"
     assert 'module="0"' in scraped[0] and len(module_series(scraped[0])) > 20  # rank 0: every module, every family

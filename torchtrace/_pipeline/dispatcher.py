@@ -275,7 +275,8 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         for bucket, size, start, end, is_last, marks in record.comm
     ]
     attributes = {STEP: record.number}
-    detail = record.detail() if record.detail is not None else None  # waits for the other ranks' facts
+    decision = record.detail() if record.detail is not None else None  # waits for the other ranks' facts
+    detail = decision.reasons if decision is not None else None
     rank = record.rank
     if rank is None:
         head = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
@@ -314,6 +315,12 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     ends = [call.end_ns for call in head] + [max(batch.end_ns) for batch in columns if batch]
     for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
         step.start_ns, step.end_ns = min(step.start_ns, *starts), max(step.end_ns, *ends)
+    if rank is not None and rank.rank == 0 and decision is not None and decision.bounds is not None:
+        shared = steps[0]  # the root all ranks' step spans hang under: from the first start to the last end of any
+        shared.start_ns, shared.end_ns = (
+            min(shared.start_ns, decision.bounds[0]),
+            max(shared.end_ns, decision.bounds[1]),
+        )
     for forward in record.forwards:
         _release(forward)
     if record.device is not None:
