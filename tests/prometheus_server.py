@@ -10,6 +10,7 @@ every 5 s): poll with ``wait_for``, never sleep a fixed time. The process is alw
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -104,7 +105,7 @@ class PrometheusServer:
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 body = response.read()
-        except OSError:  # not listening yet, or a 4xx/5xx (HTTPError is an OSError)
+        except (OSError, http.client.HTTPException):  # not listening yet (or connected to itself), or a 4xx/5xx
             if raw:
                 return None
             raise

@@ -6,6 +6,7 @@ made slow is the one that waits least in all-reduce; each rank serves its own me
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
@@ -204,18 +205,7 @@ def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_me
         process = torchrun(
             2, receiver, f"--steps={steps}", "--delay-rank=1", "--delay-ms=300", "--linger=20", metrics_port=base
         )
-        scraped = {}
-        deadline = time.monotonic() + 150
-        while len(scraped) < 2 and time.monotonic() < deadline and process.poll() is None:
-            for rank in range(2):
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=2) as response:
-                        text = response.read().decode()
-                except OSError:
-                    continue
-                if f'torchtrace_step_duration_seconds_count{{model="Sequential",rank="{rank}"}} {steps}.0' in text:
-                    scraped[rank] = text
-            time.sleep(0.3)
+        scraped = scrape_every_rank(process, base, 2, steps, timeout=150)
         process.terminate()  # done scraping: no need to wait out the linger
         process.communicate(timeout=30)
         spans = spans_by_rank(receiver)
@@ -517,7 +507,9 @@ def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: i
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=2) as response:
                     text = response.read().decode()
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # not listening yet; where the client's own ephemeral port is that port, it connects to itself and
+                # reads its request back as the reply (a BadStatusLine)
                 continue
             if f'torchtrace_step_duration_seconds_count{{model="Sequential",rank="{rank}"}} {steps}.0' in text:
                 scraped[rank] = text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -48,8 +49,8 @@ def _wait_until_up(url: str, server: subprocess.Popen, timeout: float = 120.0) -
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
-        except (urllib.error.URLError, ConnectionError):
-            time.sleep(0.2)
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+            time.sleep(0.2)  # not up yet (or, on a port no one listens on, connected to itself: a BadStatusLine)
     raise AssertionError(f"server not up at {url} within {timeout}s")
 
 
