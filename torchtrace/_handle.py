@@ -139,9 +139,9 @@ class TraceHandle:
         # the root's hooks last: a forward other threads start meanwhile is traced whole or not at all (before
         # them, its submodules see its call on the stack: _inside_unseen_model_call)
         self._module_refs = [weakref.ref(module) for module, _ in selected]
-        on_compile = weakref.WeakMethod(self._on_compiled)
+        self._on_compile = weakref.WeakMethod(self._on_compiled)  # held weakly by each module's compile() watch
         for index, (module, info) in reversed(list(enumerate(selected))):
-            self._trace(index, module, info, with_kwargs, on_compile)
+            self._trace(index, module, info, with_kwargs)
         _replaced.watch(model, self.monitored_layers, self._on_replaced)
         self._model_ref = weakref.ref(model)
         self.model_name = type_name(model)  # kept after the model is gone (summaries printed at exit)
@@ -156,7 +156,7 @@ class TraceHandle:
         if settings.current().handle_sigterm:
             _signals.hold(self, self._flush_within)
 
-    def _trace(self, index: int, module: torch.nn.Module, info: Any, with_kwargs: bool, on_compile: Any) -> None:
+    def _trace(self, index: int, module: torch.nn.Module, info: Any, with_kwargs: bool) -> None:
         """Puts module ``index``'s tracing in: its traced forward, its compiled call or torch's hooks, and its
         instance entries (copies, ``compile()``)."""
         if info.path and compiled_call(module) is not None:  # module.compile(): around its compiled call (selection)
@@ -174,7 +174,7 @@ class TraceHandle:
             hook_ids = frozenset(handle.id for handle in added)
         # its copies run themselves: pickled or copied untraced, DataParallel's replicas traced; compile() followed
         watch = info.path and not is_compiled_module(module)  # the model's own compile() keeps its hooks
-        added.append(follow_copies(module, hook_ids, on_compile if watch else None))
+        added.append(follow_copies(module, hook_ids, self._on_compile if watch else None))
         self._hook_handles += added
         self._handles_by_index[index] = added
 
@@ -191,8 +191,7 @@ class TraceHandle:
         for stale in [index, *inside]:
             for handle in self._handles_by_index.pop(stale, ()):
                 handle.remove()
-        self._trace(index, module, self._recorder.modules[index], self.options.stats.inputs,
-                    weakref.WeakMethod(self._on_compiled))  # fmt: skip
+        self._trace(index, module, self._recorder.modules[index], self.options.stats.inputs)
         if not self._warned_compiled_after:
             self._warned_compiled_after = True
             warn_compiled_modules([path], stacklevel=4, after=True)
@@ -424,7 +423,6 @@ class TraceHandle:
         return builder.build(
             parameters=_parameter_count(model) if model is not None else None,
             source=f"records of {self.model_name}",
-            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
 
     # -- in-memory records (spikingjelly monitor style) ----------------------------------------------------------------
@@ -527,7 +525,7 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
         options.backward or options.training.schedule is not None or options.optimizer is not None or is_ddp(model)
     ):
         return None
-    inner = model.module if is_ddp(model) else model
+    inner = _inner(model)
     name = type(inner).__name__
     same_class = sum(
         1 for handle in _live_handles if handle._steps is not None and handle._steps.model_key.split("#")[0] == name
@@ -609,7 +607,7 @@ def _metrics_sink(option: Any, model: torch.nn.Module) -> Any:
             )
     if option is not True:
         return option
-    sink = MetricsSink(registry=None, model=type_name(model.module if is_ddp(model) else model))
+    sink = MetricsSink(registry=None, model=type_name(_inner(model)))
     INSTRUMENTED_MODELS.add(sink)  # one collector on the global registry for every model instrumented so
     return sink
 

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtrace._core.files import replaced_when_complete
 from torchtrace.attributes import main_output_prefix
 
 DRIFT_STATS = ("mean", "std", "abs_max", "zero_fraction")  # of each call's main output, as the metrics' gauges
@@ -129,11 +131,9 @@ class Baseline:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Writes the baseline as JSON (replacing ``path`` only once complete)."""
-        path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
-        os.replace(partial, path)
-        return path
+        with replaced_when_complete(path) as partial:
+            partial.write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Baseline:
@@ -194,7 +194,8 @@ class BaselineBuilder:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 self.values.setdefault((path, stat), []).append(float(value))
 
-    def build(self, parameters: int | None = None, source: str = "", created: str = "") -> Baseline:
+    def build(self, parameters: int | None = None, source: str = "") -> Baseline:
+        """The baseline of the calls added, stamped with the time it is made (UTC)."""
         if not self.models:
             raise BaselineError('no forward of a model itself (its root span, module path "") to make a baseline of')
         if len(self.models) > 1:
@@ -207,6 +208,7 @@ class BaselineBuilder:
                 f"no layer statistic has {MIN_VALUES} values in {forwards} forwards: trace more forwards, with "
                 f"statistics on (any of {', '.join(DRIFT_STATS)})"
             )
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         return Baseline(model, parameters, dict(self.layers), references, forwards, source, created)
 
 

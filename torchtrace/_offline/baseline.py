@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -78,7 +77,7 @@ def baseline_from_spans(spans: Iterable[Span], model: str | None = None, source:
         chosen = next(iter(builders.values()))
     else:
         raise BaselineError('no forward spans of a model (a root span with module path "") in the trace files')
-    return chosen.build(source=source, created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return chosen.build(source=source)
 
 
 def baseline_command(traces: Sequence[str], output: str | os.PathLike[str], model: str | None) -> int:

@@ -16,7 +16,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from torchtrace._offline.reader import Span, TraceReader, file_command, replaced_when_complete
+from torchtrace._core.files import replaced_when_complete
+from torchtrace._offline.reader import Span, TraceReader, file_command
 
 __all__ = ["write_perfetto", "perfetto_command"]
 

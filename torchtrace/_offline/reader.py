@@ -10,7 +10,6 @@ torchtrace's).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -23,20 +22,6 @@ from typing import Any, TextIO
 from torchtrace._core.calls import ModuleCall
 from torchtrace._sinks.summary import SummarySink
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE, RANK
-
-
-@contextlib.contextmanager
-def replaced_when_complete(output: str | os.PathLike[str]) -> Iterator[Path]:
-    """A path beside ``output`` to write to; it replaces ``output`` only when the block completes, so a reader never
-    sees a half-written file (and a failed write leaves the old one)."""
-    output = Path(output)
-    partial = output.with_name(output.name + ".partial")
-    try:
-        yield partial
-        os.replace(partial, output)
-    finally:
-        partial.unlink(missing_ok=True)
-
 
 __all__ = [
     "Span",

@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace._core.baseline import Baseline, BaselineError
+from torchtrace._core.files import replaced_when_complete
 from torchtrace._offline.baseline import ForwardSpans
 from torchtrace._offline.reader import (
     Span,
     TraceFileError,
     TraceReader,
     file_command,
-    replaced_when_complete,
     summary_from_spans,
 )
 from torchtrace._sinks.drift import DriftScorer
