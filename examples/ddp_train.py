@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--delay-rank", type=int, default=-1, help="this rank sleeps before each backward")
+    parser.add_argument(
+        "--delay-optimizer", action="store_true", help="the delayed rank sleeps before its optimizer step instead"
+    )
     parser.add_argument("--delay-ms", type=float, default=200.0)
     parser.add_argument("--delay-step", type=int, default=-1, help="only at this step (default: every step)")
     parser.add_argument("--step-ms", type=float, default=0.0, help="every rank also works this long a step (sleeps)")
@@ -52,9 +55,12 @@ def main() -> None:
             batch[0, 0] = float("nan")  # spreads to every rank's parameters through the gradient all-reduce
         loss = ddp(batch).pow(2).mean()
         time.sleep(args.step_ms / 1000)  # a stand-in for a bigger model's compute
-        if rank == args.delay_rank and args.delay_step in (-1, step):
+        delayed = rank == args.delay_rank and args.delay_step in (-1, step)
+        if delayed and not args.delay_optimizer:
             time.sleep(args.delay_ms / 1000)  # arrives late at the all-reduce: the others wait for it
         loss.backward()
+        if delayed and args.delay_optimizer:
+            time.sleep(args.delay_ms / 1000)  # a slow optimizer: its step ends (and its next begins) after the others'
         optimizer.step()  # closes the step: its trace goes out
         optimizer.zero_grad()
     handle.remove()

@@ -198,6 +198,93 @@ def test_every_rank_of_a_step_shares_one_trace_and_root(ranks):
     assert resources == set(range(ranks))
 
 
+def test_each_steps_root_spans_every_ranks_step_though_a_rank_ends_it_late():
+    """A rank's step ends with its optimizer step: rank 1's, slowed at step 1, ends 150 ms after rank 0's, and its
+    step 2 begins that much later. Each rank sends rank 0 its step spans' bounds through the job's store, and rank
+    0's root holds every rank's step span and everything under it, under the default policy too."""
+    steps = 3
+    with OtlpHttpReceiver() as receiver:
+        finish(torchrun(2, receiver, f"--steps={steps}", "--delay-rank=1", "--delay-optimizer", "--delay-ms=150",
+                        "--delay-step=1", TORCHTRACE_RANK_DETAIL="all"))  # fmt: skip
+        spans = spans_by_rank(receiver)
+    roots = {span.trace_id: span for _, span in spans if span.name == "train_step"}
+    assert len(roots) == steps
+    rank_steps = {(rank, attributes_dict(span.attributes)["torchtrace.step"]): span for rank, span in spans
+                  if span.name.startswith("rank ")}  # fmt: skip
+    late = rank_steps[1, 1].end_time_unix_nano - rank_steps[0, 1].end_time_unix_nano
+    assert late > 100e6, "rank 1 ended step 1 well after rank 0"
+    for rank, span in spans:
+        root = roots[span.trace_id]
+        assert root.start_time_unix_nano <= span.start_time_unix_nano, (rank, span.name)
+        assert span.end_time_unix_nano <= root.end_time_unix_nano, (rank, span.name)
+    assert "torchtrace.rank.detail" not in attributes_dict(rank_steps[1, 1].attributes)  # "all": no decision made
+
+
+@pytest.fixture
+def exchange_every_pass(monkeypatch):
+    """The ranks of these tests exchange at every call, not every EXCHANGE_EVERY_S."""
+    from torchtrace._pipeline import step_bounds
+
+    monkeypatch.setattr(step_bounds, "EXCHANGE_EVERY_S", 0.0)
+
+
+def _ranks(store, world_size: int = 3) -> list:
+    from torchtrace._core.ranks import RankInfo
+    from torchtrace._pipeline.step_bounds import StepBounds
+
+    return [StepBounds(RankInfo(rank, rank, world_size, "host", "run"), store, "bounds") for rank in range(world_size)]
+
+
+def _root(start_ns: int, end_ns: int):
+    from torchtrace._core.calls import ModuleCall
+
+    return ModuleCall("", "train_step", 0, 0xABC, 0x1, 0, start_ns, end_ns)
+
+
+def test_rank_0_holds_each_step_root_until_every_rank_sent_its_bounds(exchange_every_pass):
+    rank_0, rank_1, rank_2 = _ranks(torch.distributed.TCPStore("127.0.0.1", 0, is_master=True))
+    assert not rank_1.step_resolved(0, None, 90, 1_100)  # rank 1 ran ahead: its bounds arrive before rank 0 holds
+    assert rank_1.exchange() == []
+    root = _root(100, 1_000)
+    assert rank_0.step_resolved(0, root, 100, 1_000)  # held: sent later
+    assert rank_0.exchange() == [] and rank_0.pending()  # rank 2's bounds are not in yet
+    rank_2.step_resolved(0, None, 120, 1_050)
+    rank_2.exchange()
+    assert rank_0.exchange() == [root] and not rank_0.pending()
+    assert (root.start_ns, root.end_ns) == (90, 1_100)  # from the first start to the last end of any rank
+
+
+def test_a_root_whose_rank_never_reports_is_sent_after_a_while_with_one_warning(exchange_every_pass, monkeypatch,
+                                                                               caplog):  # fmt: skip
+    from torchtrace._pipeline import step_bounds
+
+    monkeypatch.setattr(step_bounds, "RELEASE_AFTER_S", 0.05)
+    rank_0, rank_1, _ = _ranks(torch.distributed.TCPStore("127.0.0.1", 0, is_master=True))
+    root = _root(100, 1_000)
+    rank_0.step_resolved(0, root, 100, 1_000)
+    rank_1.step_resolved(0, None, 50, 1_000)
+    rank_1.exchange()
+    assert rank_0.exchange() == []
+    time.sleep(0.1)
+    assert rank_0.exchange() == [root] and root.start_ns == 50  # the ranks that did report are held
+    assert "1 of 2 other ranks sent no step bounds" in caplog.text
+    other = _root(2_000, 3_000)
+    rank_0.step_resolved(1, other, 2_000, 3_000)
+    started = time.monotonic()
+    final = rank_0.exchange(final=True)  # flush() / remove(): waits for the ranks heard from, then sends what it holds
+    assert final == [other]
+    assert 1.0 < time.monotonic() - started < 10  # rank 1 was waited for (FINAL_WAIT_S); rank 2, never heard, not
+
+
+def test_a_store_without_queues_leaves_the_root_to_rank_0s_step(exchange_every_pass, tmp_path, caplog):
+    rank_0, *_ = _ranks(torch.distributed.FileStore(str(tmp_path / "store"), 1))
+    root = _root(100, 1_000)
+    assert rank_0.step_resolved(0, root, 100, 1_000)
+    assert rank_0.exchange() == [root] and (root.start_ns, root.end_ns) == (100, 1_000)
+    assert "could not be exchanged through the job's store" in caplog.text
+    assert not rank_0.step_resolved(1, _root(0, 1), 0, 1)  # not held again: sent with the step
+
+
 def test_the_slow_rank_waits_least_in_all_reduce_and_each_rank_serves_its_own_metrics():
     base = free_port(2)
     steps = 3
@@ -325,6 +412,46 @@ buckets = sorted({name for name in names if name.startswith("allreduce bucket")}
 print("RESULT " + json.dumps({"rank": rank, "equal": equal, "buckets": buckets}), flush=True)
 os._exit(0)  # see USER_COMM_HOOK_JOB: no gloo teardown with Python future callbacks pending
 """
+
+
+DROPPED_STEPS_JOB = r"""
+import json, os, torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import torchtrace
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+# rank 1 holds too few calls for a step: each of its step records is dropped at the step's end, rank 0's are not
+limits = torchtrace.Limits(max_pending_calls=2 if rank == 1 else 10_000)
+handle = torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer, limits=limits)
+for _ in range(3):
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+handle.flush()
+spans = [(call.name, call.start_ns, call.end_ns) for call in handle.records if call.kind == "step"]
+print("RESULT " + json.dumps({"rank": rank, "spans": spans, "dropped": handle.dropped_calls}), flush=True)
+handle.remove()
+os._exit(0)  # see USER_COMM_HOOK_JOB
+"""
+
+
+def test_a_step_dropped_on_one_rank_still_sends_its_step_span_and_bounds(tmp_path):
+    """A rank whose buffer drops a step's calls still sends the step's own span, and its bounds to rank 0, whose
+    root spans it (instead of waiting for bounds that never come, then leaving the rank's step outside it)."""
+    rank_0, rank_1 = run_on_two_ranks(tmp_path, DROPPED_STEPS_JOB)
+    assert rank_1["dropped"] > 0 and rank_0["dropped"] == 0
+    assert [name for name, *_ in rank_1["spans"]] == ["rank 1"] * 3  # its step spans survive the drop
+    roots = [(start, end) for name, start, end in rank_0["spans"] if name == "train_step"]
+    assert len(roots) == 3
+    for (start, end), (_, step_start, step_end) in zip(roots, rank_1["spans"]):
+        assert start <= step_start and step_end <= end  # rank 1's bounds reached rank 0's root
 
 
 def run_on_two_ranks(tmp_path, job: str) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import sys
@@ -40,10 +41,11 @@ from torchtrace._core.options import (
     env_text,
     resolve_options,
 )
-from torchtrace._core.ranks import rank_info
+from torchtrace._core.ranks import RankInfo, rank_info
 from torchtrace._core.schedule import always, sampled
 from torchtrace._pipeline.dispatcher import Dispatcher, first_nonfinite, resolve_forward
 from torchtrace._pipeline.rank_detail import RankDetail, policy_for
+from torchtrace._pipeline.step_bounds import StepBounds, job_store
 from torchtrace._sinks.drift import DriftScorer, DriftStatus
 from torchtrace._sinks.metrics_server import forget_unmetered, note_unmetered
 from torchtrace._sinks.records import RecordStore
@@ -126,6 +128,7 @@ class TraceHandle:
             (self._records, self._summary),
         )
         self._recorder.deliver = self._dispatcher.deliver_at_forward_end
+        self._dispatcher.step_bounds = _step_bounds(self._steps.rank if self._steps is not None else None)
         if callable(options.stats.on_nonfinite):
             self._dispatcher.on_nonfinite = options.stats.on_nonfinite
         if is_ddp(model):
@@ -393,7 +396,11 @@ class TraceHandle:
         if record is not None:
             # module spans, forward and backward (two grad events each): the step and phase spans are not counted
             calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
-            self.buffer.put(record, calls)
+            if not self.buffer.put(record, calls) and record.rank is not None:
+                # in a job a dropped step still sends its step-level spans (no call: within the buffer's bound), so
+                # that rank 0's step root has its bounds and the step its place in every rank's view
+                record.forwards, record.backward_events = [], []
+                self.buffer.put(record, 0)
 
     def __enter__(self) -> TraceHandle:
         return self
@@ -552,6 +559,17 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 
 def _parameter_count(model: torch.nn.Module) -> int:
     return sum(parameter.numel() for parameter in _inner(model).parameters())
+
+
+_step_bounds_made = itertools.count()  # every rank instruments its models in the same order: the same key for each
+
+
+def _step_bounds(rank: RankInfo | None) -> StepBounds | None:
+    """The exchange of step bounds with the other ranks (rank 0's step roots span every rank's step), in a job."""
+    store = job_store() if rank is not None and rank.world_size > 1 else None
+    if store is None:
+        return None
+    return StepBounds(rank, store, f"torchtrace/{rank.run_id}/step-bounds/{next(_step_bounds_made)}")
 
 
 def _drift_scorer(options: Options, model: torch.nn.Module, modules: list) -> DriftScorer | None:

@@ -37,6 +37,7 @@ from torchtrace._capture.steps import BACKWARD_START, StepRecord
 from torchtrace._capture.summaries import CALL_KEYS, fill_table_rows, gradient_items, set_attributes
 from torchtrace._core import signals as _signals
 from torchtrace._core.calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
+from torchtrace._pipeline.step_bounds import StepBounds
 from torchtrace._pipeline.worker import WORKER
 from torchtrace.attributes import (
     COMM_BUCKET,
@@ -248,10 +249,13 @@ def _step_call(name: str, trace_id: int, span_id: int, parent_id: int, record: S
     )
 
 
-def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequence[ModuleCall]]:
+def resolve_step(
+    record: StepRecord, modules: Sequence[ModuleInfo], step_bounds: StepBounds | None = None
+) -> list[Sequence[ModuleCall]]:
     """A traced training step as segments: a list of its root span, its all-reduce buckets, the optimizer step and its
     backward span, then each forward's module backward spans (nested like its calls, ``_backward_columns``) and each
-    forward's calls, as columns (no ModuleCall made)."""
+    forward's calls, as columns (no ModuleCall made). In a job, ``step_bounds`` takes this rank's step bounds to rank
+    0, where it holds the step's root until every rank's are in."""
     offset = record.clock_offset_ns
     getrandbits = random.getrandbits
 
@@ -275,8 +279,7 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
         for bucket, size, start, end, is_last, marks in record.comm
     ]
     attributes = {STEP: record.number}
-    decision = record.detail() if record.detail is not None else None  # waits for the other ranks' facts
-    detail = decision.reasons if decision is not None else None
+    detail = record.detail() if record.detail is not None else None  # waits for the other ranks' facts
     rank = record.rank
     if rank is None:
         head = [_step_call("train_step", record.trace_id, record.span_id, 0, record, attributes)]
@@ -315,12 +318,10 @@ def resolve_step(record: StepRecord, modules: Sequence[ModuleInfo]) -> list[Sequ
     ends = [call.end_ns for call in head] + [max(batch.end_ns) for batch in columns if batch]
     for step in steps:  # holds all its spans, read on other clocks too (a forward's own offset, CUDA events)
         step.start_ns, step.end_ns = min(step.start_ns, *starts), max(step.end_ns, *ends)
-    if rank is not None and rank.rank == 0 and decision is not None and decision.bounds is not None:
-        shared = steps[0]  # the root all ranks' step spans hang under: from the first start to the last end of any
-        shared.start_ns, shared.end_ns = (
-            min(shared.start_ns, decision.bounds[0]),
-            max(shared.end_ns, decision.bounds[1]),
-        )
+    if step_bounds is not None and rank is not None:
+        root = steps[0] if rank.rank == 0 else None  # all ranks' step spans hang under it: it holds all of them
+        if step_bounds.step_resolved(record.number, root, steps[-1].start_ns, steps[-1].end_ns):
+            del head[0]  # sent when the other ranks' bounds are in
     for forward in record.forwards:
         _release(forward)
     if record.device is not None:
@@ -554,6 +555,7 @@ class Dispatcher:
         self._behind = False  # the worker holds forwards taken from the buffer that it has not delivered yet
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
+        self.step_bounds: StepBounds | None = None  # in a job: the ranks' step bounds, for rank 0's step roots
 
     def start(self) -> None:
         """Drain in the background every ``interval_s``, on the process's shared worker thread (which also
@@ -583,10 +585,11 @@ class Dispatcher:
         self._held_changed()
         self._behind = False
         self._resolved = 0
+        self.step_bounds = None  # the child trains no step of the job
 
     def has_unresolved(self) -> bool:
-        """Whether forwards wait in the buffer (or for their device work)."""
-        return bool(len(self.buffer) or self._waiting)
+        """Whether forwards wait in the buffer (or for their device work), or step bounds for the other ranks."""
+        return bool(len(self.buffer) or self._waiting or self.step_bounds is not None and self.step_bounds.pending())
 
     @_signals.guarded
     def deliver_at_forward_end(self, item: Any) -> bool:
@@ -663,20 +666,22 @@ class Dispatcher:
                 ready = position
                 break
         forwards, self._waiting = items[:ready], items[ready:]
-        if not forwards:
-            return
         segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
             try:
                 if isinstance(item, CallBatch):  # resolved by the hooks at the forward's end
                     segments.append(item)
                 elif isinstance(item, StepRecord):
-                    segments.extend(resolve_step(item, self.modules))
+                    segments.extend(resolve_step(item, self.modules, self.step_bounds))
                 else:
                     segments.append(resolve_forward(item, self.modules))
             except Exception:  # one unreadable forward must not take the batch (or the worker) with it
                 self.sink_errors += 1
                 _logger.exception("torchtrace: could not read a traced %s; its calls are lost", type(item).__name__)
+        if self.step_bounds is not None:  # rank 0: the step roots every rank's bounds have reached
+            segments.extend([root] for root in self.step_bounds.exchange(final=wait))
+        if not segments:
+            return
         calls = Calls(segments)
         if self.on_nonfinite is not None:
             for error in _errors(calls):

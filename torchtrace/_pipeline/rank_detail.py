@@ -17,7 +17,7 @@ import functools
 import logging
 import statistics
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,10 +30,8 @@ AUTO_FROM_WORLD_SIZE = 64  # "auto" is the default from here: ranks x modules sp
 STRAGGLER_FRACTION = 0.25  # a wait spread below this share of the step (or STRAGGLER_MIN_S) is noise, not a straggler
 STRAGGLER_MIN_S = 0.01
 GATHER_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that never reaches the step's end must not hang the others
-# What each rank tells the others at a step's end (a float each; -1: not known); its step's start and end in epoch
-# ns, each as two exact float64s (high and low 30 bits), so that rank 0's step root holds every rank's step span
-COMM_WAIT, STEP_SECONDS, NONFINITE, RAISED, START, END = 0, 1, 2, 3, 4, 6
-_LOW_BITS = 30
+# What each rank tells the others at a step's end (a float each; -1: not known)
+COMM_WAIT, STEP_SECONDS, NONFINITE, RAISED = 0, 1, 2, 3
 
 _logger = logging.getLogger(__name__)
 
@@ -70,29 +68,10 @@ def reasons(
 def step_facts(record: StepRecord, nonfinite: bool | None) -> list[float]:
     """This rank's facts of a step: its all-reduce wait, the step's length, whether NaN/Inf started in its forward or
     gradients (``nonfinite``; None: not known on the host without a device sync, counted as no), whether a forward
-    raised, when its step began and ended."""
+    raised."""
     wait = sum(end - start for _, _, start, end, *_ in record.comm) / 1e9 if record.comm else -1.0
     raised = any(extras[ERROR] is not None for forward in record.forwards for extras in forward.extras.values())
-    return [wait, (record.end_ns - record.start_ns) / 1e9, float(bool(nonfinite)), float(raised),
-            *_split(record.start_ns), *_split(record.end_ns)]  # fmt: skip
-
-
-def _split(ns: int) -> tuple[float, float]:
-    return float(ns >> _LOW_BITS), float(ns & ((1 << _LOW_BITS) - 1))
-
-
-def _joined(fact: list[float], at: int) -> int:
-    return (int(fact[at]) << _LOW_BITS) + int(fact[at + 1])
-
-
-class Decision(NamedTuple):
-    """What a rank learns at a step's end: why it sends its module spans (``reasons``; empty: it sends none), and
-    the first start and last end of the step over every rank (epoch ns; None where the others' facts are not
-    known), which the step's root, sent by rank 0, spans: a rank that finished the step before spends less time
-    in it (its optimizer), and begins the next one before rank 0 does."""
-
-    reasons: tuple[str, ...]
-    bounds: tuple[int, int] | None = None
+    return [wait, (record.end_ns - record.start_ns) / 1e9, float(bool(nonfinite)), float(raised)]
 
 
 class RankDetail:
@@ -111,7 +90,7 @@ class RankDetail:
         # interleave with the job's own group creations).
         self._group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
 
-    def start(self, record: StepRecord, nonfinite: bool | None) -> Callable[[], Decision]:
+    def start(self, record: StepRecord, nonfinite: bool | None) -> Callable[[], tuple[str, ...]]:
         """This rank's facts of ``record`` on their way to the others; the reasons for its module spans, to read
         later."""
         mine = step_facts(record, nonfinite)
@@ -125,12 +104,12 @@ class RankDetail:
                 self._give_up(error)
         return functools.partial(self._decide, mine, gathered, work)
 
-    def alone(self) -> Callable[[], Decision]:
+    def alone(self) -> Callable[[], tuple[str, ...]]:
         """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
-        decided = Decision(("rank",) if self.rank in self.detail_ranks else ())
+        decided = ("rank",) if self.rank in self.detail_ranks else ()
         return lambda: decided
 
-    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any) -> Decision:
+    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any) -> tuple[str, ...]:
         facts = None
         if work is not None:
             try:
@@ -142,11 +121,10 @@ class RankDetail:
             own = frozenset({0}) if self.rank in self.detail_ranks else frozenset()
             decided = reasons([mine], 0, own, self.nonfinite_before)
             self.nonfinite_before = mine[NONFINITE] > 0
-            return Decision(decided)
+            return decided
         decided = reasons(facts, self.rank, self.detail_ranks, self.nonfinite_before)
         self.nonfinite_before = any(fact[NONFINITE] > 0 for fact in facts)
-        bounds = (min(_joined(fact, START) for fact in facts), max(_joined(fact, END) for fact in facts))
-        return Decision(decided, bounds)
+        return decided
 
     def _give_up(self, error: BaseException) -> None:
         """A rank gone, a timeout: detail from what this rank knows, from now on."""
