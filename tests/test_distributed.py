@@ -624,6 +624,28 @@ def test_a_nan_is_detailed_where_it_started_not_where_the_all_reduce_carried_it(
     assert reasons([_facts(0.1), _facts(0.1, raised=True)], 1, frozenset(), False) == ("raised",)
 
 
+def test_rotating_detail_sees_every_rank_in_turn_with_no_communication():
+    """Training(rotating_detail=k): each traced step, k more ranks in turn send their module spans (reason
+    "rotation"), chosen by the count of traced steps, the same on every rank: every rank once every W / k steps."""
+    from torchtrace._core.ranks import RankInfo
+    from torchtrace._pipeline.rank_detail import RankDetail
+
+    def decided(world_size: int, rotating: int, steps: int) -> list[list[tuple[str, ...]]]:
+        ranks = [RankDetail(RankInfo(rank, rank, world_size, "host", "run"), (0,), rotating)
+                 for rank in range(world_size)]  # fmt: skip
+        return [[rank.alone()() for rank in ranks] for _ in range(steps)]  # no process group: each on its own
+
+    one = decided(4, 1, 5)
+    assert [[("rotation" in why) for why in step] for step in one] == [
+        [True, False, False, False], [False, True, False, False], [False, False, True, False],
+        [False, False, False, True], [True, False, False, False],
+    ]  # fmt: skip
+    assert one[1][0] == ("rank",) and one[0][0] == ("rank", "rotation")
+    two = decided(5, 2, 3)  # two ranks a step, wrapping around
+    assert [{rank for rank, why in enumerate(step) if "rotation" in why} for step in two] == [{0, 1}, {2, 3}, {4, 0}]
+    assert decided(3, 0, 2) == [[("rank",), (), ()]] * 2  # off by default
+
+
 def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: int, timeout: float) -> dict[int, str]:
     """Each rank's /metrics (port ``base`` + its local rank) once it holds all ``steps`` (examples/ddp_train.py
     ``--linger`` keeps serving after training), by rank."""

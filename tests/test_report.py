@@ -205,7 +205,8 @@ def test_a_training_step_is_drawn_as_lanes_per_rank_on_one_time_axis(training, t
         assert [rank for rank, _ in drawn["heads"]] == ["0", "1"]  # a group of lanes per rank
         for rank in ("0", "1"):
             bars = [bar for bar in drawn["bars"] if bar[0] == rank]
-            assert {lane for _, lane, _, _ in bars} == {"step", "forward", "backward", "optimizer", "all-reduce"}
+            assert {lane for _, lane, _, _ in bars} == {"step", "data wait", "forward", "backward", "optimizer",
+                                                        "all-reduce"}  # fmt: skip
             assert all(width >= 1 for *_, width in bars)  # drawn, not zero-width
         (step,) = [bar for bar in drawn["bars"] if bar[:2] == ["0", "step"]]
         assert step[3] > 500  # the step spans the time axis
@@ -265,7 +266,7 @@ def test_the_live_handles_dropped_and_failed_counts_are_in_the_overview(tmp_path
     for drawn in probe["lanes"]:  # one process: one group of lanes, no all-reduce
         (head,) = [head for _, head in drawn["heads"]]
         assert head.startswith("this process: step ") and "all-reduce" not in head
-        assert {lane for _, lane, _, _ in drawn["bars"]} == {"step", "forward", "backward", "optimizer"}
+        assert {lane for _, lane, _, _ in drawn["bars"]} == {"step", "data wait", "forward", "backward", "optimizer"}
     # step 0's NaN: its first producer, linked to its span in the step's nested view (the NaN gradients of step 0
     # leave NaN weights, so later steps' NaN come from layer "0")
     producer = probe["producers"][0]

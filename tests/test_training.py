@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -40,6 +41,7 @@ def test_a_step_is_one_trace_holding_its_forward_backward_and_optimizer_step():
         train(model, optimizer, steps=1)
         assert captured.tree() == {
             "train_step": {
+                "data wait": {},
                 "Sequential": {"0": {}, "1": {}, "2": {}},
                 "backward": {"Sequential backward": {"2 backward": {}, "1 backward": {}, "0 backward": {}}},
                 "optimizer.step": {},
@@ -75,6 +77,30 @@ def test_backward_spans_time_the_backward_inside_the_step():
             assert container.start_time <= child.start_time <= child.end_time <= container.end_time
         # backward runs last layer first
         assert captured.span("2 backward").start_time <= captured.span("0 backward").start_time
+
+
+def test_the_time_before_a_steps_first_forward_is_its_data_wait_phase():
+    """What the loop does between two steps (the data loader's next batch, its copy to the device) is the "data
+    wait" phase of the step it starts: from the step's start (the previous step's end; for the first, instrument())
+    to its first forward. A micro-batch's loading inside a step (gradient accumulation) is not in it."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture_spans(model, backward=True, optimizer=optimizer) as captured:
+        for _ in range(3):
+            time.sleep(0.05)  # the next batch
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        by_step = {}
+        for name in ("train_step", "data wait", "Sequential"):
+            for span in sorted(captured.spans_named(name), key=lambda span: span.start_time):
+                by_step.setdefault(span.context.trace_id, {})[name] = span
+    assert len(by_step) == 3
+    for spans in by_step.values():
+        step, wait, forward = spans["train_step"], spans["data wait"], spans["Sequential"]
+        assert wait.parent.span_id == step.context.span_id
+        assert wait.start_time == step.start_time and wait.end_time == forward.start_time
+        assert wait.end_time - wait.start_time >= 50_000_000
 
 
 def test_gradient_statistics_equal_autograd_results():

@@ -74,7 +74,8 @@ class TraceHandle:
         self._steps = _step_tracker(options, model)
         rank = self._steps.rank if self._steps is not None else None
         auto = policy_for(options.training.rank_detail, rank) == "auto"
-        self._rank_detail = RankDetail(rank, options.training.detail_ranks) if auto else None
+        training = options.training
+        self._rank_detail = RankDetail(rank, training.detail_ranks, training.rotating_detail) if auto else None
         self._recorder = HookRecorder(modules, options, self.buffer, self._steps, resolve_forward)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.records.max_records, on_drop=self._recorder.release_capture)

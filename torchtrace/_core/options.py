@@ -465,6 +465,8 @@ class Training(_Group):
             where a NaN/Inf started and a rank whose forward raised (default: ``"auto"`` from 64 ranks, where every
             rank's module spans would make a step's trace too large to draw or ingest; else ``"all"``).
         detail_ranks: the ranks that always send module spans under ``"auto"`` (default: rank 0).
+        rotating_detail: under ``"auto"``, this many more ranks send their module spans each traced step, in turn,
+            so that every rank is seen in detail now and then (default: 0, none).
     """
 
     schedule: Callable[[int], bool] | None = option(
@@ -485,6 +487,11 @@ class Training(_Group):
     detail_ranks: Iterable[int] | None = option(
         (0,), "the ranks that always send module spans under `rank_detail=\"auto\"` (env: comma-separated)",
         env="TORCHTRACE_DETAIL_RANKS", parse=_rank_numbers, check=_rank_numbers,
+    )  # fmt: skip
+    rotating_detail: int | None = option(
+        0, "under `rank_detail=\"auto\"`: this many more ranks send module spans each traced step, in turn (every "
+        "rank once every world size / this many traced steps)",
+        env="TORCHTRACE_ROTATING_DETAIL", parse=parse_int, check=number(0),
     )  # fmt: skip
 
 

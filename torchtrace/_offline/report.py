@@ -303,9 +303,9 @@ _STEP_KEY = STEP
 
 
 def _lanes(spans: list[Span]) -> dict[str, str]:
-    """span id -> lane of a training step's trace ("step", "forward", "backward", "optimizer", "all-reduce",
-    "other"), for its step spans and their children; {} for a trace of forwards only. The nested spans (module
-    calls, module backwards) have no lane."""
+    """span id -> lane of a training step's trace ("step", "data wait", "forward", "backward", "optimizer",
+    "all-reduce", "other"), for its step spans and their children; {} for a trace of forwards only. The nested
+    spans (module calls, module backwards) have no lane."""
     steps = {span.span_id: span for span in spans if _STEP_KEY in span.attributes and _PATH_KEY not in span.attributes}
     per_rank = any(span.name != "train_step" for span in steps.values())  # "rank N" under rank 0's train_step
     lanes: dict[str, str] = {}
@@ -318,6 +318,8 @@ def _lanes(spans: list[Span]) -> dict[str, str]:
                 lanes[span.span_id] = "forward"  # an outermost forward of the step
             elif span.name == "backward":
                 lanes[span.span_id] = "backward"
+            elif span.name == "data wait":
+                lanes[span.span_id] = "data wait"
             elif span.name == "optimizer.step":
                 lanes[span.span_id] = "optimizer"
             elif COMM_BUCKET in span.attributes:

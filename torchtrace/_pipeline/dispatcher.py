@@ -312,6 +312,12 @@ def resolve_step(
     if backward:
         head.append(backward[0])  # the step's own spans in one list (one encoding run), then columns
     columns = [*backward[1:], *batches.values()]  # each forward's backward spans, then each forward's calls
+    firsts = [batch.start_ns[0] for batch in batches.values() if len(batch)]
+    if firsts:  # the loop between steps, the data loader's next batch above all: up to the first forward
+        if record.optimizer_ns:  # a closure optimizer's forwards run inside its step
+            firsts.append(record.optimizer_ns[0] + record.clock_offset_ns)
+        if min(firsts) > record.start_ns:
+            head.insert(len(steps), phase("data wait", record.start_ns, min(firsts)))
     if detail == ():  # rank_detail="auto", no reason for this rank's module spans: each forward's root only
         columns = [batch[:1] for batch in batches.values()]
     starts = [call.start_ns for call in head] + [min(batch.start_ns) for batch in columns if batch]

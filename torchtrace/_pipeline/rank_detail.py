@@ -1,13 +1,14 @@
 """Which ranks send module spans for a training step under ``Training(rank_detail="auto")``.
 
-Every rank sends its step span and its phases (the forward and backward roots, the optimizer step, each all-reduce
-bucket) every traced step. A rank's module spans of a step are sent only where they explain it: a rank of
-``detail_ranks``; the step's straggler (the rank the others waited for at the gradient all-reduce: its own wait the
-shortest, the waits spread by more than ``STRAGGLER_FRACTION`` of the step and ``STRAGGLER_MIN_S``); the rank where
-a NaN/Inf started (in its forward outputs or its gradients before the all-reduce, in a step after one where no rank
-saw any: after the all-reduce every rank has it); a rank whose forward raised. What the other ranks saw comes from
-one all-gather of four numbers per rank and traced step, started at the step's end on the training thread (never in
-a hook) and left running, on a gloo group made for it at ``instrument()``.
+Every rank sends its step span and its phases (its data wait, the forward and backward roots, the optimizer step,
+each all-reduce bucket) every traced step. A rank's module spans of a step are sent only where they explain it: a
+rank of ``detail_ranks``; the step's straggler (the rank the others waited for at the gradient all-reduce: its own
+wait the shortest, the waits spread by more than ``STRAGGLER_FRACTION`` of the step and ``STRAGGLER_MIN_S``); the
+rank where a NaN/Inf started (in its forward outputs or its gradients before the all-reduce, in a step after one
+where no rank saw any: after the all-reduce every rank has it); a rank whose forward raised; with
+``rotating_detail``, ranks in turn, chosen by the count of traced steps (no communication). What the other ranks saw
+comes from one all-gather of four numbers per rank and traced step, started at the step's end on the training
+thread (never in a hook) and left running, on a gloo group made for it at ``instrument()``.
 """
 
 from __future__ import annotations
@@ -46,12 +47,19 @@ def policy_for(rank_detail: str | None, rank: RankInfo | None) -> str:
 
 
 def reasons(
-    facts: Sequence[Sequence[float]], rank: int, detail_ranks: frozenset[int], nonfinite_before: bool
+    facts: Sequence[Sequence[float]],
+    rank: int,
+    detail_ranks: frozenset[int],
+    nonfinite_before: bool,
+    rotation: bool = False,
 ) -> tuple[str, ...]:
-    """Why ``rank`` sends its module spans of a step, given every rank's facts (empty: it sends none)."""
+    """Why ``rank`` sends its module spans of a step, given every rank's facts (empty: it sends none); ``rotation``:
+    its turn of ``rotating_detail``."""
     found = []
     if rank in detail_ranks:
         found.append("rank")
+    if rotation:
+        found.append("rotation")
     waits = [fact[COMM_WAIT] for fact in facts]
     if len(facts) > 1 and min(waits) >= 0:
         typical_step = statistics.median(fact[STEP_SECONDS] for fact in facts)
@@ -80,15 +88,23 @@ class RankDetail:
     it never interleaves with the job's collectives) and gives the step its decision to read, which waits for the
     others' facts where it is read: on the worker, steps in order."""
 
-    def __init__(self, rank: RankInfo, detail_ranks: Sequence[int]) -> None:
+    def __init__(self, rank: RankInfo, detail_ranks: Sequence[int], rotating: int = 0) -> None:
         self.rank = rank.rank
         self.world_size = rank.world_size
         self.detail_ranks = frozenset(detail_ranks)
+        self.rotating = rotating
+        self._decided = 0  # traced steps decided so far: the same count on every rank (the schedule is shared)
         self.nonfinite_before = False  # some rank saw NaN/Inf at the previous traced step
         self._failed = False
         # Made here, where every rank calls instrument() at the same point of its program (a group made later could
         # interleave with the job's own group creations).
-        self._group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+        self._group = None
+        try:
+            if not dist.is_initialized():
+                raise RuntimeError("no torch.distributed process group")
+            self._group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)
+        except Exception as error:  # each rank on its own, from what it sees itself
+            self._give_up(error)
 
     def start(self, record: StepRecord, nonfinite: bool | None) -> Callable[[], tuple[str, ...]]:
         """This rank's facts of ``record`` on their way to the others; the reasons for its module spans, to read
@@ -102,14 +118,21 @@ class RankDetail:
                                        async_op=True)  # fmt: skip
             except Exception as error:
                 self._give_up(error)
-        return functools.partial(self._decide, mine, gathered, work)
+        return functools.partial(self._decide, mine, gathered, work, self._rotation_turn())
 
     def alone(self) -> Callable[[], tuple[str, ...]]:
         """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
-        decided = ("rank",) if self.rank in self.detail_ranks else ()
+        turn = self._rotation_turn()
+        decided = ("rank",) * (self.rank in self.detail_ranks) + ("rotation",) * turn
         return lambda: decided
 
-    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any) -> tuple[str, ...]:
+    def _rotation_turn(self) -> bool:
+        """Whether this traced step is this rank's turn of ``rotating_detail`` (counts the step)."""
+        first = self._decided * self.rotating % self.world_size
+        self._decided += 1
+        return (self.rank - first) % self.world_size < self.rotating
+
+    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any, turn: bool) -> tuple[str, ...]:
         facts = None
         if work is not None:
             try:
@@ -119,10 +142,10 @@ class RankDetail:
                 self._give_up(error)
         if facts is None:  # on its own, from what it knows of itself: no straggler
             own = frozenset({0}) if self.rank in self.detail_ranks else frozenset()
-            decided = reasons([mine], 0, own, self.nonfinite_before)
+            decided = reasons([mine], 0, own, self.nonfinite_before, turn)
             self.nonfinite_before = mine[NONFINITE] > 0
             return decided
-        decided = reasons(facts, self.rank, self.detail_ranks, self.nonfinite_before)
+        decided = reasons(facts, self.rank, self.detail_ranks, self.nonfinite_before, turn)
         self.nonfinite_before = any(fact[NONFINITE] > 0 for fact in facts)
         return decided
 
