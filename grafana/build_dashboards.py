@@ -6,7 +6,8 @@
 The generated files are committed; a test checks they equal this script's output, and a test against a real
 Prometheus runs every panel's PromQL (``panel_queries()``). Only metrics that torchtrace exports appear; the step
 time, gradient norm, all-reduce wait and NaN/Inf provenance panels fill once steps are traced (``backward=True``), the
-drift row once a model is traced against a baseline (``baseline=``).
+ranks detailed panel in a job under ``Training(rank_detail="auto")``, the drift row once a model is traced against a
+baseline (``baseline=``).
 """
 
 from __future__ import annotations
@@ -341,7 +342,22 @@ def layers_dashboard() -> dict[str, Any]:
                      "rank {{rank}}")],
             (18, 79, 6, 8), unit="percentunit",
         ),
-        _row("Exporter health", 87),
+        _panel(
+            "bargauge", "Ranks detailed, by reason (selected range)",
+            'Under Training(rank_detail="auto"): the ranks that sent their module spans in the most traced steps of '
+            "the selected range, by reason: straggler (the others waited for it at the all-reduce), nonfinite (a "
+            "NaN/Inf started on it), raised (its forward raised); not rank (a detail rank, every step). In "
+            "Explore, the counter's exemplar of each reason links to the latest such step's trace, where the "
+            "rank's module spans are. Empty while no rank was singled out, and under rank_detail=\"all\".",
+            [_target("topk(10, sum by (rank, reason) (increase(torchtrace_rank_detail_steps_total"
+                     f'{{{SELECTOR}, reason!="rank"}}[$__range])) > 0)', "rank {{rank}}: {{reason}}", instant=True)],
+            (0, 87, 24, 8),
+            # whole steps: increase() extrapolates to the range's edges
+            fieldConfig={"defaults": {"unit": "short", "decimals": 0}, "overrides": []},
+            options={"displayMode": "gradient", "orientation": "horizontal",
+                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+        ),
+        _row("Exporter health", 95),
         _panel(
             "timeseries", "Spans recorded / exported / dropped per second",
             "Recorded: module calls seen. Exported: delivered by the OTLP/file exporter. Dropped: lost because the "
@@ -353,14 +369,14 @@ def layers_dashboard() -> dict[str, Any]:
                 _target(f"sum by (reason) (rate(torchtrace_spans_dropped_total{{{SELECTOR}}}[{RATE}]))",
                         "dropped ({{reason}})", ref="C"),
             ],
-            (0, 88, 16, 8), unit="ops",
+            (0, 96, 16, 8), unit="ops",
         ),
         _panel(
             "stat", "Spans dropped (selected range)",
             "Any drop means missing traces: raise max_pending_calls, sample, or fix the backend.",
             [_target(f"sum(increase(torchtrace_spans_dropped_total{{{SELECTOR}}}[$__range]))", "dropped",
                      instant=True)],
-            (16, 88, 4, 8),
+            (16, 96, 4, 8),
             fieldConfig={"defaults": {"unit": "short", "thresholds": {"mode": "absolute", "steps": [
                 {"color": "green", "value": None}, {"color": "red", "value": 1}]}}, "overrides": []},
             options={"colorMode": "background", "reduceOptions": {"calcs": ["lastNotNull"]}},
@@ -369,7 +385,7 @@ def layers_dashboard() -> dict[str, Any]:
             "stat", "Modules past the label limit",
             "Module paths counted under module=\"__other__\" because max_module_labels was reached.",
             [_target(f"max(torchtrace_metrics_overflowed_modules{{{SELECTOR}}})", "overflowed", instant=True)],
-            (20, 88, 4, 8),
+            (20, 96, 4, 8),
             options={"reduceOptions": {"calcs": ["lastNotNull"]}},
         ),
     ]  # fmt: skip

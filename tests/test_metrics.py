@@ -462,6 +462,7 @@ def test_dashboard_queries_use_only_exported_metrics_and_known_variables():
         handle.flush()
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     exported |= {"torchtrace_spans_exported_total"}  # present with an OTLP/file exporter (see watch())
+    exported |= {"torchtrace_rank_detail_steps_total"}  # in a job under rank_detail="auto" (test_metrics_prometheus)
     # gauges with no sample yet: the first drifted layer's (while no layer is over the threshold)
     exported |= {family.name for family in sink.describe() if family.type == "gauge"}
     dashboard = builder.layers_dashboard()

@@ -1,19 +1,23 @@
 """torchtrace's metrics, dashboards and deploy files against a real Prometheus (Debian's 2.42 and its promtool).
 
-One instrumented run is scraped by a real Prometheus (1 s interval, exemplar storage on); the tests then ask that
-Prometheus. Missing binaries: fail on CI (CI=true), skip elsewhere (tests/prometheus_server.py).
+One instrumented run (a one-rank job under rank_detail="auto") is scraped by a real Prometheus (1 s interval,
+exemplar storage on); the tests then ask that Prometheus. Missing binaries: fail on CI (CI=true), skip elsewhere
+(tests/prometheus_server.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from metric_names import STATS_TO_METRICS
 from prometheus_client import CollectorRegistry
 from prometheus_server import PrometheusServer, promtool, require_binary
@@ -32,10 +36,22 @@ VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".
              "$__rate_interval": "1m", "$__range": "5m"}  # fmt: skip
 
 
+@contextlib.contextmanager
+def one_rank_job() -> Iterator[None]:
+    """A one-rank gloo job in this process: Training(rank_detail="auto") decides on each step only in a job."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHTRACE_RUN_ID", "test-metrics-prometheus")  # else a warning that step trace ids repeat
+        dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory: pytest.TempPathFactory):
-    """An instrumented model run while a real Prometheus scrapes its metrics, against a baseline, DRIFTED made to
-    drift at its end; the handle is removed on return."""
+    """An instrumented model run while a real Prometheus scrapes its metrics, against a baseline, a NaN starting in
+    one step, DRIFTED made to drift at its end; the handle is removed (and the job ended) on return."""
     directory = tmp_path_factory.mktemp("prometheus")
     require_binary("prometheus")
     registry = CollectorRegistry()
@@ -61,12 +77,10 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
     server = serve_metrics(0, registry=registry)
     with server, PrometheusServer([f"127.0.0.1:{server.port}"], directory) as prom:
         trace_file = directory / "traces.jsonl"
-        with torchtrace.instrument(
+        with one_rank_job(), torchtrace.instrument(
             model, exporter="file", trace_file=str(trace_file), metrics=sink, backward=True, optimizer=optimizer,
-            baseline=drift,
+            baseline=drift, training=torchtrace.Training(rank_detail="auto"),
         ) as handle:  # fmt: skip
-            with torch.no_grad():
-                model(torch.full((2, 4), float("nan")))  # something for the NaN panels, without poisoning weights
             deadline = time.monotonic() + 30
             # keep the model busy until Prometheus holds a few samples, so rates and increases are not empty
             while not prom.query("count_over_time(torchtrace_spans_recorded_total[1m]) >= 3"):
@@ -74,6 +88,11 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
                 train_step(torch.randn(3, 4))
                 handle.flush()
                 time.sleep(0.05)
+            # a step where a NaN starts, once Prometheus holds its zeros: for the NaN panels and the rank detail one
+            # (reason "nonfinite"); its update skipped, as torch.amp's GradScaler skips one, so the weights stay finite
+            model(torch.full((3, 4), float("nan"))).pow(2).mean().backward()
+            optimizer.zero_grad()
+            handle.step()
             with torch.no_grad():  # DRIFTED's outputs, exactly 3x: its std and abs-max leave the baseline's range
                 getattr(model, DRIFTED).weight.mul_(3)
                 getattr(model, DRIFTED).bias.mul_(3)
@@ -92,6 +111,15 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
 
 def _values(result: list[dict]) -> dict[str, float]:
     return {sample["metric"].get("module", ""): float(sample["value"][1]) for sample in result}
+
+
+def _panel_query(prom: PrometheusServer, title: str, ref: str = "A") -> list[dict]:
+    """The result of a dashboard panel's query, its variables filled as in VARIABLES."""
+    panels = {panel["title"]: panel for panel in json.loads(DASHBOARD.read_text())["panels"]}
+    (expr,) = [target["expr"] for target in panels[title]["targets"] if target["refId"] == ref]
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    return prom.query(expr)
 
 
 def test_every_dashboard_query_returns_data(scraped_run):
@@ -122,24 +150,23 @@ def test_every_dashboard_query_returns_data(scraped_run):
 
 def test_the_dashboard_names_the_first_drifted_layer(scraped_run):
     prom, _, _, first = scraped_run
-    panels = {panel["title"]: panel for panel in json.loads(DASHBOARD.read_text())["panels"]}
-
-    def query(title: str, ref: str = "A") -> list[dict]:
-        (expr,) = [target["expr"] for target in panels[title]["targets"] if target["refId"] == ref]
-        for name, value in VARIABLES.items():
-            expr = expr.replace(name, value)
-        return prom.query(expr)
-
-    (since,) = query("First drifted layer")
+    (since,) = _panel_query(prom, "First drifted layer")
     assert {k: since["metric"][k] for k in ("model", "module", "statistic")} == {
         "model": MODEL, "module": DRIFTED, "statistic": first.statistic}  # fmt: skip
     assert float(since["value"][1]) == pytest.approx(first.since * 1000, abs=1)  # ms: Grafana's dateTimeAsIso unit
-    (score,) = query("First drifted layer", "B")
+    (score,) = _panel_query(prom, "First drifted layer", "B")
     assert score["metric"]["module"] == DRIFTED and float(score["value"][1]) >= 1
-    rows = _values(query("Drift by layer (highest statistic)"))
+    rows = _values(_panel_query(prom, "Drift by layer (highest statistic)"))
     assert set(rows) == {DRIFTED, "relu", "linear_2", MODEL}  # one row per layer, the model itself included
     assert rows[DRIFTED] >= 1
-    assert float(query("Layers over the threshold")[0]["value"][1]) >= 1
+    assert float(_panel_query(prom, "Layers over the threshold")[0]["value"][1]) >= 1
+
+
+def test_the_dashboard_names_the_rank_a_nan_started_on(scraped_run):
+    prom, *_ = scraped_run
+    (row,) = _panel_query(prom, "Ranks detailed, by reason (selected range)")  # not reason="rank": every step
+    assert {k: row["metric"][k] for k in ("rank", "reason")} == {"rank": "0", "reason": "nonfinite"}
+    assert float(row["value"][1]) >= 1
 
 
 def test_prometheus_values_equal_the_span_statistics(scraped_run):
