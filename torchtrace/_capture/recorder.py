@@ -599,7 +599,11 @@ class HookRecorder:
             if state.timer is not None:
                 steps.timer = state.timer  # the step's backward and all-reduce marks use it too
             if steps.pending_calls + calls > self.options.limits.max_pending_calls:
-                self.buffer.drop(calls, "training step never closed: call handle.step() each step")
+                self.buffer.drop(
+                    calls,
+                    "a training step holds more than max_pending_calls calls (never closed? call "
+                    "handle.step() each step; else raise Limits(max_pending_calls=))",
+                )
             else:
                 steps.forwards.append(forward)
                 steps.pending_calls += calls
