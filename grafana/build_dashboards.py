@@ -351,11 +351,20 @@ def layers_dashboard() -> dict[str, Any]:
             "rank's module spans are. Empty while no rank was singled out, and under rank_detail=\"all\".",
             [_target("topk(10, sum by (rank, reason) (increase(torchtrace_rank_detail_steps_total"
                      f'{{{SELECTOR}, reason!="rank"}}[$__range])) > 0)', "rank {{rank}}: {{reason}}", instant=True)],
-            (0, 87, 24, 8),
+            (0, 87, 12, 8),
             # whole steps: increase() extrapolates to the range's edges
             fieldConfig={"defaults": {"unit": "short", "decimals": 0}, "overrides": []},
             options={"displayMode": "gradient", "orientation": "horizontal",
                      "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+        ),
+        _panel(
+            "timeseries", "Data wait by rank",
+            "Share of each rank's time in traced steps before their first forward (from the previous step's end): "
+            "the data loader's next batch, above all. A rank above the others waits on its input; its step spans "
+            "show a long data wait phase.",
+            [_target(f"sum by (rank) (rate(torchtrace_data_wait_seconds_total{{{SELECTOR}}}[{RATE}]))",
+                     "rank {{rank}}")],
+            (12, 87, 12, 8), unit="percentunit",
         ),
         _row("Exporter health", 95),
         _panel(

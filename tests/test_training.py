@@ -103,6 +103,28 @@ def test_the_time_before_a_steps_first_forward_is_its_data_wait_phase():
         assert wait.end_time - wait.start_time >= 50_000_000
 
 
+def test_the_data_wait_counter_adds_up_each_steps_data_wait_span():
+    """torchtrace_data_wait_seconds_total{model, rank}: a rank waiting on input, in Grafana, over time."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
+    ) as handle:
+        for _ in range(3):
+            time.sleep(0.03)  # the next batch
+            model(torch.randn(3, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        handle.flush()
+        waits = [call.end_ns - call.start_ns for call in handle.records if call.name == "data wait"]
+    assert len(waits) == 3
+    counted = registry.get_sample_value("torchtrace_data_wait_seconds_total", {"model": "Sequential", "rank": "0"})
+    assert counted == pytest.approx(sum(waits) / 1e9) and counted >= 0.09
+
+
 def test_gradient_statistics_equal_autograd_results():
     model = mlp()
     x = torch.randn(3, 4)

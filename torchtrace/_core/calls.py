@@ -62,6 +62,10 @@ def call_name(path: str, type_name: str, kind: str) -> str:
     return type_name
 
 
+# the phase span from a training step's start (the previous step's end) to its first forward
+DATA_WAIT = "data wait"
+
+
 @dataclass(slots=True, eq=False)
 class ModuleCall:
     """One finished call of one module: what a span and a record are made of."""

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtrace._core.baseline import Baseline, BaselineError
+from torchtrace._core.calls import DATA_WAIT
 from torchtrace._core.files import replaced_when_complete
 from torchtrace._offline.baseline import ForwardSpans
 from torchtrace._offline.reader import (
@@ -318,7 +319,7 @@ def _lanes(spans: list[Span]) -> dict[str, str]:
                 lanes[span.span_id] = "forward"  # an outermost forward of the step
             elif span.name == "backward":
                 lanes[span.span_id] = "backward"
-            elif span.name == "data wait":
+            elif span.name == DATA_WAIT:
                 lanes[span.span_id] = "data wait"
             elif span.name == "optimizer.step":
                 lanes[span.span_id] = "optimizer"

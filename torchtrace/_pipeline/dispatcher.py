@@ -36,7 +36,7 @@ from torchtrace._capture.stats import resolve
 from torchtrace._capture.steps import BACKWARD_START, StepRecord
 from torchtrace._capture.summaries import CALL_KEYS, fill_table_rows, gradient_items, set_attributes
 from torchtrace._core import signals as _signals
-from torchtrace._core.calls import CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
+from torchtrace._core.calls import DATA_WAIT, CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
 from torchtrace._pipeline.step_bounds import StepBounds
 from torchtrace._pipeline.worker import WORKER
 from torchtrace.attributes import (
@@ -317,7 +317,7 @@ def resolve_step(
         if record.optimizer_ns:  # a closure optimizer's forwards run inside its step
             firsts.append(record.optimizer_ns[0] + record.clock_offset_ns)
         if min(firsts) > record.start_ns:
-            head.insert(len(steps), phase("data wait", record.start_ns, min(firsts)))
+            head.insert(len(steps), phase(DATA_WAIT, record.start_ns, min(firsts)))
     if detail == ():  # rank_detail="auto", no reason for this rank's module spans: each forward's root only
         columns = [batch[:1] for batch in batches.values()]
     starts = [call.start_ns for call in head] + [min(batch.start_ns) for batch in columns if batch]

@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
-from torchtrace._core.calls import ModuleCall, NonFiniteError
+from torchtrace._core.calls import DATA_WAIT, ModuleCall, NonFiniteError
 from torchtrace._core.ranks import rank_info
 from torchtrace.attributes import (
     COMM_SECONDS,
@@ -237,6 +237,7 @@ class MetricsSink(Collector):
         slots = len(self.bucket_bounds) + 1  # + the +Inf bucket
         self._steps = _HistogramState([0] * slots, [None] * slots)
         self._comm_seconds = 0.0  # all-reduce time of traced steps (DDP): the straggler waits least
+        self._data_wait_seconds = 0.0  # traced steps' time before their first forward: a rank waiting on input
         self._recorded = 0
         self._watched: list[_Watched] = []
         self._owner: weakref.ref | None = None  # the handle whose calls this sink aggregates
@@ -270,6 +271,8 @@ class MetricsSink(Collector):
                     detail = call.attributes.get(RANK_DETAIL)
                     if detail is not None:
                         self._count_detail(str(detail), call)
+                elif kind == "phase" and call.name == DATA_WAIT:
+                    self._data_wait_seconds += (call.end_ns - call.start_ns) / 1e9
             self._recorded += len(calls)
 
     def _count_detail(self, detail: str, step: ModuleCall) -> None:
@@ -396,6 +399,7 @@ class MetricsSink(Collector):
                 },
                 steps=_HistogramState(list(self._steps.counts), list(self._steps.exemplars), self._steps.total_seconds),
                 comm_seconds=self._comm_seconds,
+                data_wait_seconds=self._data_wait_seconds,
                 recorded=self._recorded,
                 overflowed_paths=self._overflowed_paths,
                 watched=list(self._watched),
@@ -433,6 +437,13 @@ class MetricsSink(Collector):
             f"{ns}_comm_wait",
             "Time this rank spent in DDP gradient all-reduce during traced steps. The rank waiting least is the "
             "one the others wait for: the straggler.",
+            labels=base,
+            unit="seconds",
+        )
+        data_wait = CounterMetricFamily(
+            f"{ns}_data_wait",
+            "Time this rank spent in traced training steps before their first forward (from the previous step's "
+            "end): the data loader's next batch, above all. A rank waiting on input shows here.",
             labels=base,
             unit="seconds",
         )
@@ -479,7 +490,7 @@ class MetricsSink(Collector):
         )
         families: list[Metric] = [
             duration, calls, seconds, errors, nan, inf, *gauges.values(), overflowed, recorded, exported, dropped,
-            sink_errors, step_duration, grad_norm, nonfinite, comm_wait,
+            sink_errors, step_duration, grad_norm, nonfinite, comm_wait, data_wait,
         ]  # fmt: skip
         if self.drift is not None:
             drift = GaugeMetricFamily(
@@ -529,6 +540,7 @@ class MetricsSink(Collector):
             duration.add_metric([*model_rank, module_type], _buckets(bounds, histogram), histogram.total_seconds)
         step_duration.add_metric(model_rank, _buckets(bounds, snapshot.steps), snapshot.steps.total_seconds)
         comm_wait.add_metric(model_rank, snapshot.comm_seconds)
+        data_wait.add_metric(model_rank, snapshot.data_wait_seconds)
         for (module, module_type), state in sorted(snapshot.modules.items()):
             labels = [*model_rank, module, module_type]
             calls.add_metric(labels, state.calls)
@@ -608,6 +620,7 @@ class _Snapshot:
     histograms: dict[str, _HistogramState]
     steps: _HistogramState
     comm_seconds: float
+    data_wait_seconds: float
     recorded: int
     overflowed_paths: int
     watched: list[_Watched]
