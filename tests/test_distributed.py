@@ -226,6 +226,7 @@ def exchange_every_pass(monkeypatch):
     from torchtrace._pipeline import step_bounds
 
     monkeypatch.setattr(step_bounds, "EXCHANGE_EVERY_S", 0.0)
+    monkeypatch.setattr(step_bounds, "PER_RANK_S", 0.0)
 
 
 def _ranks(store, world_size: int = 3) -> list:
@@ -252,6 +253,23 @@ def test_rank_0_holds_each_step_root_until_every_rank_sent_its_bounds(exchange_e
     rank_2.exchange()
     assert rank_0.exchange() == [root] and not rank_0.pending()
     assert (root.start_ns, root.end_ns) == (90, 1_100)  # from the first start to the last end of any rank
+
+
+def test_in_a_large_job_each_rank_sends_its_bounds_less_often():
+    """Rank 0 pops the others' messages one by one: at W ranks each sends every W milliseconds at most (50 ms below
+    50 ranks), so rank 0 reads about one a millisecond however large the job."""
+    from torchtrace._core.ranks import RankInfo
+    from torchtrace._pipeline.step_bounds import StepBounds
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
+    rank_1 = StepBounds(RankInfo(1, 1, 500, "host", "run"), store, "bounds")
+    for step in range(3):
+        rank_1.step_resolved(step, None, step, step + 1)
+        rank_1.exchange()
+    assert store.queue_len("bounds") == 1  # the first step went out; the next two wait for the next 0.5 s
+    assert rank_1.pending()
+    rank_1.exchange(final=True)  # flush(), remove(): at once
+    assert store.queue_len("bounds") == 2 and not rank_1.pending()
 
 
 def test_a_root_whose_rank_never_reports_is_sent_after_a_while_with_one_warning(exchange_every_pass, monkeypatch,

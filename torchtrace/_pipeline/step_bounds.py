@@ -5,9 +5,10 @@ and end a step apart (their optimizer steps differ; across machines, their clock
 alone would leave other ranks' steps hanging outside it. Each rank other than 0 sends the bounds of its ``rank N``
 spans (as exported: after their spans are placed, on the device clock too) to rank 0 through the job's own store
 (the ``TCPStore`` torchrun and ``init_process_group`` set up), one queue message per worker pass however many steps
-it resolved: no collective, nothing on the model's thread. Rank 0 holds each root until every rank's bounds of its
-step arrived, then sends it spanning all of them; a rank that never reports (gone, or one that never called
-``instrument()``) holds it ``RELEASE_AFTER_S`` at most, with one warning.
+it resolved, every ``EXCHANGE_EVERY_S`` at most (``PER_RANK_S`` a rank in a large job): no collective, nothing on
+the model's thread. Rank 0 holds each root until every rank's bounds of its step arrived, then sends it spanning
+all of them; a rank that never reports (gone, or one that never called ``instrument()``) holds it
+``RELEASE_AFTER_S`` at most, with one warning.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from torchtrace._core.ranks import RankInfo
 RELEASE_AFTER_S = 10.0  # a root waits this long for a rank's bounds at most (a rank gone, a rank never instrumented)
 FINAL_WAIT_S = 2.0  # at flush() and remove(): how long rank 0 waits for the others' last reports
 # a store round trip is a wake-up of the process serving it: a rank sends, and rank 0 reads, this often at most
-# (roots go out up to twice this late), whatever the step rate
+# (roots go out up to twice this late), whatever the step rate; in a large job less often, so that rank 0 reads about
+# one message a PER_RANK_S (its worker pops each rank's messages one by one)
 EXCHANGE_EVERY_S = 0.05
+PER_RANK_S = 0.001
 _POLL_S = 0.001
 
 _logger = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class StepBounds:
         self._released_to = -1  # the newest step whose root was sent
         self._reporters: set[int] = set()  # the ranks heard from so far
         self._last_exchange = 0.0  # monotonic
+        self._every_s = max(EXCHANGE_EVERY_S, rank.world_size * PER_RANK_S)
 
     def step_resolved(self, step: int, root: ModuleCall | None, start_ns: int, end_ns: int) -> bool:
         """A step of this rank was resolved, its step span from ``start_ns`` to ``end_ns``. Rank 0 passes its root:
@@ -88,7 +92,7 @@ class StepBounds:
         now complete (rank 0). ``final`` (``flush()``, ``remove()``): every held root, once the ranks heard from
         so far sent their bounds of it (``FINAL_WAIT_S`` at most)."""
         now = time.monotonic()
-        due = final or now - self._last_exchange >= EXCHANGE_EVERY_S
+        due = final or now - self._last_exchange >= self._every_s
         try:
             if self.rank != 0:
                 if due and self._outgoing:
