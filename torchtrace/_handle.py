@@ -76,6 +76,7 @@ class TraceHandle:
         auto = policy_for(options.training.rank_detail, rank) == "auto"
         training = options.training
         self._rank_detail = RankDetail(rank, training.detail_ranks, training.rotating_detail) if auto else None
+        self._step_bounds = _step_bounds(rank)
         self._recorder = HookRecorder(modules, options, self.buffer, self._steps, resolve_forward)
         self._recorder.warned_compiled = is_compiled_module(model)  # select_modules said so already
         self._records = RecordStore(options.records.max_records, on_drop=self._recorder.release_capture)
@@ -129,7 +130,7 @@ class TraceHandle:
             (self._records, self._summary),
         )
         self._recorder.deliver = self._dispatcher.deliver_at_forward_end
-        self._dispatcher.step_bounds = _step_bounds(self._steps.rank if self._steps is not None else None)
+        self._dispatcher.step_bounds = self._step_bounds
         if callable(options.stats.on_nonfinite):
             self._dispatcher.on_nonfinite = options.stats.on_nonfinite
         if is_ddp(model):

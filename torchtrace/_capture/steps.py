@@ -67,9 +67,8 @@ class StepRecord:
     comm: list = field(default_factory=list)  # (bucket, bytes, perf start, perf end, is_last, (start, end events))
     device: DeviceWork | None = None  # gradient and parameter statistics, backward timing events, on the device
     grads_finite: bool = False  # every gradient summarised on the host with no NaN or Inf (False: not known)
-    # rank_detail="auto": the ranks' decision on the step (why this rank sends its module spans, the step's bounds
-    # over every rank: rank_detail.Decision), read when resolved
-    detail: Callable[[], Any] | None = None
+    # rank_detail="auto": why this rank sends its module spans of the step (empty: it does not), read when resolved
+    detail: Callable[[], tuple[str, ...]] | None = None
 
 
 class StepTracker:
