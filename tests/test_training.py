@@ -3,11 +3,13 @@ NaN/Inf provenance and torch.compile behaviour."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,13 +27,25 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, handle=None) -> None:
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, handle=None, batch_s: float = 0.0) -> None:
+    """``steps`` training steps; ``batch_s``: how long each step's batch takes to come (a data loader's wait)."""
     for _ in range(steps):
+        time.sleep(batch_s)
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
         if handle is not None:
             handle.step()
+
+
+@contextlib.contextmanager
+def metered_training(model: nn.Module, registry) -> Iterator[tuple]:
+    """(handle, optimizer): ``model`` traced in training (backward, SGD's steps) with a MetricsSink on ``registry``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torchtrace.instrument(
+        model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
+    ) as handle:
+        yield handle, optimizer
 
 
 def test_a_step_is_one_trace_holding_its_forward_backward_and_optimizer_step():
@@ -86,11 +100,7 @@ def test_the_time_before_a_steps_first_forward_is_its_data_wait_phase():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with capture_spans(model, backward=True, optimizer=optimizer) as captured:
-        for _ in range(3):
-            time.sleep(0.05)  # the next batch
-            model(torch.randn(3, 4)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        train(model, optimizer, steps=3, batch_s=0.05)
         by_step = {}
         for name in ("train_step", "data wait", "Sequential"):
             for span in sorted(captured.spans_named(name), key=lambda span: span.start_time):
@@ -109,15 +119,8 @@ def test_the_data_wait_counter_adds_up_each_steps_data_wait_span():
 
     registry = CollectorRegistry()
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with torchtrace.instrument(
-        model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
-    ) as handle:
-        for _ in range(3):
-            time.sleep(0.03)  # the next batch
-            model(torch.randn(3, 4)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    with metered_training(model, registry) as (handle, optimizer):
+        train(model, optimizer, steps=3, batch_s=0.03)
         handle.flush()
         waits = [call.end_ns - call.start_ns for call in handle.records if call.name == "data wait"]
     assert len(waits) == 3
@@ -339,10 +342,7 @@ def test_step_metrics_and_gradient_norms_reach_prometheus_metrics():
 
     registry = CollectorRegistry()
     model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with torchtrace.instrument(
-        model, exporter="none", backward=True, optimizer=optimizer, metrics=torchtrace.MetricsSink(registry)
-    ) as handle:
+    with metered_training(model, registry) as (handle, optimizer):
         train(model, optimizer, steps=1)
         x = torch.randn(3, 4)
         hidden = model[0](x)  # what torch says of the last step's gradient reaching layer 0's output
