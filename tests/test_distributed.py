@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkout import checkout_env
+from jobs import one_rank_job
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -664,6 +665,83 @@ def test_rotating_detail_sees_every_rank_in_turn_with_no_communication():
     assert decided(3, 0, 2) == [[("rank",), (), ()]] * 2  # off by default
 
 
+def _step():
+    """What a rank's facts of a step are read from: no all-reduce, one second long, no forward."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(comm=[], forwards=[], start_ns=0, end_ns=1_000_000_000)
+
+
+def test_one_all_gather_carries_a_run_of_steps_twice_as_long_as_the_last_up_to_16(monkeypatch):
+    """Any collective costs a step about half a millisecond on a busy host, so the ranks' facts travel in runs of
+    traced steps: 1, 2, 4, 8, then 16 at a time. A step's decision is ready once its run's gather is in; read before
+    its run was sent (a flush), it is this rank's own."""
+    from torchtrace._core.ranks import RankInfo
+    from torchtrace._pipeline import rank_detail
+
+    gathered_steps = []
+    all_gather = torch.distributed.all_gather
+
+    def counted(tensors, tensor, **kwargs):  # noqa: ANN001, ANN003
+        gathered_steps.append(len(tensor))
+        return all_gather(tensors, tensor, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "all_gather", counted)
+    with one_rank_job():
+        policy = rank_detail.RankDetail(RankInfo(0, 0, 1, "host", "run"), detail_ranks=())
+        nonfinite = {5, 6, 40}  # a NaN starts at step 5 (in the run of steps 3-6) and at 40 (in the open run)
+        decisions = [policy.start(_step(), step in nonfinite) for step in range(42)]
+        assert gathered_steps == [1, 2, 4, 8, 16]  # steps 0, 1-2, 3-6, 7-14, 15-30; 31-41 wait for the 16th
+        assert not any(decision.ready() for decision in decisions[31:])
+        decided = [decision() for decision in decisions]  # the worker reads them in order
+        assert all(decision.ready() for decision in decisions[:31])
+    assert [step for step, why in enumerate(decided) if why] == [5, 40]  # where it started, not the step after
+    assert decided[5] == decided[40] == ("nonfinite",)
+
+
+def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_a_flush_decides_it_alone():
+    """The worker leaves a step whose run was not gathered yet where it is (counted against max_pending_calls) and
+    delivers it once the run's gather is in; a flush delivers it at once, decided from this rank's own facts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    received = []
+
+    def train_step(x: torch.Tensor | None = None) -> None:
+        model(torch.randn(3, 4) if x is None else x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def delivered_steps(until: list[int]) -> list[int]:
+        deadline = time.monotonic() + 10
+        while True:
+            handle._dispatcher.drain(wait=False)  # the worker's pass: it never waits for the other ranks
+            steps = [call.attributes["torchtrace.step"] for call in received if call.name == "rank 0"]
+            if steps == until or time.monotonic() > deadline:
+                return steps
+            time.sleep(0.01)
+
+    auto = torchtrace.Training(rank_detail="auto", detail_ranks=())  # rank 0 too sends module spans where they explain
+    with one_rank_job(), torchtrace.instrument(model, exporter="none", backward=True, optimizer=optimizer,
+                                               sinks=[received.extend], training=auto) as handle:  # fmt: skip
+        train_step()  # step 0: a run of one, sent at its end
+        assert delivered_steps(until=[0]) == [0]
+        assert handle.buffer.held_elsewhere == 0
+        train_step()  # step 1: the first of a run of two
+        assert delivered_steps(until=[0, 1]) == [0]
+        assert handle.buffer.held_elsewhere == 4 + 3  # its forward's 4 calls and 3 backward spans, held
+        train_step()  # step 2 ends the run
+        assert delivered_steps(until=[0, 1, 2]) == [0, 1, 2]
+        train_step(torch.full((3, 4), float("nan")))  # step 3, a NaN starting: the first of a run of four
+        handle.flush()
+        assert delivered_steps(until=[0, 1, 2, 3]) == [0, 1, 2, 3]
+        assert handle.buffer.held_elsewhere == 0
+    details = [call.attributes["torchtrace.rank.detail"] for call in received if call.name == "rank 0"]
+    assert details == ["none", "none", "none", "nonfinite"]
+    step_of_trace = {call.trace_id: call.attributes["torchtrace.step"] for call in received if call.name == "rank 0"}
+    assert {step_of_trace[call.trace_id] for call in received if call.path not in ("", "Sequential")} == {3}
+
+
 def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: int, timeout: float) -> dict[int, str]:
     """Each rank's /metrics (port ``base`` + its local rank) once it holds all ``steps`` (examples/ddp_train.py
     ``--linger`` keeps serving after training), by rank."""
@@ -697,7 +775,10 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
 
     Metrics, scraped from every rank's endpoint: per-module series from rank 0 (the detail rank) only; ranks 3 and
     5 sent module spans in a step but keep their model-level series (the model root's row, step and comm wait) and
-    count the step they explained by reason, so their series stay as few as any other rank's."""
+    count the step they explained by reason, so their series stay as few as any other rank's.
+
+    The ranks' facts of steps 1 and 2 travel in one all-gather (a run of two); step 3, the first of the next run, is
+    decided by each rank alone when the job ends."""
     ranks, steps = 8, 4
     base = free_port(ranks)
     with OtlpHttpReceiver() as receiver:

@@ -7,17 +7,15 @@ exemplar storage on); the tests then ask that Prometheus. Missing binaries: fail
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from jobs import one_rank_job
 from metric_names import STATS_TO_METRICS
 from prometheus_client import CollectorRegistry
 from prometheus_server import PrometheusServer, promtool, require_binary
@@ -34,18 +32,6 @@ DRIFTED = "linear_1"  # the layer scaled during the scraped run: the first drift
 # dashboard variables: "All" for the regex ones, a concrete model; Grafana's own intervals as fixed windows
 VARIABLES = {"$model": MODEL, "$rank": ".*", "$module_type": ".*", "$module": ".*",
              "$__rate_interval": "1m", "$__range": "5m"}  # fmt: skip
-
-
-@contextlib.contextmanager
-def one_rank_job() -> Iterator[None]:
-    """A one-rank gloo job in this process: Training(rank_detail="auto") decides on each step only in a job."""
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TORCHTRACE_RUN_ID", "test-metrics-prometheus")  # else a warning that step trace ids repeat
-        dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +63,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory):
     server = serve_metrics(0, registry=registry)
     with server, PrometheusServer([f"127.0.0.1:{server.port}"], directory) as prom:
         trace_file = directory / "traces.jsonl"
-        with one_rank_job(), torchtrace.instrument(
+        with one_rank_job("test-metrics-prometheus"), torchtrace.instrument(
             model, exporter="file", trace_file=str(trace_file), metrics=sink, backward=True, optimizer=optimizer,
             baseline=drift, training=torchtrace.Training(rank_detail="auto"),
         ) as handle:  # fmt: skip

@@ -18,7 +18,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from opentelemetry.trace import SpanContext, TraceFlags
@@ -46,6 +46,16 @@ NORM_ONLY = frozenset({"norm"})
 BACKWARD_START, BACKWARD_END = 0, 1
 
 
+class DetailDecision(Protocol):
+    """Under ``rank_detail="auto"``: why this rank sends its module spans of a step (empty: it does not)."""
+
+    def ready(self) -> bool:
+        """Whether reading it now goes without waiting for the other ranks."""
+        ...
+
+    def __call__(self) -> tuple[str, ...]: ...
+
+
 @dataclass(slots=True)
 class StepRecord:
     """Everything one traced step produced, handed to the dispatcher at ``step()``."""
@@ -67,8 +77,7 @@ class StepRecord:
     comm: list = field(default_factory=list)  # (bucket, bytes, perf start, perf end, is_last, (start, end events))
     device: DeviceWork | None = None  # gradient and parameter statistics, backward timing events, on the device
     grads_finite: bool = False  # every gradient summarised on the host with no NaN or Inf (False: not known)
-    # rank_detail="auto": why this rank sends its module spans of the step (empty: it does not), read when resolved
-    detail: Callable[[], tuple[str, ...]] | None = None
+    detail: DetailDecision | None = None  # rank_detail="auto": read when resolved
 
 
 class StepTracker:

@@ -501,13 +501,24 @@ def _device_works(item: RawForward | StepRecord | CallBatch) -> list:
     return works
 
 
-def _device_done(item: RawForward | StepRecord | CallBatch) -> bool:
+def _ready(item: RawForward | StepRecord | CallBatch) -> bool:
+    """Whether ``item`` can be read without waiting: its device work complete and, for a step under
+    ``rank_detail="auto"``, the other ranks' facts in."""
+    if isinstance(item, StepRecord) and item.detail is not None and not item.detail.ready():
+        return False
     return all(work.ready() for work in _device_works(item))
 
 
 def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
     for work in _device_works(item):
         work.wait()
+
+
+def _calls_held(item: RawForward | StepRecord | CallBatch) -> int:
+    """The calls ``item`` holds, as the buffer counted them when it was put."""
+    if isinstance(item, StepRecord):
+        return sum(map(len, item.forwards)) + len(item.backward_events) // 2
+    return len(item)
 
 
 def _errors(calls: Calls) -> Iterable[BaseException]:
@@ -554,7 +565,8 @@ class Dispatcher:
         self.on_nonfinite: Any = None  # callable(NonFiniteError), called off the hot path
         self._lock = threading.Lock()  # one drain at a time keeps batches in order
         self.deliver_lock = threading.Lock()  # held while the in-process sinks and the exporters' backlog change
-        self._waiting: list = []  # taken from the buffer, device work not yet complete
+        self._waiting: list = []  # taken from the buffer, not ready yet (device work, the ranks' facts of a step)
+        self._waiting_calls = 0
         self._unexported: list[Sequence[ModuleCall]] = []  # resolved segments, delivered in process, to export
         self._unexported_calls = 0
         self._exporting_calls = 0  # of those, taken by the drain running now, until its requests end
@@ -586,6 +598,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self.deliver_lock = threading.Lock()
         self._waiting = []
+        self._waiting_calls = 0
         self._unexported = []
         self._unexported_calls = self._exporting_calls = 0
         self._held_changed()
@@ -594,7 +607,8 @@ class Dispatcher:
         self.step_bounds = None  # the child trains no step of the job
 
     def has_unresolved(self) -> bool:
-        """Whether forwards wait in the buffer (or for their device work), or step bounds for the other ranks."""
+        """Whether forwards wait in the buffer (or for their device work, or a step for the other ranks' facts), or
+        step bounds for the other ranks."""
         return bool(len(self.buffer) or self._waiting or self.step_bounds is not None and self.step_bounds.pending())
 
     @_signals.guarded
@@ -632,7 +646,9 @@ class Dispatcher:
         which have now reached every sink.
 
         Forwards whose device work is still running are read once it completes: waited for when ``wait``, else
-        kept (in order) for a later drain, so the worker never blocks on a GPU.
+        kept (in order) for a later drain, so the worker never blocks on a GPU. So are training steps whose
+        ``rank_detail="auto"`` decision waits for the other ranks (a step whose facts were not sent yet is decided
+        by this rank alone when ``wait``).
         """
         _replaced.sweep()  # modules replaced behind torch's registration hook stop being traced (one warning)
         with self._lock:
@@ -650,9 +666,9 @@ class Dispatcher:
             return resolved
 
     def _held_changed(self) -> None:
-        """The buffer's bound counts what this dispatcher holds for the exporters too (waiting for the next drain,
-        or in a request now): max_pending_calls in all, not once in the buffer and again here."""
-        self.buffer.held_elsewhere = self._unexported_calls + self._exporting_calls
+        """The buffer's bound counts what this dispatcher holds too (not ready yet, waiting for the next drain, or in
+        a request now): max_pending_calls in all, not once in the buffer and again here."""
+        self.buffer.held_elsewhere = self._unexported_calls + self._exporting_calls + self._waiting_calls
 
     def _resolve(self, wait: bool) -> None:
         with self.deliver_lock:  # from now until they are delivered, later forwards wait behind them
@@ -668,10 +684,13 @@ class Dispatcher:
         for position, item in enumerate(items):
             if wait:
                 _wait_for_device(item)
-            elif not _device_done(item):
+            elif not _ready(item):
                 ready = position
                 break
         forwards, self._waiting = items[:ready], items[ready:]
+        with self.deliver_lock:
+            self._waiting_calls = sum(map(_calls_held, self._waiting))
+            self._held_changed()
         segments: list[Sequence[ModuleCall]] = []  # a forward's columns, or a training step's calls
         for item in forwards:
             try:

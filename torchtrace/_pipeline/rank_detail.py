@@ -6,30 +6,35 @@ rank of ``detail_ranks``; the step's straggler (the rank the others waited for a
 wait the shortest, the waits spread by more than ``STRAGGLER_FRACTION`` of the step and ``STRAGGLER_MIN_S``); the
 rank where a NaN/Inf started (in its forward outputs or its gradients before the all-reduce, in a step after one
 where no rank saw any: after the all-reduce every rank has it); a rank whose forward raised; with
-``rotating_detail``, ranks in turn, chosen by the count of traced steps (no communication). What the other ranks saw
-comes from one all-gather of four numbers per rank and traced step, started at the step's end on the training
-thread (never in a hook) and left running, on a gloo group made for it at ``instrument()``.
+``rotating_detail``, ranks in turn, chosen by the count of traced steps (no communication).
+
+What the other ranks saw comes from all-gathers of four numbers per rank and traced step, started at a step's end on
+the training thread (never in a hook) and left running, on a gloo group made for it at ``instrument()``. Any
+collective costs a loop about half a millisecond on a busy host, so one all-gather carries a run of traced steps:
+1, 2, 4, ... up to ``GATHER_STEPS_MAX`` (every rank counts the same traced steps, so all call it at the same step).
+A step's module records wait for their run's gather on the worker; where they must be read before it (a flush,
+``remove()``), the rank decides that step from what it knows itself.
 """
 
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from torchtrace._capture.recorder import ERROR
-from torchtrace._capture.steps import StepRecord
+from torchtrace._capture.steps import DetailDecision, StepRecord
 from torchtrace._core.ranks import RankInfo
 
 AUTO_FROM_WORLD_SIZE = 64  # "auto" is the default from here: ranks x modules spans a step is past what UIs draw
 STRAGGLER_FRACTION = 0.25  # a wait spread below this share of the step (or STRAGGLER_MIN_S) is noise, not a straggler
 STRAGGLER_MIN_S = 0.01
+GATHER_STEPS_MAX = 16  # the longest run of traced steps one all-gather carries: a 16th of its cost a step
 GATHER_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that never reaches the step's end must not hang the others
 # What each rank tells the others at a step's end (a float each; -1: not known)
 COMM_WAIT, STEP_SECONDS, NONFINITE, RAISED = 0, 1, 2, 3
@@ -82,11 +87,57 @@ def step_facts(record: StepRecord, nonfinite: bool | None) -> list[float]:
     return [wait, (record.end_ns - record.start_ns) / 1e9, float(bool(nonfinite)), float(raised)]
 
 
+class _Run:
+    """The traced steps one all-gather carries: this rank's facts of each, then every rank's once gathered."""
+
+    __slots__ = ("mine", "sent", "work", "gathered", "facts")
+
+    def __init__(self) -> None:
+        self.mine: list[list[float]] = []
+        self.sent = False  # the gather was started (or could not be: then ``work`` stays None)
+        self.work: Any = None
+        self.gathered: list[torch.Tensor] = []
+        self.facts: list[list[list[float]]] | None = None  # [step][rank] -> facts, once read
+
+
+class StepDecision:
+    """Why this rank sends its module spans of one traced step (``reasons``), read once on the worker, steps in
+    order: ``ready()`` says whether reading it now would wait for the other ranks."""
+
+    __slots__ = ("_policy", "_run", "_index", "_turn")
+
+    def __init__(self, policy: RankDetail, run: _Run, index: int, turn: bool) -> None:
+        self._policy, self._run, self._index, self._turn = policy, run, index, turn
+
+    def ready(self) -> bool:
+        run = self._run
+        return run.sent and (run.work is None or run.facts is not None or run.work.is_completed())
+
+    def __call__(self) -> tuple[str, ...]:
+        return self._policy._decide(self._run, self._index, self._turn)
+
+
+class _Made:
+    """A decision made already."""
+
+    __slots__ = ("reasons",)
+
+    def __init__(self, reasons: tuple[str, ...]) -> None:
+        self.reasons = reasons
+
+    def ready(self) -> bool:
+        return True
+
+    def __call__(self) -> tuple[str, ...]:
+        return self.reasons
+
+
 class RankDetail:
-    """The ``auto`` policy of one handle on one rank. At each traced step's end ``start()`` sends this rank's facts
-    to the others (one all-gather a step, left running: the training thread goes on; on a gloo group of its own, so
-    it never interleaves with the job's collectives) and gives the step its decision to read, which waits for the
-    others' facts where it is read: on the worker, steps in order."""
+    """The ``auto`` policy of one handle on one rank. At each traced step's end ``start()`` keeps this rank's facts
+    of the step and gives it its decision to read later; at the end of a run of steps it sends the run's facts to the
+    others (one all-gather, left running: the training thread goes on; on a gloo group of its own, so it never
+    interleaves with the job's collectives). A decision read before its run was sent (at a flush) is this rank's
+    own; read after, it waits for the gather where it is read: on the worker."""
 
     def __init__(self, rank: RankInfo, detail_ranks: Sequence[int], rotating: int = 0) -> None:
         self.rank = rank.rank
@@ -96,6 +147,8 @@ class RankDetail:
         self._decided = 0  # traced steps decided so far: the same count on every rank (the schedule is shared)
         self.nonfinite_before = False  # some rank saw NaN/Inf at the previous traced step
         self._failed = False
+        self._run = _Run()
+        self._run_steps = 1  # the open run's length: doubles after each run, to GATHER_STEPS_MAX
         # Made here, where every rank calls instrument() at the same point of its program (a group made later could
         # interleave with the job's own group creations).
         self._group = None
@@ -106,25 +159,21 @@ class RankDetail:
         except Exception as error:  # each rank on its own, from what it sees itself
             self._give_up(error)
 
-    def start(self, record: StepRecord, nonfinite: bool | None) -> Callable[[], tuple[str, ...]]:
-        """This rank's facts of ``record`` on their way to the others; the reasons for its module spans, to read
-        later."""
-        mine = step_facts(record, nonfinite)
-        gathered = [torch.empty(len(mine), dtype=torch.float64) for _ in range(self.world_size)]
-        work = None
-        if not self._failed:
-            try:
-                work = dist.all_gather(gathered, torch.tensor(mine, dtype=torch.float64), group=self._group,
-                                       async_op=True)  # fmt: skip
-            except Exception as error:
-                self._give_up(error)
-        return functools.partial(self._decide, mine, gathered, work, self._rotation_turn())
+    def start(self, record: StepRecord, nonfinite: bool | None) -> StepDecision:
+        """Keeps this rank's facts of ``record`` for the others (sent with the run's last step); the reasons for its
+        module spans, to read later."""
+        run = self._run
+        run.mine.append(step_facts(record, nonfinite))
+        decision = StepDecision(self, run, len(run.mine) - 1, self._rotation_turn())
+        if len(run.mine) == self._run_steps:
+            self._send(run)
+            self._run = _Run()
+            self._run_steps = min(2 * self._run_steps, GATHER_STEPS_MAX)
+        return decision
 
-    def alone(self) -> Callable[[], tuple[str, ...]]:
+    def alone(self) -> DetailDecision:
         """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
-        turn = self._rotation_turn()
-        decided = ("rank",) * (self.rank in self.detail_ranks) + ("rotation",) * turn
-        return lambda: decided
+        return _Made(("rank",) * (self.rank in self.detail_ranks) + ("rotation",) * self._rotation_turn())
 
     def _rotation_turn(self) -> bool:
         """Whether this traced step is this rank's turn of ``rotating_detail`` (counts the step)."""
@@ -132,19 +181,33 @@ class RankDetail:
         self._decided += 1
         return (self.rank - first) % self.world_size < self.rotating
 
-    def _decide(self, mine: list[float], gathered: list[torch.Tensor], work: Any, turn: bool) -> tuple[str, ...]:
-        facts = None
-        if work is not None:
+    def _send(self, run: _Run) -> None:
+        run.sent = True
+        if self._failed:
+            return
+        mine = torch.tensor(run.mine, dtype=torch.float64)
+        run.gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            run.work = dist.all_gather(run.gathered, mine, group=self._group, async_op=True)
+        except Exception as error:
+            self._give_up(error)
+
+    def _decide(self, run: _Run, index: int, turn: bool) -> tuple[str, ...]:
+        mine = run.mine[index]
+        if run.facts is None and run.work is not None:
             try:
-                work.wait()
-                facts = [tensor.tolist() for tensor in gathered]
+                run.work.wait()
+                by_rank = [tensor.tolist() for tensor in run.gathered]
+                run.facts = [[facts[step] for facts in by_rank] for step in range(len(run.mine))]
             except Exception as error:
                 self._give_up(error)
-        if facts is None:  # on its own, from what it knows of itself: no straggler
+            run.work = None
+        if run.facts is None:  # on its own, from what it knows of itself: no straggler
             own = frozenset({0}) if self.rank in self.detail_ranks else frozenset()
             decided = reasons([mine], 0, own, self.nonfinite_before, turn)
             self.nonfinite_before = mine[NONFINITE] > 0
             return decided
+        facts = run.facts[index]
         decided = reasons(facts, self.rank, self.detail_ranks, self.nonfinite_before, turn)
         self.nonfinite_before = any(fact[NONFINITE] > 0 for fact in facts)
         return decided
