@@ -1,14 +1,18 @@
-"""Overhead of tracing a DDP training step: two identical DDP models in one torchrun job, stepped alternately.
+"""Overhead of tracing a DDP training step: identical DDP models in one torchrun job, stepped alternately.
 
-    python benchmarks/ddp.py [--ranks 2] [--steps 40] [--exporter otlp|none]   # launches torchrun (gloo on CPU)
+    python benchmarks/ddp.py [--ranks 2] [--steps 40] [--exporter otlp|none] [--breakdown]  # torchrun, gloo on CPU
 
 Model A is plain DDP; model B is the same under torchtrace.instrument(backward=True, optimizer=..., stats on),
 exporting OTLP/HTTP to a local discard receiver in another process (--exporter none: records only). Steps are
-timed in blocks of 20 (fewer if --steps is smaller), the traced model's block ending with handle.flush(), so its
+timed in blocks of 20 (fewer if --steps is smaller), a traced model's block ending with handle.flush(), so its
 export is inside the timed window (as overhead.py's 20 forwards and a flush). Blocks alternate A, B, A, B so machine
 noise hits both alike; the first block of each is warm-up; medians of the blocks' time per step. Rank 0 prints a
 table and, last, one JSON line: {"ddp": {"world_size", "steps", "exporter", "plain_ms", "traced_ms", "x_plain",
-"spans_per_step", "failed_spans"}} (failed_spans: rank 0's).
+"spans_per_step", "failed_spans", "variants"}} (failed_spans: rank 0's; variants: x plain of each model run).
+
+--breakdown adds, in the same rotation, what each part of the traced step costs: DDP with torch's own Python
+all-reduce comm hook (the least any per-bucket timing costs: DDP's default hook runs in C++), forward spans alone,
+forward spans with statistics, forward and backward spans without statistics.
 """
 
 from __future__ import annotations
@@ -26,12 +30,20 @@ import torchtrace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 20  # steps timed together, the traced model's flush at the end of them
+# --breakdown: the traced step's parts, each a model of its own (instrument()'s keywords; backward=True unless said)
+BREAKDOWN = {
+    "python_comm_hook": None,
+    "forward_spans": {"backward": False, "stats": False},
+    "forward_stats": {"backward": False},
+    "backward_spans": {"stats": False},
+}
 
 
-def worker(steps: int, exporter: str) -> None:
+def worker(steps: int, exporter: str, breakdown: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo")
@@ -43,38 +55,52 @@ def worker(steps: int, exporter: str) -> None:
         ddp = DistributedDataParallel(model, bucket_cap_mb=1)
         return ddp, torch.optim.SGD(ddp.parameters(), lr=0.01)
 
-    plain, plain_opt = make()
-    traced, traced_opt = make()
-    handle = torchtrace.instrument(traced, exporter=exporter, backward=True, optimizer=traced_opt)
+    runs = {"plain": None, "traced": {}, **(BREAKDOWN if breakdown else {})}
+    models = {}
+    for name, options in runs.items():
+        model, optimizer = make()
+        handle = None
+        if name == "python_comm_hook":
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif options is not None:
+            options = {"backward": True, **options}
+            handle = torchtrace.instrument(model, exporter=exporter, optimizer=optimizer, **options)
+        models[name] = model, optimizer, handle
+    handle = models["traced"][2]
     x = torch.randn(64, 256)
-    times: dict[str, list[float]] = {"plain": [], "traced": []}
+    times: dict[str, list[float]] = {name: [] for name in models}
     block = min(steps, BLOCK)
     for round_index in range(1 + steps // block):  # the first block of each model: warm-up, not timed
-        for name, model, optimizer in (("plain", plain, plain_opt), ("traced", traced, traced_opt)):
+        for name, (model, optimizer, traced_by) in models.items():
             dist.barrier()
             start = time.perf_counter()
             for _ in range(block):
                 model(x).pow(2).mean().backward()
                 optimizer.step()
                 optimizer.zero_grad()
-            if name == "traced":
-                handle.flush()  # export work inside the timed window, once a block (overhead.py: 20 forwards)
+            if traced_by is not None:
+                traced_by.flush()  # export work inside the timed window, once a block (overhead.py: 20 forwards)
             if round_index:
                 times[name].append((time.perf_counter() - start) * 1e3 / block)
         if not round_index:  # counted over the warm-up: the records keep only the last max_records calls
             spans = len(handle.records) / block
+    for _, _, traced_by in models.values():
+        if traced_by is not None and traced_by is not handle:
+            traced_by.remove()
     handle.remove()
     failed = handle.failed_spans  # a failing export is cheap: its numbers would mean nothing
     if rank == 0:
-        plain_ms, traced_ms = statistics.median(times["plain"]), statistics.median(times["traced"])
+        medians = {name: statistics.median(times[name]) for name in times}
+        plain_ms, traced_ms = medians["plain"], medians["traced"]
         print(f"DDP step, {dist.get_world_size()} ranks (gloo, CPU), {steps} steps each, interleaved")
-        print(f"  plain   {plain_ms:8.3f} ms/step")
-        print(f"  traced  {traced_ms:8.3f} ms/step  ({traced_ms / plain_ms:.3f}x, ~{spans:.0f} spans per step,"
-              f" exporter {exporter}, {failed} spans failed to export)")  # fmt: skip
+        for name, median in medians.items():
+            print(f"  {name:18s} {median:8.3f} ms/step  ({median / plain_ms:.3f}x)")
+        print(f"  traced: ~{spans:.0f} spans per step, exporter {exporter}, {failed} spans failed to export")
         result = {"world_size": dist.get_world_size(), "steps": steps, "exporter": exporter,
                   "plain_ms": round(plain_ms, 3), "traced_ms": round(traced_ms, 3),
                   "x_plain": round(traced_ms / plain_ms, 3), "spans_per_step": round(spans, 1),
-                  "failed_spans": failed}  # fmt: skip
+                  "failed_spans": failed,
+                  "variants": {name: round(median / plain_ms, 3) for name, median in medians.items()}}  # fmt: skip
         print(json.dumps({"ddp": result}), flush=True)
     dist.destroy_process_group()
 
@@ -84,10 +110,11 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--exporter", choices=("otlp", "none"), default="otlp")
+    parser.add_argument("--breakdown", action="store_true", help="also time the traced step's parts")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.steps, args.exporter)
+        worker(args.steps, args.exporter, args.breakdown)
         return 0
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
@@ -108,7 +135,7 @@ def launch(args: argparse.Namespace, env: dict[str, str]) -> int:
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", f"--master-port={port}",
                os.path.abspath(__file__), "--worker", f"--steps={args.steps}",
-               f"--exporter={args.exporter}"]  # fmt: skip
+               f"--exporter={args.exporter}", *(["--breakdown"] if args.breakdown else [])]  # fmt: skip
     return subprocess.call(command, env=env)
 
 

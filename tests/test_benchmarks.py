@@ -273,11 +273,15 @@ def test_serving_quick_reports_rates_and_memory() -> None:
 
 def test_ddp_exports_every_rank_to_a_receiver_and_reports_json_last() -> None:
     """Two gloo ranks under torchrun, the traced model exporting OTLP to the benchmark's discard receiver (the
-    issue's condition): nothing failed to export, spans were counted, both models timed."""
-    report, stdout = run_benchmark("ddp.py", "--steps", "3", timeout=300)
+    issue's condition): nothing failed to export, spans were counted, every model timed, the breakdown's too."""
+    report, stdout = run_benchmark("ddp.py", "--steps", "3", "--breakdown", timeout=300)
     ddp = report["ddp"]
     assert (ddp["world_size"], ddp["steps"], ddp["exporter"], ddp["failed_spans"]) == (2, 3, "otlp", 0), stdout
     assert ddp["spans_per_step"] > 16 and ddp["plain_ms"] > 0 and ddp["traced_ms"] > 0
+    assert list(ddp["variants"]) == ["plain", "traced", "python_comm_hook", "forward_spans", "forward_stats",
+                                     "backward_spans"]  # fmt: skip
+    assert ddp["variants"]["plain"] == 1.0 and ddp["variants"]["traced"] == ddp["x_plain"]
+    assert all(ratio > 0 for ratio in ddp["variants"].values())
 
 
 def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:

@@ -674,8 +674,8 @@ def _step():
 
 def test_one_all_gather_carries_a_run_of_steps_twice_as_long_as_the_last_up_to_16(monkeypatch):
     """Any collective costs a step about half a millisecond on a busy host, so the ranks' facts travel in runs of
-    traced steps: 1, 2, 4, 8, then 16 at a time. A step's decision is ready once its run's gather is in; read before
-    its run was sent (a flush), it is this rank's own."""
+    traced steps: 1, 2, 4, 8, then 16 at a time. A step's decision is ready once its run's gather is in; the last
+    run, open at remove(), is gathered then."""
     from torchtrace._core.ranks import RankInfo
     from torchtrace._pipeline import rank_detail
 
@@ -684,6 +684,8 @@ def test_one_all_gather_carries_a_run_of_steps_twice_as_long_as_the_last_up_to_1
 
     def counted(tensors, tensor, **kwargs):  # noqa: ANN001, ANN003
         gathered_steps.append(len(tensor))
+        # until the gather is started, its steps read as not sent: the worker must not read them without their facts
+        assert not policy._run.sent
         return all_gather(tensors, tensor, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "all_gather", counted)
@@ -692,16 +694,55 @@ def test_one_all_gather_carries_a_run_of_steps_twice_as_long_as_the_last_up_to_1
         nonfinite = {5, 6, 40}  # a NaN starts at step 5 (in the run of steps 3-6) and at 40 (in the open run)
         decisions = [policy.start(_step(), step in nonfinite) for step in range(42)]
         assert gathered_steps == [1, 2, 4, 8, 16]  # steps 0, 1-2, 3-6, 7-14, 15-30; 31-41 wait for the 16th
+        assert [decision.sent() for decision in decisions] == [True] * 31 + [False] * 11
         assert not any(decision.ready() for decision in decisions[31:])
+        policy.close()  # remove(): the open run, padded to 16 steps
+        assert gathered_steps[-1] == 16 and all(decision.sent() for decision in decisions)
         decided = [decision() for decision in decisions]  # the worker reads them in order
-        assert all(decision.ready() for decision in decisions[:31])
+        assert all(decision.ready() for decision in decisions)
     assert [step for step, why in enumerate(decided) if why] == [5, 40]  # where it started, not the step after
     assert decided[5] == decided[40] == ("nonfinite",)
 
 
-def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_a_flush_decides_it_alone():
+LAST_RUN_ALONE = """
+import sys, time
+from types import SimpleNamespace
+import torch.distributed as dist
+from torchtrace._core.ranks import RankInfo
+from torchtrace._pipeline.rank_detail import RankDetail
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+policy = RankDetail(RankInfo(rank, rank, 2, "host", "run"), detail_ranks=(0,))
+step = SimpleNamespace(comm=[], forwards=[], start_ns=0, end_ns=10**9)
+decisions = [policy.start(step, nonfinite=index == 1) for index in range(2)]  # step 0 sent; step 1 opens a run
+if rank == 0:
+    started = time.monotonic()
+    policy.close()  # remove()
+    print([decision() for decision in decisions], round(time.monotonic() - started, 1), flush=True)
+else:
+    time.sleep(9)  # goes on training: it never gathers that run
+"""
+
+
+def test_remove_waits_a_few_seconds_at_most_for_ranks_that_never_gather_the_last_run():
+    """remove() on one rank while another goes on: the last run's gather is waited for at most CLOSE_WAIT (5 s),
+    then the rank decides those steps on its own (a NaN of its own, no straggler), with a warning."""
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", LAST_RUN_ALONE, str(rank), port], env=checkout_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]  # fmt: skip
+    output = [rank.communicate(timeout=60)[0] for rank in ranks]
+    assert ranks[0].returncode == 0, output
+    decided, waited = output[0].splitlines()[-1].rsplit(" ", 1)
+    assert decided == "[('rank',), ('rank', 'nonfinite')]", output
+    assert 4.5 <= float(waited) < 8, output
+    assert "each rank decides on its own from now on" in output[0]
+
+
+def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_remove_gathers_the_last_run():
     """The worker leaves a step whose run was not gathered yet where it is (counted against max_pending_calls) and
-    delivers it once the run's gather is in; a flush delivers it at once, decided from this rank's own facts."""
+    delivers it once the run's gather is in; a flush leaves it waiting too; remove() gathers the open run."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -733,9 +774,10 @@ def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_a_flush_d
         train_step()  # step 2 ends the run
         assert delivered_steps(until=[0, 1, 2]) == [0, 1, 2]
         train_step(torch.full((3, 4), float("nan")))  # step 3, a NaN starting: the first of a run of four
-        handle.flush()
-        assert delivered_steps(until=[0, 1, 2, 3]) == [0, 1, 2, 3]
-        assert handle.buffer.held_elsewhere == 0
+        assert handle.flush()  # nothing lost; the step waits for its run (a flush starts no collective)
+        assert delivered_steps(until=[0, 1, 2, 3]) == [0, 1, 2]
+        assert handle.buffer.held_elsewhere == 4 + 3
+    # remove(): the open run gathered at once
     details = [call.attributes["torchtrace.rank.detail"] for call in received if call.name == "rank 0"]
     assert details == ["none", "none", "none", "nonfinite"]
     step_of_trace = {call.trace_id: call.attributes["torchtrace.step"] for call in received if call.name == "rank 0"}

@@ -431,3 +431,36 @@ def test_a_sigterm_landing_in_a_drop_inside_the_records_delivery_waits_for_the_o
         assert lines_when_handled == [1]  # the flush had written the first forward
         assert sorted(span["name"] for span in _file_spans(trace_file)) == ["0", "Sequential"]
         assert handle.buffer.dropped_calls == 2 and len(handle.records) == 4
+
+
+TRAIN_IN_A_JOB = """
+import os, torch, torch.distributed as dist, torchtrace
+dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", 0, 1, is_master=True), rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+handle = torchtrace.instrument(model, exporter="file", trace_file=os.environ["TRACE_FILE"], backward=True,
+                               optimizer=optimizer, training=torchtrace.Training(rank_detail="auto"))
+count_file = os.environ["COUNT_FILE"]
+n = 0
+while True:
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    n += 1
+    with open(count_file + ".tmp", "w") as f:
+        f.write(str(n))
+    os.replace(count_file + ".tmp", count_file)
+"""
+
+
+def test_sigterm_delivers_the_steps_waiting_for_their_ranks_under_rank_detail_auto(tmp_path: Path) -> None:
+    """Under rank_detail="auto" the last traced steps wait for their run of steps to be gathered from the ranks; a
+    SIGTERM (which every rank of a job gets) gathers it at once, and every finished step is delivered."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_IN_A_JOB)
+    trace_file, count_file = tmp_path / "traces.jsonl", tmp_path / "count"
+    env = _env(TRACE_FILE=str(trace_file), COUNT_FILE=str(count_file), TORCHTRACE_RUN_ID="sigterm")
+    code, count, err = _start_and_terminate([sys.executable, str(script)], env, count_file, after=40)
+    assert code == -signal.SIGTERM, err
+    steps = [span for span in _file_spans(trace_file) if span["name"] == "rank 0"]
+    assert count >= 40 and len(steps) in (count, count + 1), (count, len(steps))

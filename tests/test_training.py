@@ -150,6 +150,21 @@ def test_gradient_statistics_equal_autograd_results():
         assert attributes["torchtrace.grad_output.0.nan_count"] == 0
 
 
+def test_gradients_get_the_statistics_named_in_stats_and_none_with_stats_off():
+    """Backward spans carry the gradient statistics that ``stats`` names (of mean, abs_max, norm, nan_count,
+    inf_count); ``stats=False`` leaves spans only, forward and backward, each backward span still timed."""
+    model = mlp()
+    for stats, expected in ((("norm", "std"), {"norm"}), (False, set())):
+        with capture_spans(model, backward=True, stats=stats) as captured:
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            captured.handle.step()
+            for name in ("2 backward", "0 backward"):
+                span = captured.span(name)
+                gradient_stats = {key.rsplit(".", 1)[1] for key in span.attributes if ".grad_" in key}
+                assert gradient_stats == expected, (stats, name, dict(span.attributes))
+                assert span.end_time > span.start_time
+
+
 def test_parameter_and_parameter_gradient_norms_are_read_before_the_update():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

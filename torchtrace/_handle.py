@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import datetime
 import itertools
 import logging
 import os
@@ -23,7 +24,7 @@ from torchtrace._capture.comm import is_ddp, unwatch_ddp, watch_ddp
 from torchtrace._capture.copies import follow_copies
 from torchtrace._capture.recorder import HookRecorder, warn_compiled_modules
 from torchtrace._capture.selection import is_compiled_module, select_modules, type_name
-from torchtrace._capture.steps import StepRecord, StepTracker
+from torchtrace._capture.steps import GRAD_STATS, StepRecord, StepTracker
 from torchtrace._capture.traced_forward import can_wrap, compiled_call, wrap_compiled_call, wrap_forward
 from torchtrace._core import settings
 from torchtrace._core import signals as _signals
@@ -233,6 +234,8 @@ class TraceHandle:
             _replaced.unwatch(model, self.monitored_layers)
 
     def _flush_within(self, seconds: float) -> None:
+        if self._rank_detail is not None:  # the steps waiting for their run: the process ends after this flush
+            self._rank_detail.close(wait=datetime.timedelta(seconds=seconds / 2))
         self.flush(timeout_millis=int(seconds * 1000))
 
     def _undo_partial(self, model: torch.nn.Module) -> None:
@@ -267,7 +270,9 @@ class TraceHandle:
         return self._recorder.enabled
 
     def flush(self, timeout_millis: int = 30_000) -> bool:
-        """Every call recorded so far reaches the sinks and exporters before this returns.
+        """Every call recorded so far reaches the sinks and exporters before this returns (under
+        ``Training(rank_detail="auto")``, but the last few traced steps, which wait for their run of steps to be
+        gathered from the ranks, or for ``remove()``).
 
         True only if everything recorded since the previous ``flush()`` was delivered: False when any of it was
         dropped (buffer full), failed to export (refused, timed out, unwritable file), or a sink raised on it.
@@ -330,8 +335,10 @@ class TraceHandle:
             if model is not None and is_ddp(model):
                 unwatch_ddp(model, self._steps)
             record = self._steps.finish()  # what the unfinished step recorded is delivered too
-            if record is not None and self._rank_detail is not None:  # no gather: the other ranks may be gone
-                record.detail = self._rank_detail.alone()
+            if self._rank_detail is not None:
+                self._rank_detail.close()  # the last traced steps' facts, gathered with the ranks removing here too
+                if record is not None:  # no gather: the other ranks may be gone, or go on
+                    record.detail = self._rank_detail.alone()
             self._deliver_step(record)
         self._dispatcher.stop()
         self.flush()
@@ -552,6 +559,7 @@ def _step_tracker(options: Options, model: torch.nn.Module) -> StepTracker | Non
         model_key=name if not same_class else f"{name}#{same_class + 1}",
         rank=rank_info(),
         stats_sample=options.stats.sample,
+        grad_stats=GRAD_STATS & frozenset(options.stats.names),
     )
 
 

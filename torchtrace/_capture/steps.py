@@ -49,6 +49,11 @@ BACKWARD_START, BACKWARD_END = 0, 1
 class DetailDecision(Protocol):
     """Under ``rank_detail="auto"``: why this rank sends its module spans of a step (empty: it does not)."""
 
+    def sent(self) -> bool:
+        """Whether it can be read: this rank's facts of the step are on their way to the others (or it was made
+        without them)."""
+        ...
+
     def ready(self) -> bool:
         """Whether reading it now goes without waiting for the other ranks."""
         ...
@@ -91,6 +96,7 @@ class StepTracker:
         param_stats: bool,
         rank: RankInfo | None = None,
         stats_sample: int | None = None,
+        grad_stats: frozenset[str] = GRAD_STATS,
         model_key: str = "",
         on_grad_output: Callable[[Any], Any] | None = None,
         on_grad_input: Callable[[Any], Any] | None = None,
@@ -102,6 +108,7 @@ class StepTracker:
         self.backward = backward
         self.param_stats = param_stats
         self.stats_sample = stats_sample
+        self.grad_stats = grad_stats  # of GRAD_STATS, those the options name: none under stats=False
         self.rank = rank
         self.number = 0
         self.closed_by_optimizer = False  # optimizer= closed the step and no forward ran since
@@ -274,6 +281,8 @@ class StepTracker:
     def _grad_stats(self, grads: Any, names: list[str] | None = None) -> dict[str, dict]:
         """Statistics of each gradient, by its position or, given ``names``, by its name."""
         summaries: dict[str, dict] = {}
+        if not self.grad_stats:
+            return summaries
         for index, grad in enumerate(grads):
             if grad is None or not grad.numel():  # an expert that got no tokens: nothing to summarise
                 continue
@@ -290,7 +299,7 @@ class StepTracker:
             values = grad if type(grad) is torch.Tensor else local_values(grad)  # a DTensor's: this rank's shard
             # an expanded gradient (of a sum(), a broadcast) read once, not materialised
             values = values.detach() if values.requires_grad else values
-            reduce_view(values, GRAD_STATS, stats, self.stats_sample, self.device_rows)
+            reduce_view(values, self.grad_stats, stats, self.stats_sample, self.device_rows)
         except Exception as error:  # a statistic must never break the user's backward
             stats = {"stats_error": error_text(error)}
         if stats.get("nan_count") != 0 or stats.get("inf_count") != 0:  # or on a device, or failed: look closer
@@ -388,7 +397,7 @@ class _BackwardWatch:
             return
         grad_outputs = self.grad_outputs
         steps = self.steps
-        if grad.numel():  # an expert that got no tokens: nothing to summarise
+        if grad.numel() and steps.grad_stats:  # an expert that got no tokens: nothing to summarise
             # the statistics' kernels run before the mark: they are not the module's backward
             grad_outputs[name] = steps._gradient_stats(grad)
         names = self.names

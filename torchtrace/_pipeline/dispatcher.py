@@ -509,6 +509,12 @@ def _ready(item: RawForward | StepRecord | CallBatch) -> bool:
     return all(work.ready() for work in _device_works(item))
 
 
+def _unsent(item: RawForward | StepRecord | CallBatch) -> bool:
+    """A step under ``rank_detail="auto"`` whose facts this rank has not sent the others yet: not readable, even
+    waiting (until its run's last step, or ``remove()``)."""
+    return isinstance(item, StepRecord) and item.detail is not None and not item.detail.sent()
+
+
 def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
     for work in _device_works(item):
         work.wait()
@@ -647,8 +653,8 @@ class Dispatcher:
 
         Forwards whose device work is still running are read once it completes: waited for when ``wait``, else
         kept (in order) for a later drain, so the worker never blocks on a GPU. So are training steps whose
-        ``rank_detail="auto"`` decision waits for the other ranks (a step whose facts were not sent yet is decided
-        by this rank alone when ``wait``).
+        ``rank_detail="auto"`` decision waits for the other ranks; those whose facts were not sent yet are kept even
+        when ``wait`` (until their run's last step, or ``remove()``).
         """
         _replaced.sweep()  # modules replaced behind torch's registration hook stop being traced (one warning)
         with self._lock:
@@ -682,11 +688,11 @@ class Dispatcher:
     def _resolve_taken(self, items: list, wait: bool) -> None:
         ready = len(items)
         for position, item in enumerate(items):
-            if wait:
-                _wait_for_device(item)
-            elif not _ready(item):
+            if _unsent(item) or not wait and not _ready(item):
                 ready = position
                 break
+            if wait:
+                _wait_for_device(item)
         forwards, self._waiting = items[:ready], items[ready:]
         with self.deliver_lock:
             self._waiting_calls = sum(map(_calls_held, self._waiting))

@@ -12,8 +12,10 @@ What the other ranks saw comes from all-gathers of four numbers per rank and tra
 the training thread (never in a hook) and left running, on a gloo group made for it at ``instrument()``. Any
 collective costs a loop about half a millisecond on a busy host, so one all-gather carries a run of traced steps:
 1, 2, 4, ... up to ``GATHER_STEPS_MAX`` (every rank counts the same traced steps, so all call it at the same step).
-A step's module records wait for their run's gather on the worker; where they must be read before it (a flush,
-``remove()``), the rank decides that step from what it knows itself.
+A step's module records wait on the worker for their run's gather (a flush too leaves them waiting: a collective
+started by one rank's flush could wait for ranks that never flush there). At ``remove()`` the open run is gathered
+at once, padded to ``GATHER_STEPS_MAX`` steps so that ranks removing at different steps still pair up, and waited
+for at most ``CLOSE_WAIT``; where it is not complete by then, each rank decides those steps from what it knows.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from torchtrace._capture.recorder import ERROR
 from torchtrace._capture.steps import DetailDecision, StepRecord
+from torchtrace._core import signals as _signals
 from torchtrace._core.ranks import RankInfo
 
 AUTO_FROM_WORLD_SIZE = 64  # "auto" is the default from here: ranks x modules spans a step is past what UIs draw
@@ -36,6 +39,7 @@ STRAGGLER_FRACTION = 0.25  # a wait spread below this share of the step (or STRA
 STRAGGLER_MIN_S = 0.01
 GATHER_STEPS_MAX = 16  # the longest run of traced steps one all-gather carries: a 16th of its cost a step
 GATHER_TIMEOUT = datetime.timedelta(seconds=60)  # a rank that never reaches the step's end must not hang the others
+CLOSE_WAIT = datetime.timedelta(seconds=5)  # remove(): ranks that go on training (or are gone) never join the last run
 # What each rank tells the others at a step's end (a float each; -1: not known)
 COMM_WAIT, STEP_SECONDS, NONFINITE, RAISED = 0, 1, 2, 3
 
@@ -90,24 +94,28 @@ def step_facts(record: StepRecord, nonfinite: bool | None) -> list[float]:
 class _Run:
     """The traced steps one all-gather carries: this rank's facts of each, then every rank's once gathered."""
 
-    __slots__ = ("mine", "sent", "work", "gathered", "facts")
+    __slots__ = ("mine", "sent", "work", "wait_for", "gathered", "facts")
 
     def __init__(self) -> None:
         self.mine: list[list[float]] = []
         self.sent = False  # the gather was started (or could not be: then ``work`` stays None)
         self.work: Any = None
+        self.wait_for: datetime.timedelta | None = None  # at most, the last run's (None: the group's timeout)
         self.gathered: list[torch.Tensor] = []
         self.facts: list[list[list[float]]] | None = None  # [step][rank] -> facts, once read
 
 
 class StepDecision:
     """Why this rank sends its module spans of one traced step (``reasons``), read once on the worker, steps in
-    order: ``ready()`` says whether reading it now would wait for the other ranks."""
+    order, once its run's gather was started (``sent()``); ``ready()``: read now, it would not wait for it."""
 
     __slots__ = ("_policy", "_run", "_index", "_turn")
 
     def __init__(self, policy: RankDetail, run: _Run, index: int, turn: bool) -> None:
         self._policy, self._run, self._index, self._turn = policy, run, index, turn
+
+    def sent(self) -> bool:
+        return self._run.sent
 
     def ready(self) -> bool:
         run = self._run
@@ -124,6 +132,9 @@ class _Made:
 
     def __init__(self, reasons: tuple[str, ...]) -> None:
         self.reasons = reasons
+
+    def sent(self) -> bool:
+        return True
 
     def ready(self) -> bool:
         return True
@@ -159,6 +170,7 @@ class RankDetail:
         except Exception as error:  # each rank on its own, from what it sees itself
             self._give_up(error)
 
+    @_signals.guarded  # a SIGTERM's flush closes the open run: not while it changes here
     def start(self, record: StepRecord, nonfinite: bool | None) -> StepDecision:
         """Keeps this rank's facts of ``record`` for the others (sent with the run's last step); the reasons for its
         module spans, to read later."""
@@ -171,6 +183,15 @@ class RankDetail:
             self._run_steps = min(2 * self._run_steps, GATHER_STEPS_MAX)
         return decision
 
+    def close(self, wait: datetime.timedelta = CLOSE_WAIT) -> None:
+        """At ``remove()`` (and at SIGTERM, which every rank of a job gets): the open run's gather started now,
+        padded to ``GATHER_STEPS_MAX`` steps; its decisions wait for it at most ``wait``."""
+        run = self._run
+        if run.mine:
+            self._run = _Run()
+            run.wait_for = wait
+            self._send(run, rows=GATHER_STEPS_MAX)
+
     def alone(self) -> DetailDecision:
         """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
         return _Made(("rank",) * (self.rank in self.detail_ranks) + ("rotation",) * self._rotation_turn())
@@ -181,22 +202,25 @@ class RankDetail:
         self._decided += 1
         return (self.rank - first) % self.world_size < self.rotating
 
-    def _send(self, run: _Run) -> None:
-        run.sent = True
-        if self._failed:
-            return
-        mine = torch.tensor(run.mine, dtype=torch.float64)
-        run.gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        try:
-            run.work = dist.all_gather(run.gathered, mine, group=self._group, async_op=True)
-        except Exception as error:
-            self._give_up(error)
+    def _send(self, run: _Run, rows: int = 0) -> None:
+        if not self._failed:
+            unknown = [[-1.0, 0.0, 0.0, 0.0]] * (rows - len(run.mine))  # padding: no wait known, no NaN, no error
+            mine = torch.tensor(run.mine + unknown, dtype=torch.float64)
+            run.gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            try:
+                run.work = dist.all_gather(run.gathered, mine, group=self._group, async_op=True)
+            except Exception as error:
+                self._give_up(error)
+        run.sent = True  # last: the worker, reading the run's steps meanwhile, finds its work there once it is sent
 
     def _decide(self, run: _Run, index: int, turn: bool) -> tuple[str, ...]:
         mine = run.mine[index]
         if run.facts is None and run.work is not None:
             try:
-                run.work.wait()
+                if run.wait_for is None:
+                    run.work.wait()
+                else:
+                    run.work.wait(run.wait_for)
                 by_rank = [tensor.tolist() for tensor in run.gathered]
                 run.facts = [[facts[step] for facts in by_rank] for step in range(len(run.mine))]
             except Exception as error:
