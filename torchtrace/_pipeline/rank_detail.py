@@ -147,8 +147,8 @@ class RankDetail:
     """The ``auto`` policy of one handle on one rank. At each traced step's end ``start()`` keeps this rank's facts
     of the step and gives it its decision to read later; at the end of a run of steps it sends the run's facts to the
     others (one all-gather, left running: the training thread goes on; on a gloo group of its own, so it never
-    interleaves with the job's collectives). A decision read before its run was sent (at a flush) is this rank's
-    own; read after, it waits for the gather where it is read: on the worker."""
+    interleaves with the job's collectives). The worker reads a step's decision once its run was sent, waiting for
+    the gather there; ``close()`` sends the open run at ``remove()`` and at SIGTERM."""
 
     def __init__(self, rank: RankInfo, detail_ranks: Sequence[int], rotating: int = 0) -> None:
         self.rank = rank.rank
