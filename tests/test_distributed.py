@@ -819,8 +819,8 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
     5 sent module spans in a step but keep their model-level series (the model root's row, step and comm wait) and
     count the step they explained by reason, so their series stay as few as any other rank's.
 
-    The ranks' facts of steps 1 and 2 travel in one all-gather (a run of two); step 3, the first of the next run, is
-    decided by each rank alone when the job ends."""
+    The ranks' facts of steps 1 and 2 travel in one all-gather (a run of two); step 3, the first of the next run,
+    with the open run that remove() gathers."""
     ranks, steps = 8, 4
     base = free_port(ranks)
     with OtlpHttpReceiver() as receiver:
@@ -884,6 +884,26 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
         assert value(rank, "torchtrace_comm_wait_seconds_total") > 0, rank
     assert value(5, "torchtrace_output_nan_values_total", **root) > 0  # the NaN's rank: its output counted
     assert value(4, "torchtrace_output_nan_values_total", **root) > 0  # at step 3, through the all-reduce
+
+
+def test_rank_detail_auto_decides_steps_gathered_sixteen_at_a_time_and_the_last_run_at_remove():
+    """36 steps on 4 ranks: runs of 1, 2, 4, 8 and 16 steps (0-30), then steps 31-35 open at remove(). The straggler
+    at step 20 (in the run of 16) and the NaN starting at step 33 (in the open run) are detailed on their ranks
+    alone, and the step after the NaN, which every rank holds through the all-reduce, on none."""
+    ranks, steps = 4, 36
+    with OtlpHttpReceiver() as receiver:
+        finish(torchrun(ranks, receiver, f"--steps={steps}", "--step-ms=150", "--delay-rank=2", "--delay-step=20",
+                        "--delay-ms=800", "--nan-rank=3", "--nan-step=33", TORCHTRACE_RANK_DETAIL="auto"))  # fmt: skip
+        spans = spans_by_rank(receiver)
+    detail = {}
+    for rank, span in spans:
+        if span.name == f"rank {rank}":
+            attributes = attributes_dict(span.attributes)
+            detail[rank, attributes["torchtrace.step"]] = attributes["torchtrace.rank.detail"]
+    assert set(detail) == {(rank, step) for rank in range(ranks) for step in range(steps)}
+    singled_out = {key: why for key, why in detail.items() if why not in ("none", "rank")}
+    assert singled_out == {(2, 20): "straggler", (3, 33): "nonfinite"}, singled_out
+    assert all(detail[0, step] == "rank" for step in range(steps))
 
 
 def test_rank_detail_is_auto_from_64_ranks_unless_asked_and_validated_at_instrument(monkeypatch):
