@@ -20,6 +20,7 @@ for at most ``CLOSE_WAIT``; where it is not complete by then, each rank decides 
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import statistics
@@ -100,7 +101,7 @@ class _Run:
         self.mine: list[list[float]] = []
         self.sent = False  # the gather was started (or could not be: then ``work`` stays None)
         self.work: Any = None
-        self.wait_for: datetime.timedelta | None = None  # at most, the last run's (None: the group's timeout)
+        self.wait_for: datetime.timedelta | None = None  # at most, once closed (None: the group's timeout)
         self.gathered: list[torch.Tensor] = []
         self.facts: list[list[list[float]]] | None = None  # [step][rank] -> facts, once read
 
@@ -160,6 +161,7 @@ class RankDetail:
         self._failed = False
         self._run = _Run()
         self._run_steps = 1  # the open run's length: doubles after each run, to GATHER_STEPS_MAX
+        self._unread: collections.deque[_Run] = collections.deque()  # sent runs the worker has not read yet
         # Made here, where every rank calls instrument() at the same point of its program (a group made later could
         # interleave with the job's own group creations).
         self._group = None
@@ -185,12 +187,14 @@ class RankDetail:
 
     def close(self, wait: datetime.timedelta = CLOSE_WAIT) -> None:
         """At ``remove()`` (and at SIGTERM, which every rank of a job gets): the open run's gather started now,
-        padded to ``GATHER_STEPS_MAX`` steps; its decisions wait for it at most ``wait``."""
+        padded to ``GATHER_STEPS_MAX`` steps. Its decisions, and those of runs sent before and not read yet (a rank
+        that stopped a run short never joins their gathers), wait for them at most ``wait``."""
         run = self._run
         if run.mine:
             self._run = _Run()
-            run.wait_for = wait
             self._send(run, rows=GATHER_STEPS_MAX)
+        for unread in list(self._unread):
+            unread.wait_for = wait
 
     def alone(self) -> DetailDecision:
         """The decision of a step the other ranks may never close with this one (at ``remove()``): no gather."""
@@ -211,11 +215,15 @@ class RankDetail:
                 run.work = dist.all_gather(run.gathered, mine, group=self._group, async_op=True)
             except Exception as error:
                 self._give_up(error)
+        while self._unread and self._unread[0].work is None:  # read: the worker reads runs in order
+            self._unread.popleft()
+        if run.work is not None:
+            self._unread.append(run)
         run.sent = True  # last: the worker, reading the run's steps meanwhile, finds its work there once it is sent
 
     def _decide(self, run: _Run, index: int, turn: bool) -> tuple[str, ...]:
         mine = run.mine[index]
-        if run.facts is None and run.work is not None:
+        if run.facts is None and run.work is not None and not self._failed:  # failed: alone from then on, at once
             try:
                 if run.wait_for is None:
                     run.work.wait()
