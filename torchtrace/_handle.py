@@ -402,14 +402,12 @@ class TraceHandle:
         return self._steps.number if self._steps is not None else None
 
     def _deliver_step(self, record: StepRecord | None) -> None:
-        if record is not None:
-            # module spans, forward and backward (two grad events each): the step and phase spans are not counted
-            calls = sum(map(len, record.forwards)) + len(record.backward_events) // 2
-            if not self.buffer.put(record, calls) and record.rank is not None:
-                # in a job a dropped step still sends its step-level spans (no call: within the buffer's bound), so
-                # that rank 0's step root has its bounds and the step its place in every rank's view
-                record.forwards, record.backward_events = [], []
-                self.buffer.put(record, 0)
+        if record is None or self.buffer.put(record, record.module_calls()) or record.rank is None:
+            return
+        # in a job a dropped step still sends its step-level spans (no call: within the buffer's bound), so that rank
+        # 0's step root has its bounds and the step its place in every rank's view
+        record.forwards, record.backward_events = [], []
+        self.buffer.put(record, 0)
 
     def __enter__(self) -> TraceHandle:
         return self

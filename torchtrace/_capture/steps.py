@@ -84,6 +84,11 @@ class StepRecord:
     grads_finite: bool = False  # every gradient summarised on the host with no NaN or Inf (False: not known)
     detail: DetailDecision | None = None  # rank_detail="auto": read when resolved
 
+    def module_calls(self) -> int:
+        """The module calls it holds, as the record buffer counts them: forward and backward (two gradient events
+        each); its step and phase spans are not counted."""
+        return sum(map(len, self.forwards)) + len(self.backward_events) // 2
+
 
 class StepTracker:
     """The current step: its number, whether the schedule traces it, its ids, and what it collected."""

@@ -522,9 +522,7 @@ def _wait_for_device(item: RawForward | StepRecord | CallBatch) -> None:
 
 def _calls_held(item: RawForward | StepRecord | CallBatch) -> int:
     """The calls ``item`` holds, as the buffer counted them when it was put."""
-    if isinstance(item, StepRecord):
-        return sum(map(len, item.forwards)) + len(item.backward_events) // 2
-    return len(item)
+    return item.module_calls() if isinstance(item, StepRecord) else len(item)
 
 
 def _errors(calls: Calls) -> Iterable[BaseException]:
