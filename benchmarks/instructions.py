@@ -17,6 +17,9 @@ Variants:
   empty_hooks  a no-op forward pre-hook and forward hook on every module: the floor of any hook-based tracer
   spans        torchtrace.instrument(model, exporter="none", stats=False)
   stats        torchtrace.instrument(model, exporter="none"): every statistic (the default)
+  cuda_spans   spans as on a GPU: the CUDA host path (two driver timing events a call) on a simulated device
+               (benchmarks/simulated_cuda.py: C stubs for the driver's calls; needs a C compiler and Triton)
+  cuda_stats   every statistic as on a GPU: the events, a statistics row and a C kernel launch per tensor
 
 Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
 the empty hooks' added count ("x empty hook"). The untraced and empty-hook counts repeat exactly from run to run; the
@@ -46,7 +49,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-VARIANTS = ("untraced", "empty_hooks", "spans", "stats")
+VARIANTS = ("untraced", "empty_hooks", "spans", "stats", "cuda_spans", "cuda_stats")
 WARMUP_FORWARDS = 5
 LAYERS = 64
 WIDTH = 32
@@ -90,9 +93,13 @@ def run_child(variant: str, forwards: int) -> None:
         for module in model.modules():
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post)
-    elif variant in ("spans", "stats"):
+    elif variant in ("spans", "stats", "cuda_spans", "cuda_stats"):
+        if variant.startswith("cuda_"):
+            import simulated_cuda
+
+            simulated_cuda.install(setattr)
         # only exporter= and stats=: the summary print is off through TORCHTRACE_PRINT_SUMMARY (set by the parent)
-        no_stats = {"stats": False} if variant == "spans" else {}  # "stats": the default, every statistic
+        no_stats = {"stats": False} if variant.endswith("spans") else {}  # "stats": the default, every statistic
         handle = torchtrace.instrument(model, exporter="none", **no_stats)
         flush = handle.flush
 

@@ -136,7 +136,7 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
         with torch.cuda.device(index):  # Triton launches on the current device, torch ops on the tensor's
             _launch(x, values, counts, n, stride, counted, programs, index)
         return
-    if launch_directly and index >= 0:  # every launch after a kind's first, in this one frame (see _direct)
+    if launch_directly:  # every launch after a kind's first, in this one frame (see _direct: CUDA tensors only)
         address = x.data_ptr()
         native = _direct.get((index, x.dtype, address % 16 == 0, counted, stride == 1))
         if native is not None:
