@@ -26,17 +26,24 @@ from typing import Any
 import torch
 
 STUBS = r"""
+#include <stdint.h>
+#define KEPT 4096
 long records, launches, reads;
+int64_t launched[KEPT][5]; /* the statistics kernel's parameters (x, values, counts, n, stride) of the first launches */
 int record(void *event, void *stream) { (void)event; (void)stream; records++; return 0; }
 int elapsed(float *ms, void *start, void *end) { (void)start; (void)end; *ms = 0.0f; reads++; return 0; }
 int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
            void *stream, void **params, void **extra) {
-    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)params;
-    (void)extra;
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    if (launches < KEPT) {
+        for (int i = 0; i < 3; i++) launched[launches][i] = *(int64_t *)params[i];
+        for (int i = 3; i < 5; i++) launched[launches][i] = *(int32_t *)params[i];
+    }
     launches++;
     return 0;
 }
 """
+KEPT = 4096  # launches whose parameters the stubs keep
 EVENTS = 8192  # pooled events made up front: a mark never makes one (the driver's cuEventCreate is not stubbed)
 DEVICE = torch.device("cpu")  # where the simulated device's tensors and events are
 INDEX = -1  # its device index, as CPU tensors give it (``get_device()``)
@@ -79,6 +86,11 @@ class Stubs:
 
     def counts(self) -> dict[str, int]:
         return {name: self.count(name) for name in ("records", "launches", "reads")}
+
+    def launched(self) -> list[tuple[int, ...]]:
+        """(x, values row, counts row, n, stride) of each statistics launch so far (the first ``KEPT``)."""
+        kept = (ctypes.c_int64 * 5 * KEPT).in_dll(self._library, "launched")
+        return [tuple(kept[index]) for index in range(min(self.count("launches"), KEPT))]
 
 
 def install(setattr: Callable[[Any, str, Any], None], directory: str | None = None) -> Stubs:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 import test_training
@@ -33,6 +35,8 @@ from torchtrace._capture import cuda_driver as _cuda_driver
 from torchtrace._capture.comm import timed_comm_hook
 from torchtrace._capture.device import EventTimer
 from torchtrace.testing import capture_spans
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -1016,3 +1020,51 @@ def test_an_evaluation_between_training_steps_reads_its_own_device_rows(device_r
         for span in evaluation:
             assert "torchtrace.output.stats_error" not in span.attributes
             assert span.attributes["torchtrace.output.mean"] == pytest.approx(float(expected.mean()), rel=1e-5)
+
+
+# -- the CUDA host path with the driver stubbed (benchmarks/simulated_cuda.py) ---------------------------------------
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch, tmp_path):
+    """torchtrace's CUDA host path on CPU tensors: driver events recorded and the statistics kernel launched from C,
+    into C stubs of the driver that count their calls and keep the launches' parameters."""
+    spec = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
+    simulation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulation)
+    reason = simulation.available()
+    if reason is not None:
+        pytest.skip(reason)
+    return simulation.install(monkeypatch.setattr, str(tmp_path))
+
+
+def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a_tensor(simulated_cuda, caplog):
+    """What a traced CUDA forward asks of the driver, pinned: two timing events a call (recorded from C), one
+    statistics kernel launch from C per output tensor, each into the next row of the forward's block (its
+    parameters: the tensor's own memory, every element), and on the worker one elapsed-time read per event."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2), nn.ReLU()))
+    outputs = []  # (address, elements) of each leaf's output, as the model made it
+    for leaf in (model[0], model[1], model[2][0], model[2][1]):
+        leaf.register_forward_hook(lambda module, args, output: outputs.append((output.data_ptr(), output.numel())))
+    x = torch.randn(3, 4)
+    forwards, calls = 3, 6  # calls a forward: the model, its three children, the inner Sequential's two
+    with torchtrace.instrument(model, exporter="none") as handle:
+        for _ in range(forwards):
+            model(x)
+            handle.flush()
+        records = [record for record in handle.records if record.kind == "forward"]
+    assert len(records) == forwards * calls
+    assert simulated_cuda.counts() == {
+        "records": 2 * calls * forwards,
+        "launches": 4 * forwards,  # the containers return their last child's tensor: its statistics, shared
+        "reads": 2 * calls * forwards,
+    }
+    launched = simulated_cuda.launched()
+    for forward in range(forwards):
+        ours = launched[4 * forward : 4 * forward + 4]
+        assert [(x, n, stride) for x, _, _, n, stride in ours] == [
+            (address, n, 1) for address, n in outputs[4 * forward : 4 * forward + 4]
+        ]
+        values, counts = ours[0][1], ours[0][2]
+        assert [(row[1] - values, row[2] - counts) for row in ours] == [(32 * row, 32 * row) for row in range(4)]
+    assert "torchtrace" not in caplog.text  # no event or launch failed on the way

@@ -164,7 +164,16 @@ def elapsed_since(origin: Any, events: list) -> list[int]:
 
 
 class _Block:
-    __slots__ = ("values", "counts", "host_values", "host_counts", "start", "rows")
+    __slots__ = (
+        "values",
+        "counts",
+        "host_values",
+        "host_counts",
+        "start",
+        "values_address",
+        "counts_address",
+        "_views",
+    )
 
     def __init__(self, device: torch.device) -> None:
         # Normal tensors, also when made under inference_mode: blocks are pooled, and a later forward outside it
@@ -180,8 +189,18 @@ class _Block:
             pinned = device.type == "cuda"  # non_blocking copies need pinned host memory
             self.host_values = torch.empty(self.values.shape, dtype=torch.float32, pin_memory=pinned)
             self.host_counts = torch.empty(self.counts.shape, dtype=torch.int64, pin_memory=pinned)
-            # every row's views, made once: indexing a tensor in the hook costs ~3 us a view on an H100 host
-            self.rows = list(zip(self.values.unbind(0), self.counts.unbind(0)))
+        # the kernel's C launch takes a row's addresses; a row's views (a first launch, torch ops) are made when
+        # first asked for and kept: indexing a tensor costs ~3 us a view on an H100 host, all 256 rows' ~1 ms
+        self.values_address, self.counts_address = self.values.data_ptr(), self.counts.data_ptr()
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * BLOCK_ROWS
+
+    def views(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float row, count row) of row ``row``, as tensors."""
+        views = self._views[row]
+        if views is None:
+            with torch.inference_mode(False):  # normal views, as the block's tensors (see __init__)
+                views = self._views[row] = (self.values[row], self.counts[row])
+        return views
 
     def reset(self) -> None:
         """Two launches per block and forward: the Triton kernel adds into its row."""
@@ -205,8 +224,8 @@ class StatRows:
         self.sealed = False
         self._host: tuple[np.ndarray, np.ndarray] | None = None
 
-    def reserve(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(float row, count row, index) to reduce one tensor into; None when MAX_ROWS are used."""
+    def reserve(self) -> tuple[int, _Block, int] | None:
+        """(index, block, row in the block) of a row to reduce one tensor into; None when MAX_ROWS are used."""
         with self._lock:
             index = self._used
             if index >= MAX_ROWS:
@@ -217,8 +236,7 @@ class StatRows:
                 block = self._pool.block(self.device)
                 block.reset()
                 self._blocks.append(block)
-        values, counts = self._blocks[block_index].rows[row]
-        return values, counts, index
+        return index, self._blocks[block_index], row
 
     def seal(self) -> Any:
         """Starts the copy of the used rows to the host; returns the event marking its completion (or None)."""
@@ -323,6 +341,21 @@ def fused_kernel(x: torch.Tensor) -> Any:
         except ImportError:  # CPU builds of torch do not ship Triton; the torch-op path is used
             _triton = False
     return _triton if _triton and x.dtype in READ_AS_IS and _triton.applies(x) else None
+
+
+_VALUES_ROW, _COUNTS_ROW = VALUE_WIDTH * 4, COUNT_WIDTH * 8  # bytes a row: float32 and int64 columns
+
+
+def launch_taken(x: torch.Tensor, block: _Block, row: int, n: int, stride: int, counted: bool) -> bool:
+    """A tensor of a kind the fused kernel took before, its launch from C into a row (``StatRows.reserve``'s)
+    without the checks and frames of ``reduce``; False (nothing launched) where that launch cannot be made: the
+    caller then reduces through ``reduce``, which says why."""
+    try:
+        return bool(_triton) and _triton.launch_row(
+            x, block.values_address + row * _VALUES_ROW, block.counts_address + row * _COUNTS_ROW, n, stride, counted
+        )
+    except Exception:  # a failed launch: reduce() tries it again, and turns to torch ops with a warning
+        return False
 
 
 def reduce(

@@ -279,8 +279,11 @@ class HookRecorder:
                 _run_work(input_work, INPUTS, forward, position, module, args, kwargs)
             stack.append(position)
             timer = state.timer  # the root always marks: its events are the forward's origin and completion
-            if timer is not None and (len(stack) == 1 or self._on_timer_device(index, module, args, timer)):
-                mark_start(timer, forward, position)
+            if timer is not None:
+                if len(stack) == 1:
+                    mark_start(timer, forward, position)
+                else:
+                    self._mark_start(index, module, args, timer, forward, position)
             forward.start[position] = perf_counter_ns()  # last: the span times the module, not our bookkeeping
 
         # The model's own hooks run outside a compiled region (dynamo graph-breaks around them), so a compiled
@@ -482,19 +485,18 @@ class HookRecorder:
     def _mark_start(
         self, index: int, module: torch.nn.Module, args: tuple, timer: Any, forward: RawForward, position: int
     ) -> None:
-        """A timed call's start event, where the call runs on the timer's device (``mark_end`` closes it)."""
-        if self._on_timer_device(index, module, args, timer):
-            mark_start(timer, forward, position)
-
-    def _on_timer_device(self, index: int, module: torch.nn.Module, args: tuple, timer: Any) -> bool:
-        """Whether this call runs where the forward's timer records (a model split over GPUs has calls elsewhere:
-        those keep host times rather than events on another device's stream). Its own first parameter says,
-        else its first tensor argument; a module with neither is taken to run there."""
+        """A timed call's start event (``mark_end`` closes it), where the call runs on the timer's device: a model
+        split over GPUs has calls elsewhere, which keep host times rather than events on another device's stream.
+        Its own first parameter says, else its first tensor argument; a module with neither is taken to run there."""
         parameter = self._first_parameter.get(index, _UNKNOWN)
         if parameter is _UNKNOWN:  # looked up once: .to() keeps the Parameter objects, only their data moves
             parameter = self._first_parameter[index] = next(module.parameters(recurse=False), None)
-        device = parameter.device if parameter is not None else _argument_device(args)
-        return device is None or device == timer.device
+        if parameter is None:
+            parameter = _first_tensor_argument(args)
+        if parameter is None or parameter.device == timer.device:
+            event = timer.mark()
+            if event is not None:
+                forward.start_events[position] = event
 
     def _begin_forward(self, state: _ThreadState, index: int, module: torch.nn.Module, args: tuple) -> bool:
         state.root_frame = _torch_call_frame()
@@ -849,7 +851,9 @@ def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:
     tensor = _first_tensor(module, "_parameters")
     if tensor is None:
         tensor = _first_tensor(module, "_buffers")
-    return tensor.device if tensor is not None else _argument_device(args)
+    if tensor is None:
+        tensor = _first_tensor_argument(args)
+    return tensor.device if tensor is not None else None
 
 
 def _first_tensor(module: torch.nn.Module, kind: str) -> torch.Tensor | None:
@@ -864,11 +868,10 @@ def _first_tensor(module: torch.nn.Module, kind: str) -> torch.Tensor | None:
     return None
 
 
-def _argument_device(args: tuple) -> torch.device | None:
-    """The device of a call's first tensor argument, if it has one."""
+def _first_tensor_argument(args: tuple) -> torch.Tensor | None:
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            return arg.device
+            return arg
     return None
 
 

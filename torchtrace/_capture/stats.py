@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtrace._capture.device import READ_AS_IS, ROW_POOL, StatRows, every_nth, finish_raw, finish_raw_rows, reduce
+from torchtrace._capture.device import (
+    READ_AS_IS,
+    ROW_POOL,
+    StatRows,
+    every_nth,
+    finish_raw,
+    finish_raw_rows,
+    launch_taken,
+    reduce,
+)
 from torchtrace._core.calls import error_text
 from torchtrace._core.options import STAT_NAMES, StatFunction
 
@@ -241,8 +250,7 @@ class StatComputer:
     def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device) -> dict:
         stats = head.copy()
         try:
-            x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
-            device_stats(x, self._device_rows(device), self.wanted, stats, stride, taken=True)
+            device_stats(tensor, self._device_rows(device), self.wanted, stats, stride, taken=True)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats["stats_error"] = error_text(error)
@@ -695,16 +703,20 @@ def device_stats(
     if reserved is None:
         stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
         return
-    values, counts, index = reserved
-    x = tensor
-    if not taken:
-        x = tensor.dequantize() if tensor.is_quantized else tensor
-        if x.is_complex():
-            x = x.abs()
-        elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are summarised in float32
-            x = x.float()
-    raw = reduce(x, values, counts, "zero_fraction" in wanted, stride, taken)
-    stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw, repeats)
+    index, block, row = reserved
+    n, counted = -(-tensor.numel() // stride), "zero_fraction" in wanted
+    if taken and launch_taken(tensor, block, row, n, stride, counted):  # the common case: a launch from C alone
+        raw = True
+    else:
+        x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
+        if not taken:
+            x = x.dequantize() if x.is_quantized else x
+            if x.is_complex():
+                x = x.abs()
+            elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are read in float32
+                x = x.float()
+        raw = reduce(x, *block.views(row), counted, stride, taken)
+    stats["_pending"] = (rows, index, n, wanted, raw, repeats)
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:
@@ -926,7 +938,7 @@ def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] 
         return None
     entries = [entry for _, entry in pending.values()]
     rows, wanted = entries[0][0], entries[0][3]
-    if any(entry[0] is not rows or entry[3] != wanted for entry in entries):
+    if any(entry[0] is not rows or (entry[3] is not wanted and entry[3] != wanted) for entry in entries):
         return None
     values, counts = rows.host_rows()
     index = np.fromiter((entry[1] for entry in entries), np.intp, len(entries))
