@@ -44,7 +44,9 @@ int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned
 }
 """
 KEPT = 4096  # launches whose parameters the stubs keep
-EVENTS = 8192  # pooled events made up front: a mark never makes one (the driver's cuEventCreate is not stubbed)
+# pooled events made up front, so a mark never makes one (cuEventCreate is not stubbed): enough for 100 forwards of
+# instructions.py's model held unread (its worker held off)
+EVENTS = 1 << 15
 DEVICE = torch.device("cpu")  # where the simulated device's tensors and events are
 INDEX = -1  # its device index, as CPU tensors give it (``get_device()``)
 
