@@ -28,8 +28,8 @@ how the work is split between it and the model's thread differs from run to run.
 version only: a change to the child itself (even an added call before the window) shifts every count a little.
 
 Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
-Needs valgrind and callgrind_control on PATH (exits with status 2 without them); about 30-45 s per variant on 2 cores
-(two valgrind runs at once, --jobs).
+Needs valgrind and callgrind_control on PATH, and for the cuda_* variants a C compiler and Triton (exits with status 2
+without them); about 30-45 s per variant on 2 cores (two valgrind runs at once, --jobs).
 """
 
 from __future__ import annotations
@@ -219,6 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         print(f"instructions.py needs {' and '.join(missing)} on PATH (valgrind's callgrind)", file=sys.stderr)
         return 2
+    if any(name.startswith("cuda_") for name in variants):
+        import simulated_cuda
+
+        reason = simulated_cuda.available()
+        if reason is not None:
+            print(f"the cuda_* variants cannot run here: {reason}", file=sys.stderr)
+            return 2
 
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"{version}, python {platform.python_version()}, PYTHONHASHSEED=0, 1 torch thread")
