@@ -24,7 +24,14 @@ Four questions, answered on one CUDA device in one run:
 4. Peak memory. The device memory a B16 S512 forward peaks at, traced with every statistic against untraced
    (the same model, after warm-up). Target: at most 64 MiB added.
 
-Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--worker-at-flush]
+With --split, three more variants say where a traced forward's host time goes (compare their host ms per forward
+with torchtrace's): `torchtrace_worker_at_flush` (the dispatch worker held off while the forwards run: the model's
+thread alone, the worker's work at the flush), `torchtrace_driver_stubbed` (the CUDA driver's event records,
+elapsed-time reads and statistics launches replaced by C stubs that return at once, benchmarks/simulated_cuda.py:
+everything but the driver; the rows then hold no statistics) and `torchtrace_driver_stubbed_worker_at_flush` (both:
+the Python and compiled code of the model's thread alone).
+
+Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--split]
 The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
 """
 
@@ -33,6 +40,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
+import importlib
 import json
 import os
 import statistics
@@ -52,6 +61,7 @@ import torchtrace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from torchtrace._capture import device as _device
+from torchtrace._capture.cuda_driver import driver  # noqa: E402
 from torchtrace._pipeline import worker as _worker  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +74,7 @@ TIMED_MODULES = ("layers.0.linear1", "layers.0.self_attn", "layers.0.norm1", "la
 TIMING_TARGET = 0.05
 PEAK_TARGET_MIB = 64  # device memory a traced B16 S512 forward may add at its peak (issue 41's bound)
 SAMPLE = 65536  # the torchtrace_sampled variant's stats_sample
-WORKER_AT_FLUSH = False  # --worker-at-flush: an experiment (see main's help)
+SPLIT = False  # --split: the variants that take a traced forward's host time apart (see the docstring)
 GRAD_MODE: Callable[[], Any] = torch.inference_mode  # --grad-mode no_grad: tensors keep version counters, so a
 # container returning its child's tensor reuses the child's statistics (inference tensors are summarised again)
 
@@ -102,8 +112,12 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
         "torchtrace_torch_ops",
         "torchtrace_sampled",
     ]
-    if WORKER_AT_FLUSH:
-        names.append("torchtrace_worker_at_flush")
+    if SPLIT:
+        names += [
+            "torchtrace_worker_at_flush",
+            "torchtrace_driver_stubbed",
+            "torchtrace_driver_stubbed_worker_at_flush",
+        ]
     for name in names:
         model = copy.deepcopy(base)
         torchtrace.configure(cuda_events=name != "torchtrace_spans_host_clock", print_summary=False)
@@ -116,14 +130,48 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             ),
         )
         variant = Variant(
-            name, model, flush=handle.flush, close=handle.remove, worker_at_flush=name == "torchtrace_worker_at_flush"
+            name, model, flush=handle.flush, close=handle.remove, worker_at_flush=name.endswith("_worker_at_flush")
         )
+        if "_driver_stubbed" in name:
+            variant.before, variant.after = stub_driver(trace_dir)
         if name == "torchtrace_torch_ops":
             fused = _device.fused_kernel
             variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)
             variant.after = lambda fused=fused: setattr(_device, "fused_kernel", fused)
         variants.append(variant)
     return variants
+
+
+def stub_driver(directory: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(before, after) a timed repetition: the driver's event records and elapsed-time reads and the statistics
+    kernel's C launches go to C stubs that return success at once (benchmarks/simulated_cuda.py), and back."""
+    import simulated_cuda
+
+    stubs = simulated_cuda.Stubs(directory)
+    triton_stats = importlib.import_module("torchtrace._capture.triton_stats")
+    saved: dict[str, Any] = {}
+
+    def before() -> None:
+        cuda = driver()
+        if cuda is not None:
+            saved["elapsed"], cuda.elapsed_address = cuda.elapsed_address, stubs.address("elapsed")
+        timers = [timer for timer in _device._timers.values() if isinstance(timer, _device.DriverEventTimer)]
+        saved["records"] = [(timer, timer._record_address) for timer in timers]
+        for timer in timers:
+            timer._record_address = stubs.address("record")
+        saved["direct"] = dict(triton_stats._direct)
+        for key, native in saved["direct"].items():
+            if native is not None:
+                triton_stats._direct[key] = dataclasses.replace(native, launch=stubs.address("launch"))
+
+    def after() -> None:
+        if "elapsed" in saved:
+            driver().elapsed_address = saved.pop("elapsed")
+        for timer, address in saved.pop("records", []):
+            timer._record_address = address
+        triton_stats._direct.update(saved.pop("direct", {}))
+
+    return before, after
 
 
 def timed(variant: Variant, x: torch.Tensor, forwards: int) -> tuple[float, float]:
@@ -298,14 +346,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--forwards", type=int, default=None, help="forwards per timed repetition")
     parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
     parser.add_argument(
-        "--worker-at-flush",
+        "--split",
         action="store_true",
-        help="also time torchtrace with the dispatch worker held off while the forwards run, all its work done at "
-        "the flush (an experiment: on a host-bound forward the model's thread and the worker contend for the host)",
+        help="also time torchtrace with the dispatch worker held off, with the CUDA driver's calls stubbed, and with "
+        "both: where a traced forward's host time goes (the docstring says how)",
     )
     args = parser.parse_args(argv)
-    global GRAD_MODE, WORKER_AT_FLUSH
-    WORKER_AT_FLUSH = args.worker_at_flush
+    global GRAD_MODE, SPLIT
+    SPLIT = args.split
     GRAD_MODE = torch.no_grad if args.grad_mode == "no_grad" else torch.inference_mode
     if not torch.cuda.is_available():
         print(json.dumps({"gpu": {"skipped": "no CUDA device"}}))

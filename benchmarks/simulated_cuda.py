@@ -74,6 +74,8 @@ class Stubs:
     """The compiled stubs: each entry point's address and how often it was called."""
 
     def __init__(self, directory: str) -> None:
+        # a directory of its own: a second library at a path already loaded would be the first one again
+        directory = tempfile.mkdtemp(prefix="stubs-", dir=directory)
         source, library = os.path.join(directory, "stubs.c"), os.path.join(directory, "stubs.so")
         with open(source, "w") as out:
             out.write(STUBS)

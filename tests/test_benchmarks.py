@@ -152,6 +152,59 @@ def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monk
         assert "torchtrace.output.mean" not in attributes[name], name
 
 
+def test_gpu_benchmark_split_variants_stub_the_driver_only_around_their_repetitions(tmp_path, monkeypatch) -> None:
+    """gpu.py --split: three more variants (the worker held off, the driver stubbed, both), each computing what the
+    model does. A driver-stubbed repetition sends every event record and statistics launch to its own C stubs and
+    puts the real entry points back after it; run here on the simulated CUDA device (its stubs play the driver)."""
+    spec = importlib.util.spec_from_file_location("gpu_benchmark", ROOT / "benchmarks" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, gpu)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec.loader.exec_module(gpu)
+    import simulated_cuda  # gpu.py put benchmarks/ on the path
+
+    if simulated_cuda.available() is not None:
+        pytest.skip(simulated_cuda.available())
+    driver = simulated_cuda.install(monkeypatch.setattr, str(tmp_path))
+    monkeypatch.setattr(gpu, "SPLIT", True)
+    timer = next(iter(gpu._device._timers.values()))
+    monkeypatch.setattr(gpu, "driver", lambda: timer._free[0]._driver)  # the simulated events' driver entry points
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).eval()
+    x = torch.randn(2, 4)
+    expected = base(x)
+    variants = {variant.name: variant for variant in gpu.make_variants(base, str(tmp_path))}
+    try:
+        split = ["torchtrace_worker_at_flush", "torchtrace_driver_stubbed", "torchtrace_driver_stubbed_worker_at_flush"]
+        assert list(variants)[-3:] == split
+        for name in ["torchtrace", *split]:  # the first forwards launch through the driver: kinds seen before
+            variant = variants[name]
+            with torch.inference_mode():
+                variant.model(x)
+            variant.flush()
+        stubbed = variants["torchtrace_driver_stubbed"]
+        before = driver.counts()
+        stubbed.before()
+        try:
+            with torch.inference_mode():
+                assert torch.equal(stubbed.model(x), expected)
+            stubbed.flush()
+        finally:
+            stubbed.after()
+        assert driver.counts() == before  # nothing reached the entry points the stubs stand in for
+        assert timer._record_address == driver.address("record")
+        with torch.inference_mode():
+            variants["torchtrace"].model(x)
+        variants["torchtrace"].flush()
+        after = driver.counts()
+        # three calls, two events each; an inference tensor has no version counter: the root's output (its last
+        # child's) is summarised again, a third launch
+        assert after["records"] == before["records"] + 6 and after["launches"] == before["launches"] + 3
+    finally:
+        for variant in variants.values():
+            variant.close()
+
+
 def test_gpu_benchmark_peak_memory_compares_the_traced_forward_with_the_untraced_one(monkeypatch) -> None:
     """gpu.py's peak-memory question, wired on the CPU with the device's counters stood in for (every forward
     "allocates" 10 MiB above the input, the traced one 3 MiB more): the added peak is the difference, checked
