@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import importlib
 import json
 import os
@@ -162,7 +161,7 @@ def stub_driver(directory: str) -> tuple[Callable[[], None], Callable[[], None]]
         saved["direct"] = dict(triton_stats._direct)
         for key, native in saved["direct"].items():
             if native is not None:
-                triton_stats._direct[key] = dataclasses.replace(native, launch=stubs.address("launch"))
+                triton_stats._direct[key] = native._replace(launch=stubs.address("launch"))
 
     def after() -> None:
         if "elapsed" in saved:

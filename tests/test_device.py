@@ -311,19 +311,23 @@ def test_a_tensor_converted_for_the_kernel_is_converted_on_every_call(triton_ker
 
 def test_a_failing_triton_kernel_falls_back_to_torch_ops_once_and_for_all(device_rows, monkeypatch, caplog):
     class BrokenKernel:  # e.g. a Triton too old for the kernel, or a GPU it cannot compile for
-        launches = 0
+        launches = forgotten = 0
 
         @classmethod
         def reduce_row(cls, *args):
             cls.launches += 1
             raise RuntimeError("no kernel for this GPU")
 
+        @classmethod
+        def forget_compiled(cls):  # nothing launched from C any longer either
+            cls.forgotten += 1
+
     monkeypatch.setattr(device_module, "_triton", BrokenKernel)
     monkeypatch.setattr(device_module, "fused_kernel", lambda x: device_module._triton or None)
     tensor = torch.randn(4, 5)
     assert_stats_match(output_attributes(tensor), tensor)
     assert_stats_match(output_attributes(tensor * 2), tensor * 2)
-    assert BrokenKernel.launches == 1
+    assert BrokenKernel.launches == BrokenKernel.forgotten == 1
     assert caplog.text.count("the Triton statistics kernel failed (no kernel for this GPU)") == 1
 
 
@@ -1068,3 +1072,40 @@ def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a
         values, counts = ours[0][1], ours[0][2]
         assert [(row[1] - values, row[2] - counts) for row in ours] == [(32 * row, 32 * row) for row in range(4)]
     assert "torchtrace" not in caplog.text  # no event or launch failed on the way
+
+
+def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(simulated_cuda):
+    """``_native.launch_taken`` (a kind the kernel took before): the next row reserved under the rows' lock, the
+    kernel launched into it, the stats returned with that row pending. Wherever that path does not apply it launches
+    nothing and returns None, and the Python path reduces the tensor (and says why if something failed)."""
+    native = importlib.import_module("torchtrace._native")
+    tensor = torch.randn(4, 8)
+    wanted = frozenset(torchtrace._core.options.STAT_NAMES)
+    plan = device_module.launch_plan(tensor, tensor.numel(), 1, True)
+    rows = device_module.StatRows(torch.device("cpu"), device_module.ROW_POOL)
+    head = {"shape": (4, 8), "dtype": "float32"}
+
+    def launches() -> int:
+        return simulated_cuda.count("launches")
+
+    before = launches()
+    assert native.launch_taken(plan, rows, tensor, head, wanted) is None  # no block yet: Python makes it
+    assert rows.reserve()[0] == 0
+    stats = native.launch_taken(plan, rows, tensor, head, wanted)
+    assert stats == {**head, "_pending": (rows, 1, 32, wanted, True, 1)} and "_pending" not in head
+    block = rows._blocks[0]
+    assert simulated_cuda.launched()[-1] == (tensor.data_ptr(), block.values_address + 32, block.counts_address + 32,
+                                             32, 1)  # fmt: skip
+    assert launches() == before + 1 and rows._used == 2
+    with rows._lock:  # another thread reserving
+        assert native.launch_taken(plan, rows, tensor, head, wanted) is None
+    elsewhere = (*plan[:7], lambda: 3, *plan[8:])  # another device current
+    assert native.launch_taken(elsewhere, rows, tensor, head, wanted) is None
+    unaligned = tensor.reshape(-1)[1:]  # 4 bytes past a 16-byte boundary: no kernel compiled for it here
+    only_aligned = (*plan[:6], {plan[4]: plan[6][plan[4]]}, *plan[7:])
+    assert native.launch_taken(only_aligned, rows, unaligned, head, wanted) is None
+    rows._used = device_module.MAX_ROWS  # full: Python says so (stats_error)
+    assert native.launch_taken(plan, rows, tensor, head, wanted) is None
+    assert launches() == before + 1
+    with pytest.raises(TypeError, match="a plan of device.launch_plan"):
+        native.launch_taken(plan[:-1], rows, tensor, head, wanted)

@@ -14,6 +14,7 @@ from test_device import Kernel, device_clock  # noqa: F401 - device_clock: a fix
 from torch import nn
 
 import torchtrace
+from torchtrace._capture import device as device_module
 from torchtrace._capture import stats as _stats
 from torchtrace._capture import traced_forward as _traced_forward
 from torchtrace.testing import capture_spans
@@ -270,16 +271,20 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     model = nn.Sequential(Looks())
     with torchtrace.instrument(model, exporter="none") as handle:
         model(torch.ones(2))
+    rows = device_module.StatRows(torch.device("cpu"), device_module.RowPool())  # what launch_taken reserves in
+    rows.reserve()
     owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
-              "compiler": torch.compiler, "class": seen["class_"]}  # fmt: skip
-    assert {where for where, _ in native.TRACED_CALL_READS} == set(owners)
-    for where, name in native.TRACED_CALL_READS:
+              "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0]}  # fmt: skip
+    assert {where for where, _ in native.ATTRIBUTES_READ} == set(owners)
+    for where, name in native.ATTRIBUTES_READ:
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"
     for name in ("stack",):
         assert type(getattr(seen["state"], name)) is list  # read as exact lists, else handed to Python
     for name in ("module", "parent", "start", "end"):
         assert type(getattr(seen["forward"], name)) is list
     assert type(seen["state"].skip_depth) is int
+    assert type(rows._used) is int and type(rows._blocks) is list  # read as an int and an exact list
+    assert type(rows._blocks[0].values_address) is int and type(rows._blocks[0].counts_address) is int
 
 
 def test_an_extension_reading_another_context_is_refused_aloud(monkeypatch):

@@ -1009,6 +1009,41 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
     return PyLong_FromLong(result);
 }
 
+/* A launch as launch_kernel's, of ``native`` (a DirectLaunch: launch, function, threads, shared, sizes) with the
+   statistics kernel's five parameters (x, values, counts: pointers; n, stride: int32) and NULL scratch pointers
+   after them. Returns the driver's result code, or -1 with an exception set for a DirectLaunch it cannot read. */
+static int launch_row(PyObject *native, unsigned long programs, void *stream, void *x, void *values, void *counts,
+                      int32_t n, int32_t stride) {
+    if (!PyTuple_Check(native) || PyTuple_GET_SIZE(native) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(native, 4))) {
+        PyErr_SetString(PyExc_TypeError, "launch_taken: a DirectLaunch is (launch, function, threads, shared, sizes)");
+        return -1;
+    }
+    void *launch = PyLong_AsVoidPtr(PyTuple_GET_ITEM(native, 0));
+    void *function = PyLong_AsVoidPtr(PyTuple_GET_ITEM(native, 1));
+    unsigned long threads = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(native, 2));
+    unsigned long shared = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(native, 3));
+    PyObject *widths = PyTuple_GET_ITEM(native, 4);
+    Py_ssize_t count = PyBytes_GET_SIZE(widths);
+    const unsigned char *sizes = (const unsigned char *)PyBytes_AS_STRING(widths);
+    if (PyErr_Occurred()) return -1;
+    if (launch == NULL || function == NULL || count < 5 || count > MAX_KERNEL_PARAMS) {
+        PyErr_SetString(PyExc_ValueError, "launch_taken: no function, or not the statistics kernel's parameters");
+        return -1;
+    }
+    int64_t wide[MAX_KERNEL_PARAMS] = {(int64_t)(intptr_t)x, (int64_t)(intptr_t)values, (int64_t)(intptr_t)counts};
+    int32_t narrow[2] = {n, stride};
+    void *params[MAX_KERNEL_PARAMS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (sizes[i] != (i == 3 || i == 4 ? 4 : 8)) {
+            PyErr_SetString(PyExc_ValueError, "launch_taken: not the statistics kernel's parameter widths");
+            return -1;
+        }
+        params[i] = i == 3 || i == 4 ? (void *)&narrow[i - 3] : (void *)&wide[i]; /* past 4: NULL scratch */
+    }
+    return ((launch_function)launch)(function, (unsigned)programs, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared,
+                                     stream, params, NULL);
+}
+
 /* run_uncompiled(set_eval_frame, function, *args, **kwargs): function(*args, **kwargs) with torch.compile's frame
    callback off (``torch._C._dynamo.eval_frame.set_eval_frame``), restored after. The model's own hooks are called
    through it: dynamo cannot trace a compiled function, so it breaks the graph around the call and runs it eagerly,
@@ -1068,17 +1103,20 @@ enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
 static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
 
-/* The attributes traced_call reads, each as (where, name): "local" the recorder's thread-local, "state" its
-   ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's class (its forward).
-   Exported as TRACED_CALL_READS for the test that each exists where it is read (a rename on the Python side would
-   otherwise send calls down the Python body, or raise, without a word). */
+/* The attributes traced_call and launch_taken read, each as (where, name): "local" the recorder's thread-local,
+   "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's class (its
+   forward), "rows" a forward's StatRows, "block" one of its blocks of rows. Exported as ATTRIBUTES_READ for the
+   test that each exists where it is read (a rename on the Python side would otherwise send calls down the Python
+   body, or raise, without a word). */
 #define ATTRIBUTES_READ(X)                                                                                            \
     X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
     X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
-    X(_is_compiling_flag, compiler) X(forward, class)
+    X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
+    X(values_address, block) X(counts_address, block)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
-    X(_is_compiling_flag)
+    X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
+    X(data_ptr) X(_pending)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero;
@@ -1319,6 +1357,117 @@ done:
     return output;
 }
 
+/* launch_taken(plan, rows, tensor, head, wanted) -> stats or None: the statistics of a device tensor of a kind the
+   kernel took before (``device.launch_plan``), in C: the next row of ``rows`` (a StatRows) reserved under its lock,
+   the kernel launched into it from C (cuLaunchKernel, the GIL held), and the tensor's stats returned: a copy of
+   ``head`` with the row pending. None, with nothing launched, where this path does not apply (no kernel compiled for
+   its alignment, another device current, the rows' lock held or their next block not made yet, a launch the
+   driver refused): the Python path then reduces the tensor and says why where something failed. ``plan``: (n,
+   stride, programs, device index, key aligned, key unaligned, the compiled kernels by key, current device,
+   current raw stream, (rows a block, rows at most, bytes a float row, bytes a count row)). */
+enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIGNED, PLAN_DIRECT, PLAN_DEVICE,
+       PLAN_STREAM, PLAN_GEOMETRY, PLAN_SIZE };
+
+/* The next row of a StatRows: 1 with its index and addresses, 0 where Python must reserve it (its lock held by
+   another thread, no rows left, or the row's block not made yet), -1 with an exception set. */
+static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, void **values, void **counts) {
+    long long block_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 0));
+    long long max_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 1));
+    long long value_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 2));
+    long long count_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 3));
+    if (PyErr_Occurred()) return -1;
+    PyObject *lock = PyObject_GetAttr(rows, str__lock);
+    if (lock == NULL) return -1;
+    PyObject *got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
+    if (got == NULL || got != Py_True) {
+        Py_XDECREF(got);
+        Py_DECREF(lock);
+        return got == NULL ? -1 : 0;
+    }
+    Py_DECREF(got);
+    int outcome = -1;
+    PyObject *used = PyObject_GetAttr(rows, str__used), *blocks = NULL, *next = NULL, *base = NULL;
+    long long at = used != NULL ? PyLong_AsLongLong(used) : -1;
+    if (at < 0 || PyErr_Occurred() || (blocks = list_attribute(rows, str__blocks)) == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "launch_taken: StatRows._used, _blocks unreadable");
+        goto release;
+    }
+    outcome = 0;
+    if (at >= max_rows || block_rows <= 0 || at / block_rows >= PyList_GET_SIZE(blocks)) goto release;
+    PyObject *block = PyList_GET_ITEM(blocks, at / block_rows);
+    long long row = at % block_rows;
+    outcome = -1;
+    if ((base = PyObject_GetAttr(block, str_values_address)) == NULL) goto release;
+    *values = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * value_bytes);
+    Py_CLEAR(base);
+    if ((base = PyObject_GetAttr(block, str_counts_address)) == NULL) goto release;
+    *counts = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * count_bytes);
+    if (PyErr_Occurred() || (next = PyLong_FromLongLong(at + 1)) == NULL ||
+        PyObject_SetAttr(rows, str__used, next) < 0)
+        goto release;
+    *index = at;
+    outcome = 1;
+release:;
+    PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
+    if (released == NULL) outcome = -1;
+    Py_XDECREF(released);
+    Py_XDECREF(base);
+    Py_XDECREF(next);
+    Py_XDECREF(blocks);
+    Py_XDECREF(used);
+    Py_DECREF(lock);
+    return outcome;
+}
+
+static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 5, "launch_taken(plan, rows, tensor, head, wanted)")) return NULL;
+    PyObject *plan = args[0], *rows = args[1], *tensor = args[2], *head = args[3], *wanted = args[4];
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != PLAN_SIZE || !PyDict_CheckExact(head) ||
+        !PyDict_Check(PyTuple_GET_ITEM(plan, PLAN_DIRECT)) || !PyTuple_Check(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) != 4) {
+        PyErr_SetString(PyExc_TypeError, "launch_taken: a plan of device.launch_plan and a stats dict");
+        return NULL;
+    }
+    PyObject *pointer = PyObject_CallMethodNoArgs(tensor, str_data_ptr);
+    if (pointer == NULL) return NULL;
+    void *address = PyLong_AsVoidPtr(pointer);
+    Py_DECREF(pointer);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *key = PyTuple_GET_ITEM(plan, (uintptr_t)address % 16 ? PLAN_UNALIGNED : PLAN_ALIGNED);
+    PyObject *native = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_DIRECT), key); /* borrowed */
+    if (native == NULL || native == Py_None) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(native); /* held across calls that may run Python */
+    PyObject *index = PyTuple_GET_ITEM(plan, PLAN_INDEX), *stats = NULL, *stream = NULL;
+    PyObject *current = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, PLAN_DEVICE));
+    int here = current != NULL ? PyObject_RichCompareBool(current, index, Py_EQ) : -1;
+    Py_XDECREF(current);
+    long long row = 0;
+    void *values = NULL, *counts = NULL;
+    int reserved = here > 0 ? reserve_row(rows, PyTuple_GET_ITEM(plan, PLAN_GEOMETRY), &row, &values, &counts) : here;
+    if (reserved <= 0) goto done;
+    if ((stream = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, PLAN_STREAM), index)) == NULL) goto done;
+    void *raw_stream = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
+    PyObject *n = PyTuple_GET_ITEM(plan, PLAN_N);
+    long n_value = PyLong_AsLong(n), stride = PyLong_AsLong(PyTuple_GET_ITEM(plan, PLAN_STRIDE));
+    unsigned long programs = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(plan, PLAN_PROGRAMS));
+    if (PyErr_Occurred()) goto done;
+    int result = launch_row(native, programs, raw_stream, address, values, counts, (int32_t)n_value, (int32_t)stride);
+    if (result != 0) goto done; /* -1: an exception set; a driver error: the Python path tries and says why */
+    PyObject *pending = Py_BuildValue("(OLOOOi)", rows, row, n, wanted, Py_True, 1);
+    if (pending != NULL && (stats = PyDict_Copy(head)) != NULL && PyDict_SetItem(stats, str__pending, pending) < 0)
+        Py_CLEAR(stats);
+    Py_XDECREF(pending);
+done:
+    Py_XDECREF(stream);
+    Py_DECREF(native);
+    if (stats == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return stats;
+}
+
 static PyMethodDef methods[] = {
     {"float_stats", (PyCFunction)(void (*)(void))float_stats, METH_FASTCALL,
      "float_stats(address, n, is_float64, columns, names, stats) -> passes (0: not finite)"},
@@ -1352,6 +1501,8 @@ static PyMethodDef methods[] = {
      "untracked(t) -> t: a tuple of atomic items no longer tracked by the garbage collector"},
     {"run_uncompiled", (PyCFunction)(void (*)(void))run_uncompiled, METH_FASTCALL | METH_KEYWORDS,
      "run_uncompiled(set_eval_frame, function, *args, **kwargs): the call with torch.compile's frame callback off"},
+    {"launch_taken", (PyCFunction)(void (*)(void))launch_taken, METH_FASTCALL,
+     "launch_taken(plan, rows, tensor, head, wanted) -> stats or None: a device tensor's statistics launched from C"},
     {"traced_call", (PyCFunction)(void (*)(void))traced_call, METH_FASTCALL | METH_KEYWORDS,
      "traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward, recorded"},
     {NULL, NULL, 0, NULL},
@@ -1385,7 +1536,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(created);
         return NULL;
     }
-    if (PyModule_AddObject(created, "TRACED_CALL_READS", reads) < 0) {
+    if (PyModule_AddObject(created, "ATTRIBUTES_READ", reads) < 0) {
         Py_DECREF(reads);
         Py_DECREF(created);
         return NULL;

@@ -344,6 +344,13 @@ def fused_kernel(x: torch.Tensor) -> Any:
 
 
 _VALUES_ROW, _COUNTS_ROW = VALUE_WIDTH * 4, COUNT_WIDTH * 8  # bytes a row: float32 and int64 columns
+ROW_GEOMETRY = (BLOCK_ROWS, MAX_ROWS, _VALUES_ROW, _COUNTS_ROW)  # as _native.launch_taken reserves a row
+
+
+def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool) -> tuple | None:
+    """How ``_native.launch_taken`` launches the statistics of tensors of ``x``'s kind from C (a tensor the fused
+    kernel just took, launched from C), or None where it cannot: see ``triton_stats.launch_plan``."""
+    return _triton.launch_plan(x, n, stride, counted, ROW_GEOMETRY) if _triton else None
 
 
 def launch_taken(x: torch.Tensor, block: _Block, row: int, n: int, stride: int, counted: bool) -> bool:
@@ -371,6 +378,7 @@ def reduce(
             kernel.reduce_row(x, values, counts, counted, stride)
             return True
         except Exception as error:  # Triton too old for the kernel, an unsupported GPU: compile or launch failed
+            kernel.forget_compiled()
             _triton = False
             _logger.warning("torchtrace: the Triton statistics kernel failed (%s); using torch ops from now on", error)
     x = every_nth(x, stride)

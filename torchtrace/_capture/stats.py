@@ -25,6 +25,7 @@ from torchtrace._capture.device import (
     every_nth,
     finish_raw,
     finish_raw_rows,
+    launch_plan,
     launch_taken,
     reduce,
 )
@@ -34,9 +35,10 @@ from torchtrace._core.options import STAT_NAMES, StatFunction
 try:
     from torchtrace._native import copy as _copy
     from torchtrace._native import float_stats as _one_pass
+    from torchtrace._native import launch_taken as _launch_taken
     from torchtrace._native import stat_rows as _table_rows
 except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
-    _one_pass = _table_rows = None
+    _one_pass = _table_rows = _launch_taken = None
     _copy = ctypes.memmove
 
 _logger = logging.getLogger(__name__)
@@ -245,14 +247,23 @@ class StatComputer:
         if len(self._on_device) < _MAX_STAGED_KINDS and tensor.dtype in READ_AS_IS:
             kind = (tensor.dtype, tensor.shape, tensor.get_device())
             layout = kind if tensor.is_contiguous() else (*kind, tensor.stride())
-            self._on_device[layout] = (head, stride, tensor.device)
+            n = -(-tensor.numel() // stride)
+            plan = launch_plan(tensor, n, stride, "zero_fraction" in self.wanted) if _launch_taken else None
+            self._on_device[layout] = (head, stride, tensor.device, plan)
 
-    def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device) -> dict:
-        stats = head.copy()
+    def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device,
+                          plan: tuple | None) -> dict:  # fmt: skip
+        """A tensor of a kind the kernel took before: launched from C in one call (``_native.launch_taken``) where
+        its ``plan`` applies, else through ``device_stats``."""
         try:
-            device_stats(tensor, self._device_rows(device), self.wanted, stats, stride, taken=True)
+            rows = self._device_rows(device)
+            stats = _launch_taken(plan, rows, tensor, head, self.wanted) if plan is not None else None
+            if stats is None:
+                stats = head.copy()
+                device_stats(tensor, rows, self.wanted, stats, stride, taken=True)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
+            stats = head.copy()
             stats["stats_error"] = error_text(error)
         return stats
 

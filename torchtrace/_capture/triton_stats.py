@@ -10,8 +10,7 @@ summarised and Triton is installed (CUDA builds of torch ship it).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -172,16 +171,35 @@ _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used the 
 _ARGUMENT_SIZES = (8, 8, 8, 4, 4)  # x, values, counts (pointers); n, stride (int32)
 
 
-@dataclass(frozen=True, slots=True)
-class DirectLaunch:
+class DirectLaunch(NamedTuple):
     """What ``_native.launch_kernel`` needs of a compiled kernel: its function, block size, shared memory and the
-    widths of its parameters (ours, then Triton's scratch pointers, passed as NULL)."""
+    widths of its parameters (ours, then Triton's scratch pointers, passed as NULL). A tuple: C reads it by index."""
 
     launch: int
     function: int
     threads: int
     shared: int
     sizes: bytes
+
+
+def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool, geometry: tuple) -> tuple | None:
+    """``_native.launch_taken``'s plan for the tensors of ``x``'s kind (its dtype and device, ``n`` elements read
+    every ``stride``-th; ``geometry``: the rows' layout, ``device.ROW_GEOMETRY``); None where no kernel for the kind
+    is launched from C (not compiled yet, or not launchable so)."""
+    index = x.get_device()
+    aligned, unaligned = ((index, x.dtype, alignment, counted, stride == 1) for alignment in (True, False))
+    if _launch_kernel is None or not launch_directly or not (_direct.get(aligned) or _direct.get(unaligned)):
+        return None
+    programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))
+    return (n, stride, programs, index, aligned, unaligned, _direct, _current_device, _current_raw_stream, geometry)
+
+
+def forget_compiled() -> None:
+    """The kernel failed: nothing is launched from C any longer (launch plans read these), Triton's JIT compiles
+    again if it is ever asked."""
+    _direct.clear()
+    _launchers.clear()
+    _compiled.clear()
 
 
 def direct_launch(kernel: Any) -> DirectLaunch | None:
