@@ -155,9 +155,10 @@ def stub_driver(directory: str) -> tuple[Callable[[], None], Callable[[], None]]
         if cuda is not None:
             saved["elapsed"], cuda.elapsed_address = cuda.elapsed_address, stubs.address("elapsed")
         timers = [timer for timer in _device._timers.values() if isinstance(timer, _device.DriverEventTimer)]
-        saved["records"] = [(timer, timer._record_address) for timer in timers]
+        saved["records"] = [(timer, timer.marking) for timer in timers]
         for timer in timers:
-            timer._record_address = stubs.address("record")
+            pool, _, index, current_device, current_stream = timer.marking
+            timer.marking = (pool, stubs.address("record"), index, current_device, current_stream)
         saved["direct"] = dict(triton_stats._direct)
         for key, native in saved["direct"].items():
             if native is not None:
@@ -166,8 +167,8 @@ def stub_driver(directory: str) -> tuple[Callable[[], None], Callable[[], None]]
     def after() -> None:
         if "elapsed" in saved:
             driver().elapsed_address = saved.pop("elapsed")
-        for timer, address in saved.pop("records", []):
-            timer._record_address = address
+        for timer, marking in saved.pop("records", []):
+            timer.marking = marking
         triton_stats._direct.update(saved.pop("direct", {}))
 
     return before, after

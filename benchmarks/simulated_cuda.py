@@ -145,7 +145,7 @@ def install(setattr: Callable[[Any, str, Any], None], directory: str | None = No
     )
     timer = object.__new__(DriverEventTimer)
     EventTimer.__init__(timer, DEVICE, lambda: None, lambda: 0)
-    timer._index, timer._record_address = INDEX, driver.record_address
+    timer.marking = (timer._free, driver.record_address, INDEX, current_device, current_stream)
     events = []
     for handle in range(1, EVENTS + 1):
         event = object.__new__(DriverEvent)

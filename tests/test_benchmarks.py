@@ -192,7 +192,7 @@ def test_gpu_benchmark_split_variants_stub_the_driver_only_around_their_repetiti
         finally:
             stubbed.after()
         assert driver.counts() == before  # nothing reached the entry points the stubs stand in for
-        assert timer._record_address == driver.address("record")
+        assert timer.marking[1] == driver.address("record")
         with torch.inference_mode():
             variants["torchtrace"].model(x)
         variants["torchtrace"].flush()

@@ -7,6 +7,7 @@ events of a simulated device clock; tests/test_cuda.py repeats the essentials on
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib
 import importlib.util
@@ -1109,3 +1110,25 @@ def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(s
     assert launches() == before + 1
     with pytest.raises(TypeError, match="a plan of device.launch_plan"):
         native.launch_taken(plan[:-1], rows, tensor, head, wanted)
+
+
+def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):
+    """``_native.mark_event`` (a DriverEventTimer's mark): an event from the pool, recorded through the driver's
+    cuEventRecord on the current stream. Where that does not apply it records nothing, puts the event back and
+    returns None: the timer's general path then makes a new event, records on the event's device, or says why."""
+    native = importlib.import_module("torchtrace._native")
+    (timer,) = device_module._timers.values()
+    pool, record, index, current_device, current_stream = timer.marking
+    before = simulated_cuda.count("records")
+    event = native.mark_event(timer.marking)
+    assert event is not None and event not in pool and simulated_cuda.count("records") == before + 1
+    pool.append(event)
+    size = len(pool)
+    assert native.mark_event((pool, record, index, lambda: index + 1, current_stream)) is None  # another device
+    refused = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(lambda event, stream: 600)
+    refusing = ctypes.cast(refused, ctypes.c_void_p).value
+    assert native.mark_event((pool, refusing, index, current_device, current_stream)) is None  # CUDA_ERROR_NOT_READY
+    assert len(pool) == size and simulated_cuda.count("records") == before + 1  # the event back, nothing recorded
+    assert native.mark_event((collections.deque(), record, index, current_device, current_stream)) is None  # empty
+    with pytest.raises(TypeError, match="mark_event"):
+        native.mark_event(timer.marking[:4])

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_device import Kernel, device_clock  # noqa: F401 - device_clock: a fixture
+from test_device import Kernel, device_clock, simulated_cuda  # noqa: F401 - fixtures
 from torch import nn
 
 import torchtrace
@@ -258,7 +258,7 @@ def test_the_compiled_body_reads_the_context_the_recorder_builds():
     assert _traced_forward.TracedCallContext._fields == _native_module().TRACED_CALL_CONTEXT
 
 
-def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_reads():
+def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_reads(simulated_cuda):  # noqa: F811
     native = _native_module()
     seen = {}
 
@@ -271,10 +271,12 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     model = nn.Sequential(Looks())
     with torchtrace.instrument(model, exporter="none") as handle:
         model(torch.ones(2))
+    (timer,) = device_module._timers.values()  # the simulated CUDA device's: a DriverEventTimer
     rows = device_module.StatRows(torch.device("cpu"), device_module.RowPool())  # what launch_taken reserves in
     rows.reserve()
     owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
-              "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0]}  # fmt: skip
+              "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0],
+              "timer": timer, "event": timer._free[0]}  # fmt: skip
     assert {where for where, _ in native.ATTRIBUTES_READ} == set(owners)
     for where, name in native.ATTRIBUTES_READ:
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"
@@ -285,6 +287,7 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     assert type(seen["state"].skip_depth) is int
     assert type(rows._used) is int and type(rows._blocks) is list  # read as an int and an exact list
     assert type(rows._blocks[0].values_address) is int and type(rows._blocks[0].counts_address) is int
+    assert type(timer.marking) is tuple and len(timer.marking) == 5 and type(timer._free[0].handle) is int
 
 
 def test_an_extension_reading_another_context_is_refused_aloud(monkeypatch):

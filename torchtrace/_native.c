@@ -1097,26 +1097,27 @@ static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t 
     X(INDEX, index) X(LOCAL, local) X(SLOW, slow) X(TENSOR, tensor) X(OUTPUT_STATS, output_stats)                    \
     X(OUTPUT_WORK, output_work) X(RUN_WORK, run_work) X(CALL_FAILED, call_failed) X(POP_TO, pop_to)                   \
     X(NOTE_ERROR, note_error) X(COMPILER, compiler) X(CLOCK, clock) X(OUTPUTS_SLOT, outputs_slot)                     \
-    X(MARK_START, mark_start) X(MARK_END, mark_end)
+    X(MARK_START, mark_start)
 #define CONTEXT_INDEX_OF(upper, lower) CONTEXT_##upper,
 enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
 static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
 
-/* The attributes traced_call and launch_taken read, each as (where, name): "local" the recorder's thread-local,
-   "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's class (its
-   forward), "rows" a forward's StatRows, "block" one of its blocks of rows. Exported as ATTRIBUTES_READ for the
-   test that each exists where it is read (a rename on the Python side would otherwise send calls down the Python
-   body, or raise, without a word). */
+/* The attributes traced_call, launch_taken and mark_event read, each as (where, name): "local" the recorder's
+   thread-local, "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's
+   class (its forward), "rows" a forward's StatRows, "block" one of its blocks of rows, "timer" a DriverEventTimer,
+   "event" a DriverEvent. Exported as ATTRIBUTES_READ for the test that each exists where it is read (a rename on
+   the Python side would otherwise send calls down the Python body, or raise, without a word). */
 #define ATTRIBUTES_READ(X)                                                                                            \
     X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
     X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
     X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
-    X(values_address, block) X(counts_address, block)
+    X(values_address, block) X(counts_address, block) X(start_events, forward) X(end_events, forward)               \
+    X(marking, timer) X(handle, event)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
     X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
-    X(data_ptr) X(_pending)
+    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero;
@@ -1215,6 +1216,8 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
     return PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
 }
 
+static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position);
+
 static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)self;
     if (nargs < 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != CONTEXT_SIZE) {
@@ -1299,12 +1302,8 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         Py_DECREF(popped);
     }
     if (PyList_SetItem(ends, at, end) < 0) goto failed; /* stolen */
-    if (timer != Py_None) { /* its end event: before the statistics' kernels, which are not the module's work */
-        PyObject *marked = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_END), state, forward,
-                                                        position, NULL);
-        if (marked == NULL) goto failed;
-        Py_DECREF(marked);
-    }
+    /* its end event: before the statistics' kernels, which are not the module's work */
+    if (timer != Py_None && mark_end_of(timer, forward, position) < 0) goto failed;
 
     PyObject *output_stats = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_STATS);
     PyObject *output_work = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), *result = NULL;
@@ -1355,6 +1354,93 @@ done:
     Py_XDECREF(timer);
     Py_XDECREF(state);
     return output;
+}
+
+/* A timing event recorded now with the driver, as DriverEventTimer.mark does: ``marking`` is its (pool, the
+   address of cuEventRecord, the device's index, torch's current device, torch's current raw stream). A new
+   reference: the event; None where this path does not apply (the pool empty, another device current, the record
+   refused: the event goes back to the pool, and the timer's general path makes, records or reports it); NULL with
+   an exception set. */
+static PyObject *mark_with(PyObject *marking) {
+    if (!PyTuple_CheckExact(marking) || PyTuple_GET_SIZE(marking) != 5) {
+        PyErr_SetString(PyExc_TypeError, "mark_event: (pool, record, index, current device, current stream)");
+        return NULL;
+    }
+    PyObject *pool = PyTuple_GET_ITEM(marking, 0), *index = PyTuple_GET_ITEM(marking, 2);
+    PyObject *event = PyObject_CallMethodNoArgs(pool, str_pop);
+    if (event == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_IndexError)) return NULL;
+        PyErr_Clear(); /* an empty pool: the general path makes one */
+        Py_RETURN_NONE;
+    }
+    PyObject *current = PyObject_CallNoArgs(PyTuple_GET_ITEM(marking, 3)), *stream = NULL, *handle = NULL;
+    int marked = current != NULL ? PyObject_RichCompareBool(current, index, Py_EQ) : -1;
+    Py_XDECREF(current);
+    if (marked > 0) {
+        stream = PyObject_CallOneArg(PyTuple_GET_ITEM(marking, 4), index);
+        handle = stream != NULL ? PyObject_GetAttr(event, str_handle) : NULL;
+        void *record = PyLong_AsVoidPtr(PyTuple_GET_ITEM(marking, 1));
+        void *raw_handle = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
+        void *raw_stream = stream != NULL && stream != Py_None ? PyLong_AsVoidPtr(stream) : NULL;
+        if (handle == NULL || PyErr_Occurred() || record == NULL) marked = -1;
+        else marked = ((two_pointers)record)(raw_handle, raw_stream) == 0;
+    }
+    Py_XDECREF(stream);
+    Py_XDECREF(handle);
+    if (marked > 0) return event;
+    /* not marked here: the event back to its pool, an error kept for the caller */
+    PyObject *error_type, *error_value, *error_traceback;
+    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    PyObject *back = PyObject_CallMethodOneArg(pool, str_append, event);
+    Py_DECREF(event);
+    if (back == NULL) {
+        Py_XDECREF(error_type);
+        Py_XDECREF(error_value);
+        Py_XDECREF(error_traceback);
+        return NULL;
+    }
+    Py_DECREF(back);
+    PyErr_Restore(error_type, error_value, error_traceback);
+    if (marked < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* mark_event(marking) -> event or None: see mark_with (DriverEventTimer.mark calls it) */
+static PyObject *mark_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 1, "mark_event(marking)")) return NULL;
+    return mark_with(args[0]);
+}
+
+/* A timed call's end event, as recorder.mark_end: where its start was marked, the timer marks now (a
+   DriverEventTimer in C, any other through its mark()) into forward.end_events. 0, or -1 with an exception set. */
+static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position) {
+    PyObject *starts = PyObject_GetAttr(forward, str_start_events);
+    int started = starts != NULL ? PyDict_Contains(starts, position) : -1;
+    Py_XDECREF(starts);
+    if (started <= 0) return started;
+    PyObject *marking = PyObject_GetAttr(timer, str_marking), *event;
+    if (marking == NULL) { /* another kind of timer (torch's events) */
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();
+        event = PyObject_CallMethodNoArgs(timer, str_mark);
+    } else {
+        event = mark_with(marking);
+        Py_DECREF(marking);
+        if (event == Py_None) {
+            Py_DECREF(event);
+            event = PyObject_CallMethodNoArgs(timer, str_mark); /* the general path */
+        }
+    }
+    if (event == NULL) return -1;
+    int stored = 0;
+    if (event != Py_None) {
+        PyObject *ends = PyObject_GetAttr(forward, str_end_events);
+        stored = ends != NULL ? PyObject_SetItem(ends, position, event) : -1;
+        Py_XDECREF(ends);
+    }
+    Py_DECREF(event);
+    return stored;
 }
 
 /* launch_taken(plan, rows, tensor, head, wanted) -> stats or None: the statistics of a device tensor of a kind the
@@ -1501,6 +1587,8 @@ static PyMethodDef methods[] = {
      "untracked(t) -> t: a tuple of atomic items no longer tracked by the garbage collector"},
     {"run_uncompiled", (PyCFunction)(void (*)(void))run_uncompiled, METH_FASTCALL | METH_KEYWORDS,
      "run_uncompiled(set_eval_frame, function, *args, **kwargs): the call with torch.compile's frame callback off"},
+    {"mark_event", (PyCFunction)(void (*)(void))mark_event, METH_FASTCALL,
+     "mark_event(marking) -> event or None: a driver timing event from the pool, recorded now"},
     {"launch_taken", (PyCFunction)(void (*)(void))launch_taken, METH_FASTCALL,
      "launch_taken(plan, rows, tensor, head, wanted) -> stats or None: a device tensor's statistics launched from C"},
     {"traced_call", (PyCFunction)(void (*)(void))traced_call, METH_FASTCALL | METH_KEYWORDS,

@@ -186,8 +186,7 @@ class TracedCallContext(NamedTuple):
     compiler: Any  # torch.compiler (its flag: torch.export tracing)
     clock: Callable[[], int]  # time.perf_counter_ns
     outputs_slot: int  # where a call's output statistics go
-    mark_start: Callable[..., Any]  # a CUDA forward's timing events
-    mark_end: Callable[..., Any]
+    mark_start: Callable[..., Any]  # a CUDA forward's start events (its end events are marked in C)
 
 
 def native_traced_call() -> Callable[..., Any] | None:
