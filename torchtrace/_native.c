@@ -1160,6 +1160,13 @@ static void restore_raised(Raised *raised) {
 #endif
 }
 
+/* A taken exception let go of (another one replaces it). */
+static void drop_raised(Raised *raised) {
+    Py_XDECREF(raised->type);
+    Py_XDECREF(raised->value);
+    Py_XDECREF(raised->traceback);
+}
+
 /* A feature failed on the call's output: Exception -> note_error(forward, position, OUTPUTS, error), 0; anything
    else (KeyboardInterrupt) stays raised, -1. */
 static int note_output_error(PyObject *context, PyObject *forward, PyObject *position) {
@@ -1168,9 +1175,7 @@ static int note_output_error(PyObject *context, PyObject *forward, PyObject *pos
     take_raised(&raised);
     PyObject *noted = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_NOTE_ERROR), forward, position,
                                                    PyTuple_GET_ITEM(context, CONTEXT_OUTPUTS_SLOT), raised.value, NULL);
-    Py_XDECREF(raised.type);
-    Py_XDECREF(raised.value);
-    Py_XDECREF(raised.traceback);
+    drop_raised(&raised);
     if (noted == NULL) return -1;
     Py_DECREF(noted);
     return 0;
@@ -1388,19 +1393,17 @@ static PyObject *mark_with(PyObject *marking) {
     Py_XDECREF(stream);
     Py_XDECREF(handle);
     if (marked > 0) return event;
-    /* not marked here: the event back to its pool, an error kept for the caller */
-    PyObject *error_type, *error_value, *error_traceback;
-    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    /* not marked here: the event back to its pool, an error kept for the caller (unless putting it back failed) */
+    Raised raised;
+    take_raised(&raised);
     PyObject *back = PyObject_CallMethodOneArg(pool, str_append, event);
     Py_DECREF(event);
     if (back == NULL) {
-        Py_XDECREF(error_type);
-        Py_XDECREF(error_value);
-        Py_XDECREF(error_traceback);
+        drop_raised(&raised);
         return NULL;
     }
     Py_DECREF(back);
-    PyErr_Restore(error_type, error_value, error_traceback);
+    restore_raised(&raised);
     if (marked < 0) return NULL;
     Py_RETURN_NONE;
 }
