@@ -340,8 +340,8 @@ ROW_GEOMETRY = (BLOCK_ROWS, MAX_ROWS, _VALUES_ROW, _COUNTS_ROW)  # as _native.la
 
 
 def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool) -> tuple | None:
-    """How ``_native.launch_taken`` launches the statistics of tensors of ``x``'s kind from C (a tensor the fused
-    kernel just took, launched from C), or None where it cannot: see ``triton_stats.launch_plan``."""
+    """How ``_native.launch_taken`` launches the statistics of tensors of ``x``'s kind from C (``x``: one the fused
+    kernel has just reduced), or None where it cannot: see ``triton_stats.launch_plan``."""
     return _triton.launch_plan(x, n, stride, counted, ROW_GEOMETRY) if _triton else None
 
 
