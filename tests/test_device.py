@@ -1043,10 +1043,20 @@ def simulated_cuda(monkeypatch, tmp_path):
     return simulation.install(monkeypatch.setattr, str(tmp_path))
 
 
-def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a_tensor(simulated_cuda, caplog):
+def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a_tensor(
+    simulated_cuda, caplog, monkeypatch
+):
     """What a traced CUDA forward asks of the driver, pinned: two timing events a call (recorded from C), one
     statistics kernel launch from C per output tensor, each into the next row of the forward's block (its
-    parameters: the tensor's own memory, every element), and on the worker one elapsed-time read per event."""
+    parameters: the tensor's own memory, every element), and on the worker one elapsed-time read per event. Only
+    the first forward's calls go through Python to decide where they run (their first parameters looked up)."""
+    in_python = []
+    mark_start = torchtrace._capture.recorder.HookRecorder._mark_start
+    monkeypatch.setattr(
+        torchtrace._capture.recorder.HookRecorder,
+        "_mark_start",
+        lambda self, index, *args: in_python.append(index) or mark_start(self, index, *args),
+    )
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2), nn.ReLU()))
     outputs = []  # (address, elements) of each leaf's output, as the model made it
     for leaf in (model[0], model[1], model[2][0], model[2][1]):
@@ -1073,6 +1083,7 @@ def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a
         values, counts = ours[0][1], ours[0][2]
         assert [(row[1] - values, row[2] - counts) for row in ours] == [(32 * row, 32 * row) for row in range(4)]
     assert "torchtrace" not in caplog.text  # no event or launch failed on the way
+    assert len(in_python) == calls - 1  # the root's start is the forward's own; the others from C after the first
 
 
 def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(simulated_cuda):

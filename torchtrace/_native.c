@@ -1097,7 +1097,7 @@ static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t 
     X(INDEX, index) X(LOCAL, local) X(SLOW, slow) X(TENSOR, tensor) X(OUTPUT_STATS, output_stats)                    \
     X(OUTPUT_WORK, output_work) X(RUN_WORK, run_work) X(CALL_FAILED, call_failed) X(POP_TO, pop_to)                   \
     X(NOTE_ERROR, note_error) X(COMPILER, compiler) X(CLOCK, clock) X(OUTPUTS_SLOT, outputs_slot)                     \
-    X(MARK_START, mark_start)
+    X(MARK_START, mark_start) X(FIRST_PARAMETER, first_parameter)
 #define CONTEXT_INDEX_OF(upper, lower) CONTEXT_##upper,
 enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
@@ -1113,11 +1113,11 @@ static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
     X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
     X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
     X(values_address, block) X(counts_address, block) X(start_events, forward) X(end_events, forward)               \
-    X(marking, timer) X(handle, event)
+    X(marking, timer) X(handle, event) X(device, timer)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
     X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
-    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark)
+    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero;
@@ -1222,6 +1222,8 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
 }
 
 static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position);
+static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, PyObject *position,
+                         PyObject *const *args, Py_ssize_t nargs);
 
 static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     (void)self;
@@ -1256,12 +1258,17 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyList_Append(starts, zero) < 0 || PyList_Append(ends, Py_None) < 0 || PyList_Append(stack, position) < 0)
         goto done;
     if (timer != Py_None) { /* a CUDA forward: the call's start event, where it runs on the timer's device */
-        if ((user_args = user_arguments(args, nargs)) == NULL) goto done;
-        PyObject *marked = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_START),
-                                                        PyTuple_GET_ITEM(context, CONTEXT_INDEX), module, user_args,
-                                                        timer, forward, position, NULL);
-        if (marked == NULL) goto done;
-        Py_DECREF(marked);
+        int marked = mark_start_of(context, timer, forward, position, args, nargs);
+        if (marked == 0) { /* its first parameter not looked up yet: the Python helper does, and marks */
+            if ((user_args = user_arguments(args, nargs)) == NULL) goto done;
+            PyObject *done_marking = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_START),
+                                                                  PyTuple_GET_ITEM(context, CONTEXT_INDEX), module,
+                                                                  user_args, timer, forward, position, NULL);
+            if (done_marking == NULL) goto done;
+            Py_DECREF(done_marking);
+        } else if (marked < 0) {
+            goto done;
+        }
     }
     PyObject *clock = PyTuple_GET_ITEM(context, CONTEXT_CLOCK), *start = PyObject_CallNoArgs(clock);
     if (start == NULL || PyList_SetItem(starts, at, start) < 0) goto done; /* last: the span times the module */
@@ -1415,13 +1422,9 @@ static PyObject *mark_event(PyObject *module, PyObject *const *args, Py_ssize_t 
     return mark_with(args[0]);
 }
 
-/* A timed call's end event, as recorder.mark_end: where its start was marked, the timer marks now (a
-   DriverEventTimer in C, any other through its mark()) into forward.end_events. 0, or -1 with an exception set. */
-static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position) {
-    PyObject *starts = PyObject_GetAttr(forward, str_start_events);
-    int started = starts != NULL ? PyDict_Contains(starts, position) : -1;
-    Py_XDECREF(starts);
-    if (started <= 0) return started;
+/* The timer marks now (a DriverEventTimer in C, any other through its mark()), into events[position] (``events``:
+   the forward's start_events or end_events) where it could mark. 0, or -1 with an exception set. */
+static int mark_into(PyObject *timer, PyObject *forward, PyObject *events, PyObject *position) {
     PyObject *marking = PyObject_GetAttr(timer, str_marking), *event;
     if (marking == NULL) { /* another kind of timer (torch's events) */
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
@@ -1438,12 +1441,48 @@ static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position) {
     if (event == NULL) return -1;
     int stored = 0;
     if (event != Py_None) {
-        PyObject *ends = PyObject_GetAttr(forward, str_end_events);
-        stored = ends != NULL ? PyObject_SetItem(ends, position, event) : -1;
-        Py_XDECREF(ends);
+        PyObject *marks = PyObject_GetAttr(forward, events);
+        stored = marks != NULL ? PyObject_SetItem(marks, position, event) : -1;
+        Py_XDECREF(marks);
     }
     Py_DECREF(event);
     return stored;
+}
+
+/* A timed call's end event, as recorder.mark_end: where its start was marked. 0, or -1 with an exception set. */
+static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position) {
+    PyObject *starts = PyObject_GetAttr(forward, str_start_events);
+    int started = starts != NULL ? PyDict_Contains(starts, position) : -1;
+    Py_XDECREF(starts);
+    if (started <= 0) return started;
+    return mark_into(timer, forward, str_end_events, position);
+}
+
+/* A timed call's start event, as HookRecorder._mark_start: where the call runs on the timer's device, which its
+   first own parameter says (the recorder's first_parameter, by module index), else its first tensor argument; a
+   call with neither runs there. 1: done (marked, or elsewhere); 0: its first parameter not looked up yet (the
+   Python helper does that, and marks); -1 with an exception set. */
+static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, PyObject *position,
+                         PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *known = PyTuple_GET_ITEM(context, CONTEXT_FIRST_PARAMETER);
+    PyObject *tensor = PyDict_Check(known) ? PyDict_GetItemWithError(known, PyTuple_GET_ITEM(context, CONTEXT_INDEX))
+                                           : NULL; /* borrowed */
+    if (tensor == NULL) return PyErr_Occurred() ? -1 : 0;
+    for (Py_ssize_t i = 3; tensor == Py_None && i < nargs; i++) { /* no parameter: the first tensor argument */
+        int is_tensor = PyObject_IsInstance(args[i], PyTuple_GET_ITEM(context, CONTEXT_TENSOR));
+        if (is_tensor < 0) return -1;
+        if (is_tensor) tensor = args[i];
+    }
+    if (tensor != Py_None) {
+        Py_INCREF(tensor); /* the dict's entry may be replaced by another thread's look-up meanwhile */
+        PyObject *device = PyObject_GetAttr(tensor, str_device), *timer_device = PyObject_GetAttr(timer, str_device);
+        int here = device != NULL && timer_device != NULL ? PyObject_RichCompareBool(device, timer_device, Py_EQ) : -1;
+        Py_XDECREF(device);
+        Py_XDECREF(timer_device);
+        Py_DECREF(tensor);
+        if (here <= 0) return here < 0 ? -1 : 1;
+    }
+    return mark_into(timer, forward, str_start_events, position) < 0 ? -1 : 1;
 }
 
 /* launch_taken(plan, rows, tensor, head, wanted) -> stats or None: the statistics of a device tensor of a kind the

@@ -371,7 +371,7 @@ class HookRecorder:
             index=index, local=local, slow=call, tensor=torch.Tensor, output_stats=output_stats,
             output_work=output_work, run_work=_run_work, call_failed=call_failed, pop_to=_pop_to,
             note_error=_note_error, compiler=_compiler, clock=perf_counter_ns, outputs_slot=OUTPUTS,
-            mark_start=mark_call_start,
+            mark_start=mark_call_start, first_parameter=self._first_parameter,
         )  # fmt: skip
         return native, context
 

@@ -186,7 +186,8 @@ class TracedCallContext(NamedTuple):
     compiler: Any  # torch.compiler (its flag: torch.export tracing)
     clock: Callable[[], int]  # time.perf_counter_ns
     outputs_slot: int  # where a call's output statistics go
-    mark_start: Callable[..., Any]  # a CUDA forward's start events (its end events are marked in C)
+    mark_start: Callable[..., Any]  # a CUDA call's start event where C cannot mark it (end events: marked in C)
+    first_parameter: dict  # module index -> its first own Parameter (or None), as the recorder looked it up
 
 
 def native_traced_call() -> Callable[..., Any] | None:
