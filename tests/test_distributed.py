@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import re
 import socket
 import subprocess
@@ -36,13 +37,11 @@ EXAMPLE = ROOT / "examples" / "ddp_train.py"
 
 
 def free_port(count: int = 1) -> int:
-    """A base port with ``count`` consecutive free ports after it (checked, then released)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
+    """A base port with ``count`` consecutive free ports after it (checked, then released), below the kernel's
+    ephemeral range: the ranks' own connections (gloo's mesh, the rendezvous store) take ports from that range, and
+    one of them could take a rank's metrics port before the rank's server binds it."""
+    for _ in range(200):
+        base = random.randrange(15000, _ephemeral_ports_from() - count)
         sockets = []
         try:
             for offset in range(count):
@@ -56,6 +55,14 @@ def free_port(count: int = 1) -> int:
             for sock in sockets:
                 sock.close()
     raise RuntimeError("no free port range")
+
+
+def _ephemeral_ports_from() -> int:
+    """The lowest port the kernel hands out to unbound sockets (Linux's default where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def torchrun(
