@@ -152,8 +152,6 @@ def install(setattr: Callable[[Any, str, Any], None], directory: str | None = No
         event.device, event.handle, event._index, event._driver = DEVICE, handle * 16, INDEX, driver
         events.append(event)
     timer.give_back(events)
-    setattr(device_module, "_current_device", current_device)
-    setattr(device_module, "_current_raw_stream", current_stream)
     setattr(device_module, "_timers", {DEVICE: timer})
     setattr(recorder, "event_timer", lambda device: timer)
     return stubs

@@ -335,26 +335,14 @@ def fused_kernel(x: torch.Tensor) -> Any:
     return _triton if _triton and x.dtype in READ_AS_IS and _triton.applies(x) else None
 
 
-_VALUES_ROW, _COUNTS_ROW = VALUE_WIDTH * 4, COUNT_WIDTH * 8  # bytes a row: float32 and int64 columns
-ROW_GEOMETRY = (BLOCK_ROWS, MAX_ROWS, _VALUES_ROW, _COUNTS_ROW)  # as _native.launch_taken reserves a row
+# as _native.launch_taken reserves a row: rows a block, rows at most, bytes a row (float32 and int64 columns)
+ROW_GEOMETRY = (BLOCK_ROWS, MAX_ROWS, VALUE_WIDTH * 4, COUNT_WIDTH * 8)
 
 
 def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool) -> tuple | None:
     """How ``_native.launch_taken`` launches the statistics of tensors of ``x``'s kind from C (``x``: one the fused
     kernel has just reduced), or None where it cannot: see ``triton_stats.launch_plan``."""
     return _triton.launch_plan(x, n, stride, counted, ROW_GEOMETRY) if _triton else None
-
-
-def launch_taken(x: torch.Tensor, block: _Block, row: int, n: int, stride: int, counted: bool) -> bool:
-    """A tensor of a kind the fused kernel took before, its launch from C into a row (``StatRows.reserve``'s)
-    without the checks and frames of ``reduce``; False (nothing launched) where that launch cannot be made: the
-    caller then reduces through ``reduce``, which says why."""
-    try:
-        return bool(_triton) and _triton.launch_row(
-            x, block.values_address + row * _VALUES_ROW, block.counts_address + row * _COUNTS_ROW, n, stride, counted
-        )
-    except Exception:  # a failed launch: reduce() tries it again, and turns to torch ops with a warning
-        return False
 
 
 def reduce(

@@ -26,7 +26,6 @@ from torchtrace._capture.device import (
     finish_raw,
     finish_raw_rows,
     launch_plan,
-    launch_taken,
     reduce,
 )
 from torchtrace._core.calls import error_text
@@ -715,19 +714,15 @@ def device_stats(
         stats["stats_error"] = "device statistics rows full: close each training step with handle.step()"
         return
     index, block, row = reserved
-    n, counted = -(-tensor.numel() // stride), "zero_fraction" in wanted
-    if taken and launch_taken(tensor, block, row, n, stride, counted):  # the common case: a launch from C alone
-        raw = True
-    else:
-        x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
-        if not taken:
-            x = x.dequantize() if x.is_quantized else x
-            if x.is_complex():
-                x = x.abs()
-            elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are read in float32
-                x = x.float()
-        raw = reduce(x, *block.views(row), counted, stride, taken)
-    stats["_pending"] = (rows, index, n, wanted, raw, repeats)
+    x = tensor.detach() if tensor.requires_grad else tensor  # torch ops (the kernel failed) refuse out= else
+    if not taken:
+        x = x.dequantize() if x.is_quantized else x
+        if x.is_complex():
+            x = x.abs()
+        elif x.dtype not in READ_AS_IS:  # the rows are float32: float64 and integer data are read in float32
+            x = x.float()
+    raw = reduce(x, *block.views(row), "zero_fraction" in wanted, stride, taken)
+    stats["_pending"] = (rows, index, -(-tensor.numel() // stride), wanted, raw, repeats)
 
 
 def numeric_stats(tensor: torch.Tensor, wanted: frozenset, stats: dict[str, Any]) -> None:

@@ -134,23 +134,23 @@ def reduce_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, coun
     if index >= 0 and index != _current_device():
         with torch.cuda.device(index):  # Triton launches on the current device, torch ops on the tensor's
             _launch(x, values, counts, n, stride, counted, programs, index)
-    elif not launch_row(x, values.data_ptr(), counts.data_ptr(), n, stride, counted):
+    elif not _launch_row(x, values, counts, n, stride, counted, programs, index):
         _launch(x, values, counts, n, stride, counted, programs, index)
 
 
-def launch_row(x: torch.Tensor, values: int, counts: int, n: int, stride: int, counted: bool) -> bool:
-    """The launch from C of the kernel compiled before for ``x``'s kind, into the row at addresses ``values`` and
-    ``counts`` (``n``: the elements read, every ``stride``-th): every launch after a kind's first, in this one frame
-    (see _direct: CUDA tensors only). False, nothing launched, where there is no such kernel, ``x`` is not on the
-    current device, or the thread has no context on it yet (Triton's launcher, which sets one up, is for those)."""
+def _launch_row(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int, stride: int, counted: bool,
+                programs: int, index: int) -> bool:  # fmt: skip
+    """The launch from C of the kernel compiled before for ``x``'s kind, on the current device ``index``: every
+    launch after a kind's first that ``_native.launch_taken`` did not make (see _direct: CUDA tensors only). False,
+    nothing launched, where there is no such kernel or the thread has no context on the device yet (Triton's
+    launcher, which sets one up, is for those)."""
     address = x.data_ptr()
-    index = x.get_device()
     native = _direct.get((index, x.dtype, address % 16 == 0, counted, stride == 1)) if launch_directly else None
-    if native is None or index != _current_device():
+    if native is None:
         return False
     result = _launch_kernel(
-        native.launch, native.function, min(-(-n // BLOCK), _programs.get(index) or _max_programs(index)),
-        native.threads, native.shared, _current_raw_stream(index), native.sizes, address, values, counts, n, stride,
+        native.launch, native.function, programs, native.threads, native.shared, _current_raw_stream(index),
+        native.sizes, address, values.data_ptr(), counts.data_ptr(), n, stride,
     )  # fmt: skip
     if result and result != _NO_CONTEXT:
         raise RuntimeError(f"torchtrace: launching the statistics kernel failed with CUDA error {result}")
