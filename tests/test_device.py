@@ -35,6 +35,8 @@ import torchtrace._capture.device as device_module
 from torchtrace._capture import cuda_driver as _cuda_driver
 from torchtrace._capture.comm import timed_comm_hook
 from torchtrace._capture.device import EventTimer
+from torchtrace._capture.stats import StatComputer
+from torchtrace.attributes import OUTPUT_PREFIX
 from torchtrace.testing import capture_spans
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -959,7 +961,7 @@ def test_a_forwards_device_rows_become_one_table_with_torchs_statistics(device_r
     infinite = torch.tensor([1.0, float("-inf"), 0.0, 2.0])
     for tensor in (finite, awkward, infinite, torch.tensor([3.0])):
         assert_stats_match(output_attributes(tensor), tensor)
-    computer = torchtrace._capture.stats.StatComputer(torchtrace._core.options.STAT_NAMES, {})
+    computer = StatComputer(torchtrace._core.options.STAT_NAMES, {})
     summaries = [computer(finite), computer(finite * 3)]
     rows, _, _ = computer.finish_forward()
     (device_rows_of_forward,) = rows
@@ -1101,14 +1103,17 @@ def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(s
         return simulated_cuda.count("launches")
 
     before = launches()
-    assert native.launch_taken(plan, rows, tensor, head, wanted) is None  # no block yet: Python makes it
-    assert rows.reserve()[0] == 0
+    assert native.launch_taken(plan, rows, tensor, head, wanted)["_pending"][1] == 0  # its first block made
+    assert rows.reserve()[0] == 1
     stats = native.launch_taken(plan, rows, tensor, head, wanted)
-    assert stats == {**head, "_pending": (rows, 1, 32, wanted, True, 1)} and "_pending" not in head
+    assert stats == {**head, "_pending": (rows, 2, 32, wanted, True, 1)} and "_pending" not in head
     block = rows._blocks[0]
-    assert simulated_cuda.launched()[-1] == (tensor.data_ptr(), block.values_address + 32, block.counts_address + 32,
+    assert simulated_cuda.launched()[-1] == (tensor.data_ptr(), block.values_address + 64, block.counts_address + 64,
                                              32, 1)  # fmt: skip
-    assert launches() == before + 1 and rows._used == 2
+    assert launches() == before + 2 and rows._used == 3
+    rows._used = device_module.BLOCK_ROWS  # the next row in a block not made yet: made, as reserve() makes it
+    assert native.launch_taken(plan, rows, tensor, head, wanted)["_pending"][1] == device_module.BLOCK_ROWS
+    assert len(rows._blocks) == 2 and simulated_cuda.launched()[-1][1] == rows._blocks[1].values_address
     with rows._lock:  # another thread reserving
         assert native.launch_taken(plan, rows, tensor, head, wanted) is None
     elsewhere = (*plan[:7], lambda: 3, *plan[8:])  # another device current
@@ -1118,7 +1123,7 @@ def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(s
     assert native.launch_taken(only_aligned, rows, unaligned, head, wanted) is None
     rows._used = device_module.MAX_ROWS  # full: Python says so (stats_error)
     assert native.launch_taken(plan, rows, tensor, head, wanted) is None
-    assert launches() == before + 1
+    assert launches() == before + 3
     with pytest.raises(TypeError, match="a plan of device.launch_plan"):
         native.launch_taken(plan[:-1], rows, tensor, head, wanted)
 
@@ -1143,3 +1148,79 @@ def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simula
     assert native.mark_event((collections.deque(), record, index, current_device, current_stream)) is None  # empty
     with pytest.raises(TypeError, match="mark_event"):
         native.mark_event(timer.marking[:4])
+
+
+def test_a_tensor_of_a_kind_launched_before_is_summarised_in_c_as_the_python_path_would(simulated_cuda):
+    """``_native.stats_taken`` is StatComputer's path for a device tensor of a kind the kernel took before: a row
+    reserved and the kernel launched from C, the stats a copy of the kind's head with the row pending, and the
+    tensor remembered as the latest one (a container returning it unchanged gets the same stats, one launch). Where
+    the path does not apply it returns None and launches nothing: the Python path decides."""
+    native = importlib.import_module("torchtrace._native")
+    computer = StatComputer(torchtrace._core.options.STAT_NAMES, {})
+    first, second = torch.randn(4, 8), torch.randn(4, 8)
+
+    def launches() -> int:
+        return simulated_cuda.count("launches")
+
+    assert native.stats_taken(computer, first) is None  # a kind not seen yet
+    computer(first)  # the Python path: launched, the kind remembered, this forward's rows made
+    before = launches()
+    stats = native.stats_taken(computer, second)
+    assert launches() == before + 1 and stats["_pending"][1] == 1  # the forward's second row
+    assert {key: value for key, value in stats.items() if key != "_pending"} == {"shape": (4, 8), "dtype": "float32",
+                                                                                "device": "cpu"}  # fmt: skip
+    assert native.stats_taken(computer, second) is stats and computer(second) is stats  # unchanged: no launch
+    assert native.stats_taken(computer, first) is computer(first)  # the one before, still unchanged
+    assert launches() == before + 1
+    second.add_(1)  # changed in place since: summarised again
+    assert native.stats_taken(computer, second) is not stats and launches() == before + 2
+    with torch.inference_mode():
+        frozen = torch.randn(4, 8)
+    assert native.stats_taken(computer, frozen) is not native.stats_taken(computer, frozen)  # no version to trust
+    assert launches() == before + 4
+
+    declined = [
+        torch.randn(8, 4).t(),  # a permuted layout: its own kind, looked up in Python
+        torch.randn(4, 9),  # another shape
+        torch.randn(4, 8, dtype=torch.float64),  # another dtype
+    ]
+    assert [native.stats_taken(computer, tensor) for tensor in declined] == [None, None, None]
+    computer.in_transform = lambda tensor: True  # inside vmap / grad: its values are not its memory
+    assert native.stats_taken(computer, torch.randn(4, 8)) is None
+    computer.in_transform = torchtrace._capture.stats._in_transform
+    assert launches() == before + 4
+    computer.finish_forward()  # the forward's rows handed on: the next forward's first tensor makes new ones
+    assert native.stats_taken(computer, torch.randn(4, 8))["_pending"][1] == 0
+
+
+def test_a_traced_forward_summarises_kinds_seen_before_without_the_python_statistics_path(simulated_cuda, monkeypatch):
+    """After a model's first forward every output of its CUDA forwards is summarised by the compiled path, with
+    grad, under no_grad, under inference_mode and in training steps alike, and every span has its statistics."""
+    in_python = []
+
+    def counted(original):
+        return lambda self, tensor, *args: in_python.append(tuple(tensor.shape)) or original(self, tensor, *args)
+
+    for path in ("_compute_in_full", "_reduce_on_device"):  # a new kind's; one taken before, in Python
+        monkeypatch.setattr(StatComputer, path, counted(getattr(StatComputer, path)))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with torchtrace.instrument(model, exporter="none", backward=True) as handle:
+        model(x)
+        assert in_python == [(3, 8), (3, 2)]  # a kind's first tensor; the ReLU's output is of the first kind
+        model(x)
+        with torch.no_grad():
+            model(x)
+        with torch.inference_mode():
+            model(x)
+        # each leaf's tensor every forward; under inference_mode the root's output (its last child's) once more: an
+        # inference tensor has no version counter to say it is unchanged
+        assert simulated_cuda.count("launches") == 4 * 3 + 1
+        for _ in range(2):  # training steps: the rows are the step's
+            model(x).sum().backward()
+            handle.step()
+        handle.flush()
+        records = [record for record in handle.records if record.kind == "forward"]
+    assert in_python == [(3, 8), (3, 2)]
+    assert len(records) == 6 * 4
+    assert all(f"{OUTPUT_PREFIX}.mean" in record.attributes for record in records)

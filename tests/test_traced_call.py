@@ -276,7 +276,7 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     rows.reserve()
     owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
               "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0],
-              "timer": timer, "event": timer._free[0]}  # fmt: skip
+              "timer": timer, "event": timer._free[0], "computer": seen["state"].stats}  # fmt: skip
     assert {where for where, _ in native.ATTRIBUTES_READ} == set(owners)
     for where, name in native.ATTRIBUTES_READ:
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"

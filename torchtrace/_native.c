@@ -1103,24 +1103,30 @@ enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
 static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
 
-/* The attributes traced_call, launch_taken and mark_event read, each as (where, name): "local" the recorder's
-   thread-local, "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the module's
-   class (its forward), "rows" a forward's StatRows, "block" one of its blocks of rows, "timer" a DriverEventTimer,
-   "event" a DriverEvent. Exported as ATTRIBUTES_READ for the test that each exists where it is read (a rename on
+/* The attributes traced_call, launch_taken, stats_taken and mark_event read, each as (where, name): "local" the
+   recorder's thread-local, "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the
+   module's class (its forward), "rows" a forward's StatRows, "block" one of its blocks of rows, "timer" a
+   DriverEventTimer, "event" a DriverEvent, "computer" a StatComputer. Exported as ATTRIBUTES_READ for the test that each exists where it is read (a rename on
    the Python side would otherwise send calls down the Python body, or raise, without a word). */
 #define ATTRIBUTES_READ(X)                                                                                            \
     X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
     X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
     X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
     X(values_address, block) X(counts_address, block) X(start_events, forward) X(end_events, forward)               \
-    X(marking, timer) X(handle, event) X(device, timer)
+    X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_last, computer)                 \
+    X(_last_version, computer) X(_last_stats, computer) X(_previous, computer) X(_previous_version, computer)       \
+    X(_previous_stats, computer) X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
+    X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
     X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
-    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device)
+    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device) \
+    X(_on_device) X(_last) X(_last_version) X(_last_stats) X(_previous) X(_previous_version) X(_previous_stats)     \
+    X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
+    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
-static PyObject *zero;
+static PyObject *zero, *one;
 /* each read names its interned string: a read without one does not compile */
 #define ATTRIBUTE_READ_OF(name, where) {#where, #name, &str_##name},
 static const struct {
@@ -1222,6 +1228,7 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
 }
 
 static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position);
+static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor);
 static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, PyObject *position,
                          PyObject *const *args, Py_ssize_t nargs);
 
@@ -1324,8 +1331,13 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         int is_tensor = Py_TYPE(output) == (PyTypeObject *)tensor ? 1 : PyObject_IsInstance(output, tensor);
         if (is_tensor < 0) goto failed;
         if (is_tensor) {
-            PyObject *computer = PyObject_GetAttr(state, str_stats);
-            PyObject *stats = computer != NULL ? PyObject_CallOneArg(computer, output) : NULL;
+            PyObject *computer = PyObject_GetAttr(state, str_stats), *stats = NULL;
+            if (computer != NULL && Py_TYPE(output) == (PyTypeObject *)tensor) { /* a kind taken before: in C */
+                stats = stats_of_taken(computer, output);
+                if (stats == Py_None) Py_CLEAR(stats);
+                else if (stats == NULL) Py_CLEAR(computer); /* raised past Exception (KeyboardInterrupt) */
+            }
+            if (stats == NULL && computer != NULL) stats = PyObject_CallOneArg(computer, output);
             Py_XDECREF(computer);
             PyObject *column = stats != NULL ? PyObject_GetAttr(forward, str_output_stats) : NULL;
             int stored = column != NULL ? PyObject_SetItem(column, position, stats) : -1;
@@ -1488,16 +1500,16 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, 
 /* launch_taken(plan, rows, tensor, head, wanted) -> stats or None: the statistics of a device tensor of a kind the
    kernel took before (``device.launch_plan``), in C: the next row of ``rows`` (a StatRows) reserved under its lock,
    the kernel launched into it from C (cuLaunchKernel, the GIL held), and the tensor's stats returned: a copy of
-   ``head`` with the row pending. None, with nothing launched, where this path does not apply (no kernel compiled for
-   its alignment, another device current, the rows' lock held or their next block not made yet, a launch the
-   driver refused): the Python path then reduces the tensor and says why where something failed. ``plan``: (n,
+   ``head`` with the row pending (the rows' next block made first where needed: StatRows.grow). None, with nothing
+   launched, where this path does not apply (no kernel compiled for its alignment, another device current, the
+   rows' lock held by another thread or every row used, a launch the driver refused): the Python path then reduces the tensor and says why where something failed. ``plan``: (n,
    stride, programs, device index, key aligned, key unaligned, the compiled kernels by key, current device,
    current raw stream, (rows a block, rows at most, bytes a float row, bytes a count row)). */
 enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIGNED, PLAN_DIRECT, PLAN_DEVICE,
        PLAN_STREAM, PLAN_GEOMETRY, PLAN_SIZE };
 
 /* The next row of a StatRows: 1 with its index and addresses, 0 where Python must reserve it (its lock held by
-   another thread, no rows left, or the row's block not made yet), -1 with an exception set. */
+   another thread, or no rows left), 2 where the row's block is not made yet, -1 with an exception set. */
 static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, void **values, void **counts) {
     long long block_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 0));
     long long max_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 1));
@@ -1521,7 +1533,9 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
         goto release;
     }
     outcome = 0;
-    if (at >= max_rows || block_rows <= 0 || at / block_rows >= PyList_GET_SIZE(blocks)) goto release;
+    if (at >= max_rows || block_rows <= 0) goto release;
+    outcome = 2;
+    if (at / block_rows >= PyList_GET_SIZE(blocks)) goto release;
     PyObject *block = PyList_GET_ITEM(blocks, at / block_rows);
     long long row = at % block_rows;
     outcome = -1;
@@ -1547,10 +1561,9 @@ release:;
     return outcome;
 }
 
-static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (!takes(nargs, 5, "launch_taken(plan, rows, tensor, head, wanted)")) return NULL;
-    PyObject *plan = args[0], *rows = args[1], *tensor = args[2], *head = args[3], *wanted = args[4];
+/* launch_taken's work: stats (a new reference), None (a new reference) where this path does not apply, NULL with an
+   exception set */
+static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, PyObject *head, PyObject *wanted) {
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != PLAN_SIZE || !PyDict_CheckExact(head) ||
         !PyDict_Check(PyTuple_GET_ITEM(plan, PLAN_DIRECT)) || !PyTuple_Check(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) ||
         PyTuple_GET_SIZE(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) != 4) {
@@ -1569,14 +1582,20 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
         Py_RETURN_NONE;
     }
     Py_INCREF(native); /* held across calls that may run Python */
-    PyObject *index = PyTuple_GET_ITEM(plan, PLAN_INDEX), *stats = NULL, *stream = NULL;
+    PyObject *index = PyTuple_GET_ITEM(plan, PLAN_INDEX), *stats = NULL, *stream = NULL, *pending = NULL;
     PyObject *current = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, PLAN_DEVICE));
     int here = current != NULL ? PyObject_RichCompareBool(current, index, Py_EQ) : -1;
     Py_XDECREF(current);
     long long row = 0;
     void *values = NULL, *counts = NULL;
-    int reserved = here > 0 ? reserve_row(rows, PyTuple_GET_ITEM(plan, PLAN_GEOMETRY), &row, &values, &counts) : here;
-    if (reserved <= 0) goto done;
+    PyObject *geometry = PyTuple_GET_ITEM(plan, PLAN_GEOMETRY);
+    int reserved = here > 0 ? reserve_row(rows, geometry, &row, &values, &counts) : here;
+    if (reserved == 2) { /* the next block made (from the pool: once a forward and every BLOCK_ROWS rows) */
+        PyObject *grown = PyObject_CallMethodNoArgs(rows, str_grow);
+        reserved = grown != NULL ? reserve_row(rows, geometry, &row, &values, &counts) : -1;
+        Py_XDECREF(grown);
+    }
+    if (reserved != 1) goto done;
     if ((stream = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, PLAN_STREAM), index)) == NULL) goto done;
     void *raw_stream = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
     PyObject *n = PyTuple_GET_ITEM(plan, PLAN_N);
@@ -1585,15 +1604,154 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
     if (PyErr_Occurred()) goto done;
     int result = launch_row(native, programs, raw_stream, address, values, counts, (int32_t)n_value, (int32_t)stride);
     if (result != 0) goto done; /* -1: an exception set; a driver error: the Python path tries and says why */
-    PyObject *pending = Py_BuildValue("(OLOOOi)", rows, row, n, wanted, Py_True, 1);
-    if (pending != NULL && (stats = PyDict_Copy(head)) != NULL && PyDict_SetItem(stats, str__pending, pending) < 0)
-        Py_CLEAR(stats);
-    Py_XDECREF(pending);
+    /* the row pending, as device.device_stats records it: (rows, row, n, wanted, fused, passes) */
+    PyObject *row_index = PyLong_FromLongLong(row);
+    if (row_index == NULL || (pending = PyTuple_New(6)) == NULL) {
+        Py_XDECREF(row_index);
+        goto done;
+    }
+    PyTuple_SET_ITEM(pending, 0, Py_NewRef(rows));
+    PyTuple_SET_ITEM(pending, 1, row_index);
+    PyTuple_SET_ITEM(pending, 2, Py_NewRef(n));
+    PyTuple_SET_ITEM(pending, 3, Py_NewRef(wanted));
+    PyTuple_SET_ITEM(pending, 4, Py_NewRef(Py_True));
+    PyTuple_SET_ITEM(pending, 5, Py_NewRef(one));
+    if ((stats = PyDict_Copy(head)) != NULL && PyDict_SetItem(stats, str__pending, pending) < 0) Py_CLEAR(stats);
 done:
+    Py_XDECREF(pending);
     Py_XDECREF(stream);
     Py_DECREF(native);
     if (stats == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
     return stats;
+}
+
+static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 5, "launch_taken(plan, rows, tensor, head, wanted)")) return NULL;
+    return launch_for(args[0], args[1], args[2], args[3], args[4]);
+}
+
+/* A computer's attribute, a new reference (NULL with an exception set) */
+#define GET(owner, name) PyObject_GetAttr(owner, str_##name)
+
+/* StatComputer.__call__'s path for a tensor of a kind the kernel took before, in C: what the Python does for it
+   (the last two tensors recognised while unchanged, the kind looked up by (dtype, shape, device index), the rows of
+   the forward or the step, the launch from C, the recent tensors shifted), without its frames. ``tensor``: an
+   exact torch.Tensor. A new reference: its stats, or None where the Python path decides (no such kind, a permuted
+   layout, inside a functorch transform, anything launch_taken declines, and any Exception, which the Python path
+   meets again and reports). */
+static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
+    PyObject *kinds = GET(computer, _on_device), *found = NULL, *version = NULL, *key = NULL, *entry = NULL,
+             *rows = NULL, *wanted = NULL, *stats = NULL;
+    int inference = -1;
+    if (kinds == NULL || !PyDict_CheckExact(kinds) || PyDict_GET_SIZE(kinds) == 0) goto done;
+    PyObject *flag = PyObject_CallMethodNoArgs(tensor, str_is_inference);
+    inference = flag != NULL ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (inference < 0) goto done;
+    if (!inference) { /* an inference tensor has no version counter: the same object is never trusted twice */
+        if ((version = GET(tensor, _version)) == NULL) goto done;
+        PyObject *last = GET(computer, _last), *previous = NULL;
+        Py_XDECREF(last); /* identities only */
+        if (last == NULL) goto done;
+        PyObject *seen_version = NULL, *seen_stats = NULL;
+        if (tensor == last) {
+            seen_version = GET(computer, _last_version);
+            seen_stats = str__last_stats;
+        } else if ((previous = GET(computer, _previous)) != NULL) {
+            Py_DECREF(previous);
+            if (tensor == previous) {
+                seen_version = GET(computer, _previous_version);
+                seen_stats = str__previous_stats;
+            }
+        }
+        if (seen_stats != NULL) {
+            int same = seen_version != NULL ? PyObject_RichCompareBool(version, seen_version, Py_EQ) : -1;
+            Py_XDECREF(seen_version);
+            if (same < 0) goto done;
+            if (same) {
+                found = PyObject_GetAttr(computer, seen_stats);
+                goto done;
+            }
+        }
+        if (PyErr_Occurred()) goto done;
+    }
+    PyObject *dtype = GET(tensor, dtype), *shape = GET(tensor, shape);
+    PyObject *index = PyObject_CallMethodNoArgs(tensor, str_get_device);
+    PyObject *contiguous = PyObject_CallMethodNoArgs(tensor, str_is_contiguous);
+    if (dtype != NULL && shape != NULL && index != NULL && contiguous == Py_True) key = PyTuple_Pack(3, dtype, shape, index);
+    Py_XDECREF(dtype);
+    Py_XDECREF(shape);
+    Py_XDECREF(index);
+    Py_XDECREF(contiguous);
+    if (key == NULL || (entry = PyDict_GetItemWithError(kinds, key)) == NULL) goto done; /* a permuted one: Python */
+    Py_INCREF(entry); /* (head, stride, device, plan) */
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || PyTuple_GET_ITEM(entry, 3) == Py_None) goto done;
+    PyObject *transformed = PyObject_CallMethodOneArg(computer, str_in_transform, tensor);
+    int plain = transformed != NULL ? transformed == Py_False : -1;
+    Py_XDECREF(transformed);
+    if (plain <= 0) goto done;
+    PyObject *device = PyTuple_GET_ITEM(entry, 2), *rows_for = GET(computer, _rows_for), *in_step = NULL;
+    int stepping = rows_for == NULL ? -1 : rows_for == Py_None ? 0 : (in_step = GET(computer, in_step)) != NULL ?
+        PyObject_IsTrue(in_step) : -1; /* fmt: as Python's `rows_for is not None and in_step` */
+    Py_XDECREF(in_step);
+    if (stepping > 0) {
+        rows = PyObject_CallOneArg(rows_for, device);
+    } else if (stepping == 0) {
+        PyObject *forward_rows = GET(computer, _rows);
+        rows = forward_rows != NULL && PyDict_CheckExact(forward_rows) ? PyDict_GetItemWithError(forward_rows, device)
+                                                                         : NULL;
+        Py_XINCREF(rows);
+        Py_XDECREF(forward_rows);
+        if (rows == NULL && !PyErr_Occurred()) /* the forward's first tensor on this device: its rows made */
+            rows = PyObject_CallMethodOneArg(computer, str__device_rows, device);
+    }
+    Py_XDECREF(rows_for);
+    if (rows == NULL || (wanted = GET(computer, wanted)) == NULL) goto done;
+    stats = launch_for(PyTuple_GET_ITEM(entry, 3), rows, tensor, PyTuple_GET_ITEM(entry, 0), wanted);
+    if (stats == NULL || stats == Py_None) goto done;
+    /* launched: the forward's rows are read on the host, and the tensor is the latest one summarised */
+    if (PyObject_SetAttr(computer, str__all_finite, Py_False) < 0) goto done;
+    if (!inference) {
+        PyObject *last = GET(computer, _last), *last_version = GET(computer, _last_version),
+                 *last_stats = GET(computer, _last_stats);
+        int shifted = last != NULL && last_version != NULL && last_stats != NULL &&
+                      PyObject_SetAttr(computer, str__previous, last) == 0 &&
+                      PyObject_SetAttr(computer, str__previous_version, last_version) == 0 &&
+                      PyObject_SetAttr(computer, str__previous_stats, last_stats) == 0 &&
+                      PyObject_SetAttr(computer, str__last, tensor) == 0 &&
+                      PyObject_SetAttr(computer, str__last_version, version) == 0 &&
+                      PyObject_SetAttr(computer, str__last_stats, stats) == 0;
+        Py_XDECREF(last);
+        Py_XDECREF(last_version);
+        Py_XDECREF(last_stats);
+        if (!shifted) goto done;
+    }
+    found = Py_NewRef(stats);
+done:
+    Py_XDECREF(stats);
+    Py_XDECREF(wanted);
+    Py_XDECREF(rows);
+    Py_XDECREF(entry);
+    Py_XDECREF(key);
+    Py_XDECREF(version);
+    Py_XDECREF(kinds);
+    if (found == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL; /* KeyboardInterrupt: raised on */
+            PyErr_Clear();
+        }
+        Py_RETURN_NONE;
+    }
+    return found;
+}
+#undef GET
+
+/* stats_taken(computer, tensor) -> stats or None: see stats_of_taken (StatComputer.__call__ calls it) */
+static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 2, "stats_taken(computer, tensor)")) return NULL;
+    return stats_of_taken(args[0], args[1]);
 }
 
 static PyMethodDef methods[] = {
@@ -1633,6 +1791,8 @@ static PyMethodDef methods[] = {
      "mark_event(marking) -> event or None: a driver timing event from the pool, recorded now"},
     {"launch_taken", (PyCFunction)(void (*)(void))launch_taken, METH_FASTCALL,
      "launch_taken(plan, rows, tensor, head, wanted) -> stats or None: a device tensor's statistics launched from C"},
+    {"stats_taken", (PyCFunction)(void (*)(void))stats_taken, METH_FASTCALL,
+     "stats_taken(computer, tensor) -> stats or None: StatComputer's path for a device tensor of a kind taken before"},
     {"traced_call", (PyCFunction)(void (*)(void))traced_call, METH_FASTCALL | METH_KEYWORDS,
      "traced_call(context, module_ref, function, *args, **kwargs): a traced module's forward, recorded"},
     {NULL, NULL, 0, NULL},
@@ -1644,7 +1804,7 @@ PyMODINIT_FUNC PyInit__native(void) {
 #define INTERN(name)                                                                                                  \
     if ((str_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL;
     INTERNED(INTERN)
-    if ((zero = PyLong_FromLong(0)) == NULL) return NULL;
+    if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
     PyObject *created = PyModule_Create(&module);
     if (created == NULL) return NULL;
     PyObject *slots = PyTuple_New(CONTEXT_SIZE);

@@ -223,12 +223,23 @@ class StatRows:
             if index >= MAX_ROWS:
                 return None
             self._used += 1
-            block_index, row = divmod(index, BLOCK_ROWS)
-            if block_index == len(self._blocks):
-                block = self._pool.block(self.device)
-                block.reset()
-                self._blocks.append(block)
+            self._block_for(index)
+        block_index, row = divmod(index, BLOCK_ROWS)
         return index, self._blocks[block_index], row
+
+    def grow(self) -> None:
+        """The block of the next row, where it is not made yet (``_native.launch_taken`` reserves rows in made
+        blocks only)."""
+        with self._lock:
+            if self._used < MAX_ROWS:
+                self._block_for(self._used)
+
+    def _block_for(self, index: int) -> None:
+        """Makes the block that row ``index`` is in, if it is the next one (the lock held)."""
+        if index // BLOCK_ROWS == len(self._blocks):
+            block = self._pool.block(self.device)
+            block.reset()
+            self._blocks.append(block)
 
     def seal(self) -> Any:
         """Starts the copy of the used rows to the host; returns the event marking its completion (or None)."""
