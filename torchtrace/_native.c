@@ -1113,15 +1113,14 @@ static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
     X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
     X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
     X(values_address, block) X(counts_address, block) X(start_events, forward) X(end_events, forward)               \
-    X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_last, computer)                 \
-    X(_last_version, computer) X(_last_stats, computer) X(_previous, computer) X(_previous_version, computer)       \
-    X(_previous_stats, computer) X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
+    X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_recent, computer)               \
+    X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
     X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
     X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
     X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device) \
-    X(_on_device) X(_last) X(_last_version) X(_last_stats) X(_previous) X(_previous_version) X(_previous_stats)     \
+    X(_on_device) X(_recent) \
     X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
     X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow)
 #define DECLARE_STRING(name) static PyObject *str_##name;
@@ -1633,6 +1632,8 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
 
 /* A computer's attribute, a new reference (NULL with an exception set) */
 #define GET(owner, name) PyObject_GetAttr(owner, str_##name)
+/* StatComputer._recent: the last tensor summarised, its version, its stats, then the same of the one before */
+enum { RECENT_LAST = 0, RECENT_PREVIOUS = 3, RECENT_SIZE = 6 };
 
 /* StatComputer.__call__'s path for a tensor of a kind the kernel took before, in C: what the Python does for it
    (the last two tensors recognised while unchanged, the kind looked up by (dtype, shape, device index), the rows of
@@ -1641,8 +1642,8 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
    layout, inside a functorch transform, anything launch_taken declines, and any Exception, which the Python path
    meets again and reports). */
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
-    PyObject *kinds = GET(computer, _on_device), *found = NULL, *version = NULL, *key = NULL, *entry = NULL,
-             *rows = NULL, *wanted = NULL, *stats = NULL;
+    PyObject *kinds = GET(computer, _on_device), *found = NULL, *version = NULL, *recent = NULL, *key = NULL,
+             *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL;
     int inference = -1;
     if (kinds == NULL || !PyDict_CheckExact(kinds) || PyDict_GET_SIZE(kinds) == 0) goto done;
     PyObject *flag = PyObject_CallMethodNoArgs(tensor, str_is_inference);
@@ -1650,31 +1651,19 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     Py_XDECREF(flag);
     if (inference < 0) goto done;
     if (!inference) { /* an inference tensor has no version counter: the same object is never trusted twice */
-        if ((version = GET(tensor, _version)) == NULL) goto done;
-        PyObject *last = GET(computer, _last), *previous = NULL;
-        Py_XDECREF(last); /* identities only */
-        if (last == NULL) goto done;
-        PyObject *seen_version = NULL, *seen_stats = NULL;
-        if (tensor == last) {
-            seen_version = GET(computer, _last_version);
-            seen_stats = str__last_stats;
-        } else if ((previous = GET(computer, _previous)) != NULL) {
-            Py_DECREF(previous);
-            if (tensor == previous) {
-                seen_version = GET(computer, _previous_version);
-                seen_stats = str__previous_stats;
-            }
-        }
-        if (seen_stats != NULL) {
-            int same = seen_version != NULL ? PyObject_RichCompareBool(version, seen_version, Py_EQ) : -1;
-            Py_XDECREF(seen_version);
+        if ((version = GET(tensor, _version)) == NULL || (recent = GET(computer, _recent)) == NULL) goto done;
+        if (!PyList_CheckExact(recent) || PyList_GET_SIZE(recent) != RECENT_SIZE) goto done;
+        Py_ssize_t seen = tensor == PyList_GET_ITEM(recent, RECENT_LAST)       ? RECENT_LAST
+                          : tensor == PyList_GET_ITEM(recent, RECENT_PREVIOUS) ? RECENT_PREVIOUS
+                                                                                : -1;
+        if (seen >= 0) { /* unchanged since (the same version): its stats again, nothing launched */
+            int same = PyObject_RichCompareBool(version, PyList_GET_ITEM(recent, seen + 1), Py_EQ);
             if (same < 0) goto done;
             if (same) {
-                found = PyObject_GetAttr(computer, seen_stats);
+                found = Py_NewRef(PyList_GET_ITEM(recent, seen + 2));
                 goto done;
             }
         }
-        if (PyErr_Occurred()) goto done;
     }
     PyObject *dtype = GET(tensor, dtype), *shape = GET(tensor, shape);
     PyObject *index = PyObject_CallMethodNoArgs(tensor, str_get_device);
@@ -1693,7 +1682,7 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     if (plain <= 0) goto done;
     PyObject *device = PyTuple_GET_ITEM(entry, 2), *rows_for = GET(computer, _rows_for), *in_step = NULL;
     int stepping = rows_for == NULL ? -1 : rows_for == Py_None ? 0 : (in_step = GET(computer, in_step)) != NULL ?
-        PyObject_IsTrue(in_step) : -1; /* fmt: as Python's `rows_for is not None and in_step` */
+        PyObject_IsTrue(in_step) : -1; /* as `rows_for is not None and in_step` */
     Py_XDECREF(in_step);
     if (stepping > 0) {
         rows = PyObject_CallOneArg(rows_for, device);
@@ -1712,20 +1701,16 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     if (stats == NULL || stats == Py_None) goto done;
     /* launched: the forward's rows are read on the host, and the tensor is the latest one summarised */
     if (PyObject_SetAttr(computer, str__all_finite, Py_False) < 0) goto done;
-    if (!inference) {
-        PyObject *last = GET(computer, _last), *last_version = GET(computer, _last_version),
-                 *last_stats = GET(computer, _last_stats);
-        int shifted = last != NULL && last_version != NULL && last_stats != NULL &&
-                      PyObject_SetAttr(computer, str__previous, last) == 0 &&
-                      PyObject_SetAttr(computer, str__previous_version, last_version) == 0 &&
-                      PyObject_SetAttr(computer, str__previous_stats, last_stats) == 0 &&
-                      PyObject_SetAttr(computer, str__last, tensor) == 0 &&
-                      PyObject_SetAttr(computer, str__last_version, version) == 0 &&
-                      PyObject_SetAttr(computer, str__last_stats, stats) == 0;
-        Py_XDECREF(last);
-        Py_XDECREF(last_version);
-        Py_XDECREF(last_stats);
-        if (!shifted) goto done;
+    if (!inference && PyList_GET_SIZE(recent) == RECENT_SIZE) { /* (tensor, version, stats), then the last three */
+        PyObject *dropped[3];
+        for (Py_ssize_t i = 0; i < 3; i++) {
+            dropped[i] = PyList_GET_ITEM(recent, RECENT_PREVIOUS + i);
+            PyList_SET_ITEM(recent, RECENT_PREVIOUS + i, PyList_GET_ITEM(recent, RECENT_LAST + i));
+        }
+        PyList_SET_ITEM(recent, RECENT_LAST, Py_NewRef(tensor));
+        PyList_SET_ITEM(recent, RECENT_LAST + 1, Py_NewRef(version));
+        PyList_SET_ITEM(recent, RECENT_LAST + 2, Py_NewRef(stats));
+        for (Py_ssize_t i = 0; i < 3; i++) Py_DECREF(dropped[i]); /* last: a decref may run Python (a tensor freed) */
     }
     found = Py_NewRef(stats);
 done:
@@ -1734,6 +1719,7 @@ done:
     Py_XDECREF(rows);
     Py_XDECREF(entry);
     Py_XDECREF(key);
+    Py_XDECREF(recent);
     Py_XDECREF(version);
     Py_XDECREF(kinds);
     if (found == NULL) {

@@ -73,8 +73,8 @@ class StatComputer:
     """
 
     __slots__ = (
-        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_last", "_last_version", "_last_stats",
-        "_previous", "_previous_version", "_previous_stats", "_staging", "_copies", "_filled", "_dtype_names", "_rows",
+        "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_recent", "_staging", "_copies", "_filled",
+        "_dtype_names", "_rows",
         "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "in_step", "in_transform",
     )  # fmt: skip
 
@@ -93,14 +93,10 @@ class StatComputer:
         self._device = "device" in self.wanted
         # The last two tensors summarised, their versions and stats: a container module usually returns its last
         # child's output unchanged (or the one before: a pooled head after the encoder), so the same tensor would
-        # otherwise be summarised at every level of nesting. Plain slots, not a dict of tuples: nothing is made per
-        # call for the garbage collector to track (the stats dicts hold only untracked values).
-        self._last: Any = None
-        self._last_version = 0
-        self._last_stats: dict = {}
-        self._previous: Any = None
-        self._previous_version = 0
-        self._previous_stats: dict = {}
+        # otherwise be summarised at every level of nesting. One list of six (last tensor, its version, its stats,
+        # then the one before's), not a dict of tuples: nothing is made per call for the garbage collector to track
+        # (the stats dicts hold only untracked values); _native.stats_taken reads and shifts it by index.
+        self._recent: list = [None, 0, {}, None, 0, {}]
         self._staging: dict[tuple[torch.dtype, int], _Staging] = {}  # small float tensors' values, until finish
         self._copies: list[np.ndarray] = []  # other small tensors' copies and the stats they fill, until finish
         self._filled: list[dict] = []
@@ -194,27 +190,30 @@ class StatComputer:
         return rows
 
     def __call__(self, tensor: torch.Tensor) -> dict[str, Any]:
-        # a device tensor of a kind the kernel took before: this method's path for it, in C (_native.stats_taken)
-        if self._on_device and type(tensor) is torch.Tensor and (stats := _stats_taken(self, tensor)) is not None:
-            return stats
         # The common case (a plain CPU tensor of a kind seen before: a lookup and a copy) without a frame of its
         # own (each Python call saved is ~0.15 us of a ~1.5 us call in a forward)
         inference = tensor.is_inference()
         if not inference:  # an inference tensor has no version counter: the same object is never trusted twice
             version = tensor._version
-            if tensor is self._last:
-                if version == self._last_version:
-                    return self._last_stats
-            elif tensor is self._previous and version == self._previous_version:
-                return self._previous_stats
+            recent = self._recent
+            if tensor is recent[0]:
+                if version == recent[1]:
+                    return recent[2]
+            elif tensor is recent[3] and version == recent[4]:
+                return recent[5]
         staged = on_device = None
         if type(tensor) is torch.Tensor:
             if tensor.is_cpu:  # inline, not reduced_on_device(): a call costs ~1% of a traced CPU call
                 staged = self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
                 if staged is None and self._on_device:  # CPU tensors reduced as on a device (tests/test_device.py)
+                    if (stats := _stats_taken(self, tensor)) is not None:  # as below
+                        return stats
                     kind = (tensor.dtype, tensor.shape, -1)
                     on_device = self._on_device.get(kind if tensor.is_contiguous() else (*kind, tensor.stride()))
             else:
+                # a kind the kernel took before: the rest of this method's path for it, in C (_native.stats_taken)
+                if self._on_device and (stats := _stats_taken(self, tensor)) is not None:
+                    return stats
                 kind = (tensor.dtype, tensor.shape, tensor.get_device())
                 on_device = self._on_device.get(kind if tensor.is_contiguous() else (*kind, tensor.stride()))
         if on_device is not None and not _in_transform(tensor):  # laid out as the kernel took it before
@@ -238,12 +237,12 @@ class StatComputer:
         else:
             stats = self._compute_in_full(tensor)
         if not inference:
-            self._previous, self._previous_version, self._previous_stats = (
-                self._last,
-                self._last_version,
-                self._last_stats,
-            )
-            self._last, self._last_version, self._last_stats = tensor, version, stats
+            recent[3] = recent[0]  # the last becomes the one before
+            recent[4] = recent[1]
+            recent[5] = recent[2]
+            recent[0] = tensor
+            recent[1] = version
+            recent[2] = stats
         return stats
 
     def _remember_device_kind(self, tensor: torch.Tensor, head: dict, stride: int) -> None:
@@ -277,8 +276,7 @@ class StatComputer:
 
     def _forget_recent(self) -> None:
         """The forward is over: its tensors are not held any longer."""
-        self._last = self._previous = None
-        self._last_stats = self._previous_stats = {}
+        self._recent[:] = None, 0, {}, None, 0, {}
 
     def _compute_in_full(self, tensor: torch.Tensor) -> dict[str, Any]:
         plain_input = type(tensor) is torch.Tensor and not _in_transform(tensor)
