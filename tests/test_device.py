@@ -1128,6 +1128,37 @@ def test_the_c_launch_hands_a_tensor_back_to_python_wherever_it_does_not_apply(s
         native.launch_taken(plan[:-1], rows, tensor, head, wanted)
 
 
+def test_rows_reserved_from_c_and_from_python_on_several_threads_are_each_taken_once(simulated_cuda):
+    """Threads reserving rows of one StatRows at once, some through the C launch (which asks whether the rows' lock
+    is free instead of taking it) and some through ``StatRows.reserve``: every row up to the last one is taken
+    exactly once, and the blocks are made on the way by either."""
+    native = importlib.import_module("torchtrace._native")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # a thread switch at almost every bytecode boundary
+    try:
+        tensor = torch.randn(4, 8)
+        wanted = frozenset(torchtrace._core.options.STAT_NAMES)
+        plan = device_module.launch_plan(tensor, tensor.numel(), 1, True)
+        rows = device_module.StatRows(torch.device("cpu"), device_module.RowPool())
+        taken: list[list[int]] = [[] for _ in range(4)]
+
+        def reserve(thread: int) -> None:
+            for turn in range(300):
+                stats = native.launch_taken(plan, rows, tensor, {}, wanted) if (thread + turn) % 2 else None
+                taken[thread].append(stats["_pending"][1] if stats is not None else rows.reserve()[0])
+
+        threads = [threading.Thread(target=reserve, args=(thread,)) for thread in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    every = sorted(index for indices in taken for index in indices)
+    assert every == list(range(4 * 300)) and rows._used == 4 * 300
+    assert len(rows._blocks) == -(-4 * 300 // device_module.BLOCK_ROWS)
+
+
 def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):
     """``_native.mark_event`` (a DriverEventTimer's mark): an event from the pool, recorded through the driver's
     cuEventRecord on the current stream. Where that does not apply it records nothing, puts the event back and

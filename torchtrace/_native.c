@@ -1118,11 +1118,11 @@ static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
     X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
-    X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address) X(acquire) X(release)    \
+    X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address)                        \
     X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device) \
     X(_on_device) X(_recent) \
     X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
-    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow)
+    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow) X(locked)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1508,7 +1508,11 @@ enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIG
        PLAN_STREAM, PLAN_GEOMETRY, PLAN_SIZE };
 
 /* The next row of a StatRows: 1 with its index and addresses, 0 where Python must reserve it (its lock held by
-   another thread, or no rows left), 2 where the row's block is not made yet, -1 with an exception set. */
+   another thread, or no rows left), 2 where the row's block is not made yet, -1 with an exception set.
+   StatRows.reserve() takes the row under the rows' lock; here the lock is only asked whether it is free (a call of
+   acquire and release costs several times as much). That is enough while the GIL is held and no Python code runs
+   from the question to the write of _used (attribute reads and writes of plain values, ints made and dropped):
+   no thread is inside reserve()'s locked section then, and none can enter it meanwhile. */
 static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, void **values, void **counts) {
     long long block_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 0));
     long long max_rows = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 1));
@@ -1516,47 +1520,42 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     long long count_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 3));
     if (PyErr_Occurred()) return -1;
     PyObject *lock = PyObject_GetAttr(rows, str__lock);
-    if (lock == NULL) return -1;
-    PyObject *got = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
-    if (got == NULL || got != Py_True) {
-        Py_XDECREF(got);
-        Py_DECREF(lock);
-        return got == NULL ? -1 : 0;
+    PyObject *held = lock != NULL ? PyObject_CallMethodNoArgs(lock, str_locked) : NULL;
+    Py_XDECREF(lock);
+    if (held != Py_False) {
+        Py_XDECREF(held);
+        return PyErr_Occurred() ? -1 : 0;
     }
-    Py_DECREF(got);
+    Py_DECREF(held);
     int outcome = -1;
     PyObject *used = PyObject_GetAttr(rows, str__used), *blocks = NULL, *next = NULL, *base = NULL;
     long long at = used != NULL ? PyLong_AsLongLong(used) : -1;
     if (at < 0 || PyErr_Occurred() || (blocks = list_attribute(rows, str__blocks)) == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "launch_taken: StatRows._used, _blocks unreadable");
-        goto release;
+        goto done;
     }
     outcome = 0;
-    if (at >= max_rows || block_rows <= 0) goto release;
+    if (at >= max_rows || block_rows <= 0) goto done;
     outcome = 2;
-    if (at / block_rows >= PyList_GET_SIZE(blocks)) goto release;
+    if (at / block_rows >= PyList_GET_SIZE(blocks)) goto done;
     PyObject *block = PyList_GET_ITEM(blocks, at / block_rows);
     long long row = at % block_rows;
     outcome = -1;
-    if ((base = PyObject_GetAttr(block, str_values_address)) == NULL) goto release;
+    if ((base = PyObject_GetAttr(block, str_values_address)) == NULL) goto done;
     *values = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * value_bytes);
     Py_CLEAR(base);
-    if ((base = PyObject_GetAttr(block, str_counts_address)) == NULL) goto release;
+    if ((base = PyObject_GetAttr(block, str_counts_address)) == NULL) goto done;
     *counts = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * count_bytes);
     if (PyErr_Occurred() || (next = PyLong_FromLongLong(at + 1)) == NULL ||
         PyObject_SetAttr(rows, str__used, next) < 0)
-        goto release;
+        goto done;
     *index = at;
     outcome = 1;
-release:;
-    PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
-    if (released == NULL) outcome = -1;
-    Py_XDECREF(released);
+done:
     Py_XDECREF(base);
     Py_XDECREF(next);
     Py_XDECREF(blocks);
     Py_XDECREF(used);
-    Py_DECREF(lock);
     return outcome;
 }
 
