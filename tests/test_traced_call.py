@@ -258,6 +258,16 @@ def test_the_compiled_body_reads_the_context_the_recorder_builds():
     assert _traced_forward.TracedCallContext._fields == _native_module().TRACED_CALL_CONTEXT
 
 
+def test_the_compiled_body_reads_a_forwards_columns_in_the_order_python_keeps_them():
+    """C appends to and stores into a forward's columns read by index from ``RawForward.columns``: the same
+    objects as the named attributes the worker reads, in the order of FORWARD_COLUMNS."""
+    assert _traced_forward.FORWARD_COLUMNS == _native_module().FORWARD_COLUMNS
+    forward = torchtrace._capture.recorder.RawForward(None, 0, 0)
+    assert len(forward.columns) == len(_traced_forward.FORWARD_COLUMNS)
+    for name, column in zip(_traced_forward.FORWARD_COLUMNS, forward.columns):
+        assert column is getattr(forward, name)
+
+
 def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_reads(simulated_cuda):  # noqa: F811
     native = _native_module()
     seen = {}
@@ -282,17 +292,20 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"
     for name in ("stack",):
         assert type(getattr(seen["state"], name)) is list  # read as exact lists, else handed to Python
-    for name in ("module", "parent", "start", "end"):
-        assert type(getattr(seen["forward"], name)) is list
+    columns = seen["forward"].columns  # exact lists, then dicts: else the call is handed to Python
+    assert [type(column) for column in columns] == [list] * 4 + [dict] * 3
     assert type(seen["state"].skip_depth) is int
     assert type(rows._used) is int and type(rows._blocks) is list  # read as an int and an exact list
     assert type(rows._blocks[0].values_address) is int and type(rows._blocks[0].counts_address) is int
     assert type(timer.marking) is tuple and len(timer.marking) == 5 and type(timer._free[0].handle) is int
 
 
-def test_an_extension_reading_another_context_is_refused_aloud(monkeypatch):
+@pytest.mark.parametrize(
+    ("contract", "renamed"), [("TRACED_CALL_CONTEXT", ("clock", "clock_ns")), ("FORWARD_COLUMNS", ("end", "stop"))]
+)
+def test_an_extension_reading_another_context_is_refused_aloud(monkeypatch, contract, renamed):
     native = _native_module()
-    renamed = tuple("clock_ns" if name == "clock" else name for name in native.TRACED_CALL_CONTEXT)
-    monkeypatch.setattr(native, "TRACED_CALL_CONTEXT", renamed)
+    old, new = renamed
+    monkeypatch.setattr(native, contract, tuple(new if name == old else name for name in getattr(native, contract)))
     with pytest.warns(RuntimeWarning, match="another traced-call context"):
         assert _traced_forward._compiled_traced_call() is None

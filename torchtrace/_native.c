@@ -1103,6 +1103,16 @@ enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
 static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
 
+/* RawForward.columns: the forward's columns the body appends to and stores into, read by index in this order (one
+   attribute read a call instead of one a column). Exported as FORWARD_COLUMNS: traced_forward.FORWARD_COLUMNS must
+   be the same names, compared as the context's are. The first four are lists, the others dicts. */
+#define FORWARD_COLUMNS(X)                                                                                            \
+    X(MODULE, module) X(PARENT, parent) X(START, start) X(END, end) X(OUTPUT_STATS, output_stats)                     \
+    X(START_EVENTS, start_events) X(END_EVENTS, end_events)
+#define COLUMN_INDEX_OF(upper, lower) COLUMN_##upper,
+enum { FORWARD_COLUMNS(COLUMN_INDEX_OF) COLUMNS_SIZE };
+static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
+
 /* The attributes traced_call, launch_taken, stats_taken and mark_event read, each as (where, name): "local" the
    recorder's thread-local, "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the
    module's class (its forward), "rows" a forward's StatRows, "block" one of its blocks of rows, "timer" a
@@ -1110,16 +1120,15 @@ static const char *context_names[] = {CONTEXT_SLOTS(CONTEXT_NAME_OF)};
    the Python side would otherwise send calls down the Python body, or raise, without a word). */
 #define ATTRIBUTES_READ(X)                                                                                            \
     X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
-    X(module, forward) X(parent, forward) X(start, forward) X(end, forward) X(output_stats, forward)                  \
-    X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows) X(_blocks, rows)                 \
-    X(values_address, block) X(counts_address, block) X(start_events, forward) X(end_events, forward)               \
+    X(columns, forward) X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows)              \
+    X(_blocks, rows) X(values_address, block) X(counts_address, block)                                              \
     X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_recent, computer)               \
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
     X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows)
 #define INTERNED(X)                                                                                                   \
-    X(state) X(stack) X(skip_depth) X(timer) X(forward) X(module) X(parent) X(start) X(end) X(stats) X(output_stats) \
-    X(_is_compiling_flag) X(_lock) X(_used) X(_blocks) X(values_address) X(counts_address)                        \
-    X(data_ptr) X(_pending) X(start_events) X(end_events) X(marking) X(handle) X(pop) X(append) X(mark) X(device) \
+    X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
+    X(_blocks) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle) X(pop) X(append)     \
+    X(mark) X(device)                                                                                                 \
     X(_on_device) X(_recent) \
     X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
     X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow) X(locked)
@@ -1138,6 +1147,21 @@ static PyObject *list_attribute(PyObject *owner, PyObject *name) {
     PyObject *value = PyObject_GetAttr(owner, name);
     if (value != NULL && !PyList_CheckExact(value)) Py_CLEAR(value);
     return value;
+}
+
+/* forward.columns as a new reference, checked: a tuple of COLUMNS_SIZE exact lists then dicts (NULL: not one, an
+   exception set only where reading it raised) */
+static PyObject *forward_columns(PyObject *forward) {
+    PyObject *columns = PyObject_GetAttr(forward, str_columns);
+    if (columns == NULL || !PyTuple_CheckExact(columns) || PyTuple_GET_SIZE(columns) != COLUMNS_SIZE) goto wrong;
+    for (Py_ssize_t i = 0; i < COLUMNS_SIZE; i++) {
+        PyObject *column = PyTuple_GET_ITEM(columns, i);
+        if (i < COLUMN_OUTPUT_STATS ? !PyList_CheckExact(column) : !PyDict_CheckExact(column)) goto wrong;
+    }
+    return columns;
+wrong:
+    Py_XDECREF(columns);
+    return NULL;
 }
 
 /* The exception being raised, taken (normalized, its traceback attached): the caller restores it with
@@ -1226,9 +1250,9 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
     return PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
 }
 
-static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position);
+static int mark_end_of(PyObject *timer, PyObject *columns, PyObject *position);
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor);
-static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, PyObject *position,
+static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, PyObject *position,
                          PyObject *const *args, Py_ssize_t nargs);
 
 static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
@@ -1240,16 +1264,16 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *context = args[0], *function = args[2], *state = NULL, *timer = NULL;
     int here = traced_here(context, &state, &timer);
     if (here <= 0) return here < 0 ? NULL : hand_over(context, args, nargs, kwnames);
-    PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *modules = NULL, *parents = NULL,
-             *starts = NULL, *ends = NULL, *module = NULL, *position = NULL, *output = NULL, *user_args = NULL;
+    PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *columns = NULL, *module = NULL,
+             *position = NULL, *output = NULL, *user_args = NULL;
     Py_ssize_t at = -1;
     if (stack == NULL || PyList_GET_SIZE(stack) == 0 || (forward = PyObject_GetAttr(state, str_forward)) == NULL ||
-        (modules = list_attribute(forward, str_module)) == NULL ||
-        (parents = list_attribute(forward, str_parent)) == NULL ||
-        (starts = list_attribute(forward, str_start)) == NULL || (ends = list_attribute(forward, str_end)) == NULL) {
+        (columns = forward_columns(forward)) == NULL) {
         if (!PyErr_Occurred()) output = hand_over(context, args, nargs, kwnames);
         goto done;
     }
+    PyObject *modules = PyTuple_GET_ITEM(columns, COLUMN_MODULE), *parents = PyTuple_GET_ITEM(columns, COLUMN_PARENT),
+             *starts = PyTuple_GET_ITEM(columns, COLUMN_START), *ends = PyTuple_GET_ITEM(columns, COLUMN_END);
     if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
     /* the module was freed (its forward kept): the body says so; its class's forward replaced since it was traced
        (a library patching the class, mock.patch.object): the body calls that one */
@@ -1264,7 +1288,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyList_Append(starts, zero) < 0 || PyList_Append(ends, Py_None) < 0 || PyList_Append(stack, position) < 0)
         goto done;
     if (timer != Py_None) { /* a CUDA forward: the call's start event, where it runs on the timer's device */
-        int marked = mark_start_of(context, timer, forward, position, args, nargs);
+        int marked = mark_start_of(context, timer, columns, position, args, nargs);
         if (marked == 0) { /* its first parameter not looked up yet: the Python helper does, and marks */
             if ((user_args = user_arguments(args, nargs)) == NULL) goto done;
             PyObject *done_marking = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_MARK_START),
@@ -1321,7 +1345,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     if (PyList_SetItem(ends, at, end) < 0) goto failed; /* stolen */
     /* its end event: before the statistics' kernels, which are not the module's work */
-    if (timer != Py_None && mark_end_of(timer, forward, position) < 0) goto failed;
+    if (timer != Py_None && mark_end_of(timer, columns, position) < 0) goto failed;
 
     PyObject *output_stats = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_STATS);
     PyObject *output_work = PyTuple_GET_ITEM(context, CONTEXT_OUTPUT_WORK), *result = NULL;
@@ -1338,10 +1362,9 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
             }
             if (stats == NULL && computer != NULL) stats = PyObject_CallOneArg(computer, output);
             Py_XDECREF(computer);
-            PyObject *column = stats != NULL ? PyObject_GetAttr(forward, str_output_stats) : NULL;
-            int stored = column != NULL ? PyObject_SetItem(column, position, stats) : -1;
+            int stored = stats != NULL ? PyDict_SetItem(PyTuple_GET_ITEM(columns, COLUMN_OUTPUT_STATS), position, stats)
+                                       : -1;
             Py_XDECREF(stats);
-            Py_XDECREF(column);
             if (stored < 0 && note_output_error(context, forward, position) < 0) goto failed;
             goto done;
         }
@@ -1368,10 +1391,7 @@ done:
     Py_XDECREF(user_args);
     Py_XDECREF(position);
     Py_XDECREF(module);
-    Py_XDECREF(ends);
-    Py_XDECREF(starts);
-    Py_XDECREF(parents);
-    Py_XDECREF(modules);
+    Py_XDECREF(columns);
     Py_XDECREF(forward);
     Py_XDECREF(stack);
     Py_XDECREF(timer);
@@ -1434,8 +1454,8 @@ static PyObject *mark_event(PyObject *module, PyObject *const *args, Py_ssize_t 
 }
 
 /* The timer marks now (a DriverEventTimer in C, any other through its mark()), into events[position] (``events``:
-   the forward's start_events or end_events) where it could mark. 0, or -1 with an exception set. */
-static int mark_into(PyObject *timer, PyObject *forward, PyObject *events, PyObject *position) {
+   the forward's start_events or end_events dict) where it could mark. 0, or -1 with an exception set. */
+static int mark_into(PyObject *timer, PyObject *events, PyObject *position) {
     PyObject *marking = PyObject_GetAttr(timer, str_marking), *event;
     if (marking == NULL) { /* another kind of timer (torch's events) */
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
@@ -1450,30 +1470,23 @@ static int mark_into(PyObject *timer, PyObject *forward, PyObject *events, PyObj
         }
     }
     if (event == NULL) return -1;
-    int stored = 0;
-    if (event != Py_None) {
-        PyObject *marks = PyObject_GetAttr(forward, events);
-        stored = marks != NULL ? PyObject_SetItem(marks, position, event) : -1;
-        Py_XDECREF(marks);
-    }
+    int stored = event != Py_None ? PyDict_SetItem(events, position, event) : 0;
     Py_DECREF(event);
     return stored;
 }
 
 /* A timed call's end event, as recorder.mark_end: where its start was marked. 0, or -1 with an exception set. */
-static int mark_end_of(PyObject *timer, PyObject *forward, PyObject *position) {
-    PyObject *starts = PyObject_GetAttr(forward, str_start_events);
-    int started = starts != NULL ? PyDict_Contains(starts, position) : -1;
-    Py_XDECREF(starts);
+static int mark_end_of(PyObject *timer, PyObject *columns, PyObject *position) {
+    int started = PyDict_Contains(PyTuple_GET_ITEM(columns, COLUMN_START_EVENTS), position);
     if (started <= 0) return started;
-    return mark_into(timer, forward, str_end_events, position);
+    return mark_into(timer, PyTuple_GET_ITEM(columns, COLUMN_END_EVENTS), position);
 }
 
 /* A timed call's start event, as HookRecorder._mark_start: where the call runs on the timer's device, which its
    first own parameter says (the recorder's first_parameter, by module index), else its first tensor argument; a
    call with neither runs there. 1: done (marked, or elsewhere); 0: its first parameter not looked up yet (the
    Python helper does that, and marks); -1 with an exception set. */
-static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, PyObject *position,
+static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, PyObject *position,
                          PyObject *const *args, Py_ssize_t nargs) {
     PyObject *known = PyTuple_GET_ITEM(context, CONTEXT_FIRST_PARAMETER);
     PyObject *tensor = PyDict_Check(known) ? PyDict_GetItemWithError(known, PyTuple_GET_ITEM(context, CONTEXT_INDEX))
@@ -1493,7 +1506,7 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *forward, 
         Py_DECREF(tensor);
         if (here <= 0) return here < 0 ? -1 : 1;
     }
-    return mark_into(timer, forward, str_start_events, position) < 0 ? -1 : 1;
+    return mark_into(timer, PyTuple_GET_ITEM(columns, COLUMN_START_EVENTS), position) < 0 ? -1 : 1;
 }
 
 /* launch_taken(plan, rows, tensor, head, wanted) -> stats or None: the statistics of a device tensor of a kind the
@@ -1785,6 +1798,27 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, -1, methods};
 
+/* A tuple of ``count`` names, a new reference (NULL with an exception set) */
+static PyObject *names_tuple(const char *const *names, Py_ssize_t count) {
+    PyObject *tuple = PyTuple_New(count);
+    for (Py_ssize_t i = 0; tuple != NULL && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == NULL) Py_CLEAR(tuple);
+        else PyTuple_SET_ITEM(tuple, i, name);
+    }
+    return tuple;
+}
+
+/* module.name = value, the reference stolen either way; -1 on failure */
+static int add_object(PyObject *module, const char *name, PyObject *value) {
+    if (value == NULL) return -1;
+    if (PyModule_AddObject(module, name, value) < 0) {
+        Py_DECREF(value);
+        return -1;
+    }
+    return 0;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
 #define INTERN(name)                                                                                                  \
     if ((str_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL;
@@ -1792,12 +1826,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
     PyObject *created = PyModule_Create(&module);
     if (created == NULL) return NULL;
-    PyObject *slots = PyTuple_New(CONTEXT_SIZE);
-    for (Py_ssize_t i = 0; slots != NULL && i < CONTEXT_SIZE; i++) {
-        PyObject *name = PyUnicode_FromString(context_names[i]);
-        if (name == NULL) Py_CLEAR(slots);
-        else PyTuple_SET_ITEM(slots, i, name);
-    }
     Py_ssize_t n_read = (Py_ssize_t)(sizeof(attributes_read) / sizeof(attributes_read[0]));
     PyObject *reads = PyTuple_New(n_read);
     for (Py_ssize_t i = 0; reads != NULL && i < n_read; i++) {
@@ -1805,14 +1833,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         if (pair == NULL) Py_CLEAR(reads);
         else PyTuple_SET_ITEM(reads, i, pair);
     }
-    if (slots == NULL || reads == NULL || PyModule_AddObject(created, "TRACED_CALL_CONTEXT", slots) < 0) {
-        Py_XDECREF(slots);
-        Py_XDECREF(reads);
-        Py_DECREF(created);
-        return NULL;
-    }
-    if (PyModule_AddObject(created, "ATTRIBUTES_READ", reads) < 0) {
-        Py_DECREF(reads);
+    if (add_object(created, "ATTRIBUTES_READ", reads) < 0 ||
+        add_object(created, "TRACED_CALL_CONTEXT", names_tuple(context_names, CONTEXT_SIZE)) < 0 ||
+        add_object(created, "FORWARD_COLUMNS", names_tuple(column_names, COLUMNS_SIZE)) < 0) {
         Py_DECREF(created);
         return NULL;
     }

@@ -27,7 +27,7 @@ from opentelemetry import trace
 from torchtrace._capture.buffer import RecordBuffer
 from torchtrace._capture.device import DeviceWork, event_timer
 from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
-from torchtrace._capture.traced_forward import TracedCallContext, class_forward, native_traced_call
+from torchtrace._capture.traced_forward import FORWARD_COLUMNS, TracedCallContext, class_forward, native_traced_call
 from torchtrace._core import settings
 from torchtrace._core.calls import error_text
 from torchtrace._core.options import Options
@@ -130,6 +130,10 @@ class RawForward:
     in_step: bool = False  # part of a training step (delivered with it); else a trace of its own
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
     stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
+    columns: tuple = field(init=False, repr=False)  # the compiled traced call's columns, in FORWARD_COLUMNS order
+
+    def __post_init__(self) -> None:
+        self.columns = tuple(getattr(self, name) for name in FORWARD_COLUMNS)
 
     def extra(self, position: int, slot: int) -> Any:
         extras = self.extras.get(position)

@@ -190,6 +190,11 @@ class TracedCallContext(NamedTuple):
     first_parameter: dict  # module index -> its first own Parameter (or None), as the recorder looked it up
 
 
+# The columns of a forward (``RawForward``) that ``_native.traced_call`` appends to and stores into, in the order
+# it reads them from ``RawForward.columns``: the C side's ``FORWARD_COLUMNS``.
+FORWARD_COLUMNS = ("module", "parent", "start", "end", "output_stats", "start_events", "end_events")
+
+
 def native_traced_call() -> Callable[..., Any] | None:
     """``_native.traced_call`` (a traced call recorded in C) where it is built and reads the context Python builds,
     else None: the Python body. Dynamo never meets it: it inlines what ``TracedForward.func`` shows, the Python
@@ -202,7 +207,10 @@ def _compiled_traced_call() -> Callable[..., Any] | None:
         from torchtrace import _native
     except ImportError:  # not built: the Python body
         return None
-    if getattr(_native, "TRACED_CALL_CONTEXT", None) != TracedCallContext._fields:
+    if (
+        getattr(_native, "TRACED_CALL_CONTEXT", None) != TracedCallContext._fields
+        or getattr(_native, "FORWARD_COLUMNS", None) != FORWARD_COLUMNS
+    ):
         warnings.warn(
             "torchtrace: the compiled extension reads another traced-call context than this torchtrace builds "
             "(an extension left from another version?): traced calls run in Python, correct but slower; reinstall "
