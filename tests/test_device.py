@@ -8,6 +8,7 @@ events of a simulated device clock; tests/test_cuda.py repeats the essentials on
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
 import importlib
 import importlib.util
@@ -37,7 +38,7 @@ from torchtrace._capture.comm import timed_comm_hook
 from torchtrace._capture.device import EventTimer
 from torchtrace._capture.stats import StatComputer
 from torchtrace.attributes import OUTPUT_PREFIX
-from torchtrace.testing import capture_spans
+from torchtrace.testing import capture_spans, check_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -1255,3 +1256,32 @@ def test_a_traced_forward_summarises_kinds_seen_before_without_the_python_statis
     assert in_python == [(3, 8), (3, 2)]
     assert len(records) == 6 * 4
     assert all(f"{OUTPUT_PREFIX}.mean" in record.attributes for record in records)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "generate"])
+def test_a_hugging_face_model_on_the_simulated_cuda_path_traces_every_call_with_statistics(simulated_cuda, mode):
+    """GPT-2 (from a small config) through the CUDA host path: tuple outputs, containers returning their child's
+    tensor, dropout returning its input, all through the compiled launch after the first forward. The outputs are
+    the untraced twin's, the traces well formed, no statistic failed, and every call's outputs were summarised."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    run = {
+        "grad": lambda m: m(ids).logits,
+        "no_grad": torch.no_grad()(lambda m: m(ids).logits),
+        "inference_mode": torch.inference_mode()(lambda m: m(ids).logits),
+        "generate": lambda m: m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0),
+    }[mode]
+    expected = [run(twin) for _ in range(2)]
+    with capture_spans(model) as captured:
+        got = [run(model) for _ in range(2)]
+        spans = captured.spans()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    check_traces(spans)
+    assert simulated_cuda.count("launches") > 0
+    assert not [span.name for span in spans if any(key.endswith("stats_error") for key in span.attributes)]
+    summarised = [span for span in spans if any(key.startswith(f"{OUTPUT_PREFIX}.") for key in span.attributes)]
+    assert len(summarised) == len(spans)  # every module of GPT-2 returns tensors

@@ -74,8 +74,8 @@ class StatComputer:
 
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_recent", "_staging", "_copies", "_filled",
-        "_dtype_names", "_rows",
-        "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device", "in_step", "in_transform",
+        "_dtype_names", "_rows", "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device",
+        "in_step", "in_transform",
     )  # fmt: skip
 
     def __init__(
@@ -206,7 +206,7 @@ class StatComputer:
             if tensor.is_cpu:  # inline, not reduced_on_device(): a call costs ~1% of a traced CPU call
                 staged = self._staged.get((tensor.dtype, tensor.shape, tensor.layout))
                 if staged is None and self._on_device:  # CPU tensors reduced as on a device (tests/test_device.py)
-                    if (stats := _stats_taken(self, tensor)) is not None:  # as below
+                    if (stats := _stats_taken(self, tensor)) is not None:  # as for a device tensor, below
                         return stats
                     kind = (tensor.dtype, tensor.shape, -1)
                     on_device = self._on_device.get(kind if tensor.is_contiguous() else (*kind, tensor.stride()))
