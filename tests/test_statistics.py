@@ -163,6 +163,51 @@ def test_more_small_tensors_of_one_size_than_the_first_rows_hold_each_equal_torc
                 assert_stats_match(got, emit.value, rel=1e-9 if i == 39 else 1e-5)
 
 
+def test_a_small_cpu_tensor_of_a_kind_staged_before_is_copied_into_its_row_in_c():
+    """``_native.stats_taken`` takes StatComputer's path for a plain CPU tensor of a kind seen before: its values
+    copied into the next row of the kind's staging, its stats a copy of the kind's head naming that row, the
+    tensor remembered as the latest one summarised. Wherever that path does not apply it changes nothing and
+    returns None: the Python path decides (a new kind, a view with gaps, a lazy negation, a full staging, which
+    Python grows)."""
+    native = pytest.importorskip("torchtrace._native", reason="the compiled extension is not built here")
+    computer = _stats.StatComputer(torchtrace.STAT_NAMES, {})
+    first = torch.randn(4, 8)
+    assert native.stats_taken(computer, first) is None  # no kind staged yet
+    computer(first)  # the Python path stages the kind
+    ((head, staging),) = computer._staged.values()
+    second = torch.randn(4, 8)
+    stats = native.stats_taken(computer, second)
+    assert stats == {**head, "_row": 1} and staging.count == 2 and staging.filled[-1] is stats
+    assert np.array_equal(staging.values[1], second.numpy().reshape(-1))
+    assert native.stats_taken(computer, second) is stats  # unchanged since: the same stats, nothing copied
+    assert staging.count == 2
+    declined = [torch.randn(8, 4).t(), torch.randn(4, 8)._neg_view(), torch.randn(4, 9)]
+    assert [native.stats_taken(computer, tensor) for tensor in declined] == [None, None, None]
+    staging.count = len(staging.values)  # full: Python grows it
+    assert native.stats_taken(computer, torch.randn(4, 8)) is None and staging.count == len(staging.values)
+
+
+def test_a_forwards_small_tensors_are_staged_without_the_python_statistics_path_after_its_first(monkeypatch):
+    """After a model's first forward, its small CPU outputs are copied into their rows by the compiled path; the
+    statistics still equal torch's."""
+    added = []
+    add = _stats._Staging.add
+    monkeypatch.setattr(_stats._Staging, "add", lambda self, tensor, stats: added.append(1) or add(self, tensor, stats))
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with capture_spans(model) as captured:
+        model(torch.randn(3, 4))
+        first = len(added)
+        x = torch.randn(3, 4)
+        model(x)
+        spans = {span.name: span for span in captured.spans()[-4:]}
+    assert first == 2 and len(added) == first  # the two kinds' first tensors (the ReLU's output: the first kind)
+    hidden = model[0](x)
+    for name, tensor in (("0", hidden), ("1", torch.relu(hidden)), ("2", model(x))):
+        got = {key.removeprefix("torchtrace.output."): value for key, value in spans[name].attributes.items()}
+        assert_stats_match(got, tensor, rel=1e-5)
+
+
 def test_a_forwards_small_tensors_whose_reduction_fails_say_so_and_keep_shape_dtype_and_device(monkeypatch):
     """The small tensors of a forward are reduced together when it ends: if that fails, each of their calls gets the
     error as its ``stats_error`` and keeps what the hook read itself; the next forward is summarised again."""

@@ -286,7 +286,8 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     rows.reserve()
     owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
               "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0],
-              "timer": timer, "event": timer._free[0], "computer": seen["state"].stats}  # fmt: skip
+              "timer": timer, "event": timer._free[0], "computer": seen["state"].stats,
+              "staging": _stats._Staging(torch.float32, 4)}  # fmt: skip
     assert {where for where, _ in native.ATTRIBUTES_READ} == set(owners)
     for where, name in native.ATTRIBUTES_READ:
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"
@@ -298,6 +299,9 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     assert type(rows._used) is int and type(rows._blocks) is list  # read as an int and an exact list
     assert type(rows._blocks[0].values_address) is int and type(rows._blocks[0].counts_address) is int
     assert type(timer.marking) is tuple and len(timer.marking) == 5 and type(timer._free[0].handle) is int
+    staging = owners["staging"]  # read as ints and an exact list, its values' length as its rows
+    assert type(staging.count) is int and type(staging.address) is int and type(staging.row_bytes) is int
+    assert type(staging.filled) is list and len(staging.values) == 16
 
 
 @pytest.mark.parametrize(

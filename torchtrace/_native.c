@@ -1124,14 +1124,16 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(_blocks, rows) X(values_address, block) X(counts_address, block)                                              \
     X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_recent, computer)               \
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
-    X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows)
+    X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows) X(_staged, computer)      \
+    X(values, staging) X(count, staging) X(filled, staging) X(address, staging) X(row_bytes, staging)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
     X(_blocks) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle) X(pop) X(append)     \
     X(mark) X(device)                                                                                                 \
     X(_on_device) X(_recent) \
     X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
-    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow) X(locked)
+    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow) X(locked) X(_staged) X(is_cpu) X(layout)  \
+    X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes) X(_row)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1647,17 +1649,83 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
 /* StatComputer._recent: the last tensor summarised, its version, its stats, then the same of the one before */
 enum { RECENT_LAST = 0, RECENT_PREVIOUS = 3, RECENT_SIZE = 6 };
 
-/* StatComputer.__call__'s path for a tensor of a kind the kernel took before, in C: what the Python does for it
-   (the last two tensors recognised while unchanged, the kind looked up by (dtype, shape, device index), the rows of
-   the forward or the step, the launch from C, the recent tensors shifted), without its frames. ``tensor``: an
-   exact torch.Tensor. A new reference: its stats, or None where the Python path decides (no such kind, a permuted
-   layout, inside a functorch transform, anything launch_taken declines, and any Exception, which the Python path
-   meets again and reports). */
+/* A plain CPU tensor of a kind staged before, into its staging's next row as _Staging.add does (one memcpy; the
+   row reduced with the forward's others when it ends): a copy of ``head`` naming that row (a new reference), None
+   where Python decides (its staging None: a large tensor, reduced at once; not contiguous or a lazy negation; the
+   staging full, which Python grows; no data pointer), NULL with an exception set. */
+static PyObject *staged_row(PyObject *head, PyObject *staging, PyObject *tensor) {
+    if (staging == Py_None || !PyDict_CheckExact(head)) Py_RETURN_NONE;
+    PyObject *contiguous = PyObject_CallMethodNoArgs(tensor, str_is_contiguous);
+    PyObject *negative = contiguous == Py_True ? PyObject_CallMethodNoArgs(tensor, str_is_neg) : NULL;
+    int plain = negative == Py_False;
+    Py_XDECREF(contiguous);
+    Py_XDECREF(negative);
+    if (!plain) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject *values = PyObject_GetAttr(staging, str_values), *count = NULL, *filled = NULL, *stats = NULL,
+             *pointer = NULL, *found = NULL;
+    Py_ssize_t rows = values != NULL ? PyObject_Length(values) : -1;
+    long long at = rows >= 0 && (count = PyObject_GetAttr(staging, str_count)) != NULL ? PyLong_AsLongLong(count) : -1;
+    if (at < 0 || at >= rows || (filled = list_attribute(staging, str_filled)) == NULL) goto done; /* full: grown */
+    PyObject *address = PyObject_GetAttr(staging, str_address), *row_bytes = PyObject_GetAttr(staging, str_row_bytes);
+    char *base = address != NULL ? (char *)PyLong_AsVoidPtr(address) : NULL;
+    Py_ssize_t width = row_bytes != NULL ? PyLong_AsSsize_t(row_bytes) : -1;
+    Py_XDECREF(address);
+    Py_XDECREF(row_bytes);
+    if (base == NULL || width <= 0 || (pointer = PyObject_CallMethodNoArgs(tensor, str_data_ptr)) == NULL) goto done;
+    const void *source = PyLong_AsVoidPtr(pointer);
+    if (source == NULL || (stats = PyDict_Copy(head)) == NULL) goto done; /* NULL: functorch's wrappers */
+    memcpy(base + at * width, source, (size_t)width);
+    PyObject *row = PyLong_FromLongLong(at), *next = PyLong_FromLongLong(at + 1);
+    int stored = row != NULL && next != NULL && PyDict_SetItem(stats, str__row, row) == 0 &&
+                 PyList_Append(filled, stats) == 0 && PyObject_SetAttr(staging, str_count, next) == 0;
+    Py_XDECREF(row);
+    Py_XDECREF(next);
+    if (stored) found = Py_NewRef(stats);
+done:
+    Py_XDECREF(stats);
+    Py_XDECREF(pointer);
+    Py_XDECREF(filled);
+    Py_XDECREF(count);
+    Py_XDECREF(values);
+    if (found == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return found;
+}
+
+/* A CPU tensor's stats by its kind in ``staged`` (StatComputer._staged: (dtype, shape, layout) -> (head, staging)):
+   staged_row's, or None (a new reference) where it is no CPU tensor or its kind is not there; NULL with an
+   exception set. */
+static PyObject *staged_stats(PyObject *staged, PyObject *tensor, PyObject *dtype, PyObject *shape) {
+    PyObject *is_cpu = PyObject_GetAttr(tensor, str_is_cpu), *layout = NULL, *key = NULL, *kind = NULL,
+             *stats = NULL;
+    if (is_cpu == Py_True && (layout = PyObject_GetAttr(tensor, str_layout)) != NULL &&
+        (key = PyTuple_Pack(3, dtype, shape, layout)) != NULL && (kind = PyDict_GetItemWithError(staged, key)) != NULL) {
+        Py_INCREF(kind); /* (head, staging) */
+        stats = PyTuple_CheckExact(kind) && PyTuple_GET_SIZE(kind) == 2
+                    ? staged_row(PyTuple_GET_ITEM(kind, 0), PyTuple_GET_ITEM(kind, 1), tensor)
+                    : Py_NewRef(Py_None);
+        Py_DECREF(kind);
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(layout);
+    Py_XDECREF(is_cpu);
+    if (stats == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return stats;
+}
+
+/* StatComputer.__call__'s path for a tensor of a kind taken before, in C: what the Python does for it (the last
+   two tensors recognised while unchanged; a small CPU tensor's kind looked up by (dtype, shape, layout) and its
+   values copied into its staging row; a device tensor's kind by (dtype, shape, device index), a row of the forward
+   or the step reserved and the kernel launched from C; the recent tensors shifted), without its frames.
+   ``tensor``: an exact torch.Tensor. A new reference: its stats, or None where the Python path decides (no such
+   kind, a permuted layout, inside a functorch transform, anything staged_row or launch_taken declines, and any
+   Exception, which the Python path meets again and reports). */
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
-    PyObject *kinds = GET(computer, _on_device), *found = NULL, *version = NULL, *recent = NULL, *key = NULL,
-             *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL;
+    PyObject *kinds = GET(computer, _on_device), *staged = NULL, *found = NULL, *version = NULL, *recent = NULL,
+             *key = NULL, *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL;
     int inference = -1;
-    if (kinds == NULL || !PyDict_CheckExact(kinds) || PyDict_GET_SIZE(kinds) == 0) goto done;
+    if (kinds == NULL || !PyDict_CheckExact(kinds) || (staged = GET(computer, _staged)) == NULL ||
+        !PyDict_CheckExact(staged) || (PyDict_GET_SIZE(kinds) == 0 && PyDict_GET_SIZE(staged) == 0))
+        goto done;
     PyObject *flag = PyObject_CallMethodNoArgs(tensor, str_is_inference);
     inference = flag != NULL ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
@@ -1678,9 +1746,21 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
         }
     }
     PyObject *dtype = GET(tensor, dtype), *shape = GET(tensor, shape);
-    PyObject *index = PyObject_CallMethodNoArgs(tensor, str_get_device);
-    PyObject *contiguous = PyObject_CallMethodNoArgs(tensor, str_is_contiguous);
-    if (dtype != NULL && shape != NULL && index != NULL && contiguous == Py_True) key = PyTuple_Pack(3, dtype, shape, index);
+    if (dtype != NULL && shape != NULL && PyDict_GET_SIZE(staged)) { /* a CPU tensor of a kind staged before */
+        stats = staged_stats(staged, tensor, dtype, shape);
+        if (stats != Py_None) {
+            Py_DECREF(dtype);
+            Py_DECREF(shape);
+            if (stats == NULL) goto done;
+            goto summarised;
+        }
+        Py_CLEAR(stats);
+    }
+    PyObject *index = dtype != NULL && shape != NULL && PyDict_GET_SIZE(kinds) && !PyErr_Occurred()
+                          ? PyObject_CallMethodNoArgs(tensor, str_get_device)
+                          : NULL;
+    PyObject *contiguous = index != NULL ? PyObject_CallMethodNoArgs(tensor, str_is_contiguous) : NULL;
+    if (contiguous == Py_True) key = PyTuple_Pack(3, dtype, shape, index);
     Py_XDECREF(dtype);
     Py_XDECREF(shape);
     Py_XDECREF(index);
@@ -1711,8 +1791,9 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     if (rows == NULL || (wanted = GET(computer, wanted)) == NULL) goto done;
     stats = launch_for(PyTuple_GET_ITEM(entry, 3), rows, tensor, PyTuple_GET_ITEM(entry, 0), wanted);
     if (stats == NULL || stats == Py_None) goto done;
-    /* launched: the forward's rows are read on the host, and the tensor is the latest one summarised */
+    /* launched: the forward's rows are read on the host */
     if (PyObject_SetAttr(computer, str__all_finite, Py_False) < 0) goto done;
+summarised: /* the tensor is the latest one summarised */
     if (!inference && PyList_GET_SIZE(recent) == RECENT_SIZE) { /* (tensor, version, stats), then the last three */
         PyObject *dropped[3];
         for (Py_ssize_t i = 0; i < 3; i++) {
@@ -1733,6 +1814,7 @@ done:
     Py_XDECREF(key);
     Py_XDECREF(recent);
     Py_XDECREF(version);
+    Py_XDECREF(staged);
     Py_XDECREF(kinds);
     if (found == NULL) {
         if (PyErr_Occurred()) {
