@@ -1116,24 +1116,23 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
 /* The attributes traced_call, launch_taken, stats_taken and mark_event read, each as (where, name): "local" the
    recorder's thread-local, "state" its ThreadState, "forward" the RawForward, "compiler" torch.compiler, "class" the
    module's class (its forward), "rows" a forward's StatRows, "block" one of its blocks of rows, "timer" a
-   DriverEventTimer, "event" a DriverEvent, "computer" a StatComputer. Exported as ATTRIBUTES_READ for the test that each exists where it is read (a rename on
+   DriverEventTimer, "event" a DriverEvent, "computer" a StatComputer, "staging" a _Staging. Exported as
+   ATTRIBUTES_READ for the test that each exists where it is read (a rename on
    the Python side would otherwise send calls down the Python body, or raise, without a word). */
 #define ATTRIBUTES_READ(X)                                                                                            \
     X(state, local) X(stack, state) X(skip_depth, state) X(timer, state) X(forward, state) X(stats, state)          \
     X(columns, forward) X(_is_compiling_flag, compiler) X(forward, class) X(_lock, rows) X(_used, rows)              \
-    X(_blocks, rows) X(values_address, block) X(counts_address, block)                                              \
-    X(marking, timer) X(handle, event) X(device, timer) X(_on_device, computer) X(_recent, computer)               \
-    X(in_transform, computer) X(_rows_for, computer) X(in_step, computer)             \
-    X(_rows, computer) X(wanted, computer) X(_all_finite, computer) X(_device_rows, computer) X(grow, rows) X(_staged, computer)      \
-    X(values, staging) X(count, staging) X(filled, staging) X(address, staging) X(row_bytes, staging)
+    X(_blocks, rows) X(grow, rows) X(values_address, block) X(counts_address, block) X(marking, timer)               \
+    X(handle, event) X(device, timer) X(_on_device, computer) X(_staged, computer) X(_recent, computer)             \
+    X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
+    X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
+    X(address, staging) X(row_bytes, staging)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
-    X(_blocks) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle) X(pop) X(append)     \
-    X(mark) X(device)                                                                                                 \
-    X(_on_device) X(_recent) \
-    X(in_transform) X(_rows_for) X(in_step) X(_rows) X(wanted) X(_all_finite) X(is_inference) X(_version) X(dtype)  \
-    X(shape) X(get_device) X(is_contiguous) X(_device_rows) X(grow) X(locked) X(_staged) X(is_cpu) X(layout)  \
-    X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes) X(_row)
+    X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
+    X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
+    X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
+    X(is_contiguous) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes) X(_row)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1516,9 +1515,10 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, 
    the kernel launched into it from C (cuLaunchKernel, the GIL held), and the tensor's stats returned: a copy of
    ``head`` with the row pending (the rows' next block made first where needed: StatRows.grow). None, with nothing
    launched, where this path does not apply (no kernel compiled for its alignment, another device current, the
-   rows' lock held by another thread or every row used, a launch the driver refused): the Python path then reduces the tensor and says why where something failed. ``plan``: (n,
-   stride, programs, device index, key aligned, key unaligned, the compiled kernels by key, current device,
-   current raw stream, (rows a block, rows at most, bytes a float row, bytes a count row)). */
+   rows' lock held by another thread or every row used, a launch the driver refused): the Python path then
+   reduces the tensor and says why where something failed. ``plan``: (n, stride, programs, device index, key
+   aligned, key unaligned, the compiled kernels by key, current device, current raw stream, (rows a block, rows at
+   most, bytes a float row, bytes a count row)). */
 enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIGNED, PLAN_DIRECT, PLAN_DEVICE,
        PLAN_STREAM, PLAN_GEOMETRY, PLAN_SIZE };
 
@@ -1698,7 +1698,8 @@ static PyObject *staged_stats(PyObject *staged, PyObject *tensor, PyObject *dtyp
     PyObject *is_cpu = PyObject_GetAttr(tensor, str_is_cpu), *layout = NULL, *key = NULL, *kind = NULL,
              *stats = NULL;
     if (is_cpu == Py_True && (layout = PyObject_GetAttr(tensor, str_layout)) != NULL &&
-        (key = PyTuple_Pack(3, dtype, shape, layout)) != NULL && (kind = PyDict_GetItemWithError(staged, key)) != NULL) {
+        (key = PyTuple_Pack(3, dtype, shape, layout)) != NULL &&
+        (kind = PyDict_GetItemWithError(staged, key)) != NULL) {
         Py_INCREF(kind); /* (head, staging) */
         stats = PyTuple_CheckExact(kind) && PyTuple_GET_SIZE(kind) == 2
                     ? staged_row(PyTuple_GET_ITEM(kind, 0), PyTuple_GET_ITEM(kind, 1), tensor)
