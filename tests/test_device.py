@@ -1212,7 +1212,7 @@ def test_a_tensor_of_a_kind_launched_before_is_summarised_in_c_as_the_python_pat
     assert launches() == before + 4
 
     declined = [
-        torch.randn(8, 4).t(),  # a permuted layout: its own kind, looked up in Python
+        torch.randn(8, 4).t(),  # a permuted layout: a kind of its own (its strides), not seen yet
         torch.randn(4, 9),  # another shape
         torch.randn(4, 8, dtype=torch.float64),  # another dtype
     ]
@@ -1221,6 +1221,11 @@ def test_a_tensor_of_a_kind_launched_before_is_summarised_in_c_as_the_python_pat
     assert native.stats_taken(computer, torch.randn(4, 8)) is None
     computer.in_transform = torchtrace._capture.stats._in_transform
     assert launches() == before + 4
+    computer(torch.randn(8, 4).t())  # the permuted kind, through Python once: remembered with its strides
+    permuted = torch.randn(8, 4).t()
+    stats = native.stats_taken(computer, permuted)
+    assert launches() == before + 6 and simulated_cuda.launched()[-1][0] == permuted.data_ptr()
+    assert stats["shape"] == (4, 8) and "_pending" in stats
     computer.finish_forward()  # the forward's rows handed on: the next forward's first tensor makes new ones
     assert native.stats_taken(computer, torch.randn(4, 8))["_pending"][1] == 0
 

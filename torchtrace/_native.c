@@ -1132,7 +1132,8 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
     X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
-    X(is_contiguous) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes) X(_row)
+    X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
+    X(_row)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1715,11 +1716,11 @@ static PyObject *staged_stats(PyObject *staged, PyObject *tensor, PyObject *dtyp
 
 /* StatComputer.__call__'s path for a tensor of a kind taken before, in C: what the Python does for it (the last
    two tensors recognised while unchanged; a small CPU tensor's kind looked up by (dtype, shape, layout) and its
-   values copied into its staging row; a device tensor's kind by (dtype, shape, device index), a row of the forward
-   or the step reserved and the kernel launched from C; the recent tensors shifted), without its frames.
-   ``tensor``: an exact torch.Tensor. A new reference: its stats, or None where the Python path decides (no such
-   kind, a permuted layout, inside a functorch transform, anything staged_row or launch_taken declines, and any
-   Exception, which the Python path meets again and reports). */
+   values copied into its staging row; a device tensor's kind by (dtype, shape, device index, and strides where it
+   is not contiguous), a row of the forward or the step reserved and the kernel launched from C; the recent tensors
+   shifted), without its frames. ``tensor``: an exact torch.Tensor. A new reference: its stats, or None where the
+   Python path decides (no such kind, inside a functorch transform, anything staged_row or launch_taken declines,
+   and any Exception, which the Python path meets again and reports). */
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     PyObject *kinds = GET(computer, _on_device), *staged = NULL, *found = NULL, *version = NULL, *recent = NULL,
              *key = NULL, *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL;
@@ -1761,12 +1762,18 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
                           ? PyObject_CallMethodNoArgs(tensor, str_get_device)
                           : NULL;
     PyObject *contiguous = index != NULL ? PyObject_CallMethodNoArgs(tensor, str_is_contiguous) : NULL;
-    if (contiguous == Py_True) key = PyTuple_Pack(3, dtype, shape, index);
+    if (contiguous == Py_True) {
+        key = PyTuple_Pack(3, dtype, shape, index);
+    } else if (contiguous == Py_False) { /* a permuted one (attention's transposed output): its strides too */
+        PyObject *strides = PyObject_CallMethodNoArgs(tensor, str_stride);
+        key = strides != NULL ? PyTuple_Pack(4, dtype, shape, index, strides) : NULL;
+        Py_XDECREF(strides);
+    }
     Py_XDECREF(dtype);
     Py_XDECREF(shape);
     Py_XDECREF(index);
     Py_XDECREF(contiguous);
-    if (key == NULL || (entry = PyDict_GetItemWithError(kinds, key)) == NULL) goto done; /* a permuted one: Python */
+    if (key == NULL || (entry = PyDict_GetItemWithError(kinds, key)) == NULL) goto done;
     Py_INCREF(entry); /* (head, stride, device, plan) */
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || PyTuple_GET_ITEM(entry, 3) == Py_None) goto done;
     PyObject *transformed = PyObject_CallMethodOneArg(computer, str_in_transform, tensor);
