@@ -8,7 +8,9 @@ Four questions, answered on one CUDA device in one run:
    output, CUDA-event timing, the embedded file exporter), `torchtrace_spans` (the same without statistics: what
    the statistics cost), `torchtrace_spans_host_clock` (spans without statistics or CUDA events: what the events
    cost), `torchtrace_torch_ops` (every statistic, reduced by torch ops instead of the fused Triton kernel) and
-   `torchtrace_sampled` (Stats(sample=65536)). One timed repetition =
+   `torchtrace_sampled` (Stats(sample=65536)) and `torchtrace_batched` (Stats(batch=8): eight tensors' statistics
+   a launch; tensors made under inference_mode have no version counter and are launched one by one, so it differs
+   from `torchtrace` only with --grad-mode no_grad). One timed repetition =
    N forwards under inference_mode (or no_grad), the variant's flush, then torch.cuda.synchronize(): device work
    and export are in the window. Targets (every statistic): <= 1.12x at batch 16 / seq 512, <= 1.35x at batch 1 /
    seq 128. All variants run with torch's fused encoder fast path off (hooks on a layer turn it off; with it on,
@@ -22,7 +24,8 @@ Four questions, answered on one CUDA device in one run:
 3. Host syncs. Synchronizing CUDA calls during one traced forward, counted with
    torch.cuda.set_sync_debug_mode("warn"), minus those of the untraced model. Target: 0.
 4. Peak memory. The device memory a B16 S512 forward peaks at, traced with every statistic against untraced
-   (the same model, after warm-up). Target: at most 64 MiB added.
+   (the same model, after warm-up). Target: at most 64 MiB added. Also with Stats(batch=8) under no_grad
+   ("peak_memory_batched"): what the tensors waiting for their batch add, at most Stats.batch_mb (64 MiB).
 
 With --split, three more variants say where a traced forward's host time goes (compare their host ms per forward
 with torchtrace's): `torchtrace_worker_at_flush` (the dispatch worker held off while the forwards run: the model's
@@ -110,6 +113,7 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
         "torchtrace_spans_host_clock",
         "torchtrace_torch_ops",
         "torchtrace_sampled",
+        "torchtrace_batched",
     ]
     if SPLIT:
         names += [
@@ -125,7 +129,9 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             exporter="file",
             trace_file=os.path.join(trace_dir, f"{name}.jsonl"),
             stats=torchtrace.Stats(
-                names=not name.startswith("torchtrace_spans"), sample=SAMPLE if name == "torchtrace_sampled" else None
+                names=not name.startswith("torchtrace_spans"),
+                sample=SAMPLE if name == "torchtrace_sampled" else None,
+                batch=8 if name == "torchtrace_batched" else 1,
             ),
         )
         variant = Variant(
@@ -309,16 +315,19 @@ def host_syncs(base: nn.Module) -> dict[str, int]:
     return {"untraced": untraced, "traced": traced, "added": traced - untraced}
 
 
-def peak_memory(base: nn.Module, batch: int = 16, seq: int = 512, device: str = "cuda") -> dict[str, Any]:
+def peak_memory(
+    base: nn.Module, batch: int = 16, seq: int = 512, device: str = "cuda", stats_batch: int = 1, grad_mode: Any = None
+) -> dict[str, Any]:
     """Device memory a forward peaks at above what was allocated before it (MiB), untraced and then traced with
-    every statistic (the same model, instrumented after its untraced forwards): the statistics rows, the event pools
-    and anything tracing holds or defers. Target: at most PEAK_TARGET_MIB added."""
+    every statistic (the same model, instrumented after its untraced forwards; ``stats_batch``: Stats.batch): the
+    statistics rows, the event pools and anything tracing holds or defers. Target: at most PEAK_TARGET_MIB added."""
     model = copy.deepcopy(base)
     x = torch.randn(batch, seq, 768, device=device, dtype=torch.bfloat16)
 
     def peak_above(allocated: int) -> float:
-        with GRAD_MODE():
-            model(x)  # warm-up: allocator, kernels, and the traced model's pools
+        with (grad_mode or GRAD_MODE)():
+            for _ in range(3):  # warm-up: allocator, kernels, the traced model's pools; batched kinds checked (two)
+                model(x)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             model(x)
@@ -327,7 +336,7 @@ def peak_memory(base: nn.Module, batch: int = 16, seq: int = 512, device: str = 
 
     allocated = torch.cuda.memory_allocated()  # the model and its input
     untraced = peak_above(allocated)
-    with torchtrace.instrument(model, exporter="none"):
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(batch=stats_batch)):
         traced = peak_above(allocated)
     added = traced - untraced
     return {
@@ -382,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[name] = {"modules": accuracy, "max_error": worst, "target": TIMING_TARGET, "met": worst <= TIMING_TARGET}
     report["host_syncs"] = host_syncs(base)
     report["peak_memory"] = peak_memory(base)
+    report["peak_memory_batched"] = peak_memory(base, stats_batch=8, grad_mode=torch.no_grad)
     # a kernel that failed to compile or launch is replaced by torch ops for good (one warning): say if it happened
     report["fused_kernel_failed"] = _device._triton is False and report["fused_kernel"]
     print(json.dumps({"gpu": report}))

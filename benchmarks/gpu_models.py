@@ -1,20 +1,23 @@
 """torchtrace on real models on one CUDA device, beside torch.profiler: Hugging Face models built from their configs
 (random weights, no download), bfloat16.
 
-Cases: GPT-2 small forward (batch 8, seq 512), BERT-base forward (batch 32, seq 128), GPT-2 greedy generation
-(batch 1, 32 new tokens after 16), and a GPT-2 training step (batch 4, seq 256, AdamW, float32 weights under
-bfloat16 autocast, backward spans). Variants, each on its own copy of the model, timed round-robin (the starting
-variant rotates every round): `none`; `torchtrace` (the defaults: a span per module call, every statistic, CUDA
-events, the embedded file exporter); `torchtrace_spans` (stats=False); `torchtrace_sampled` (sample_every=10: one
-forward in ten traced); `torch_profiler` (CPU and CUDA activities, every op recorded; its trace's processing when
-the profile closes is left out of the window, torchtrace's flush is in it). One repetition = N calls of the case,
-the variant's flush, and torch.cuda.synchronize().
+Cases: GPT-2 small forward (batch 8, seq 512), BERT-base forward (batch 32, seq 128), GPT-2 greedy generation (batch
+1, 32 new tokens after 16), and a GPT-2 training step (batch 4, seq 256, AdamW, float32 weights under bfloat16
+autocast, backward spans). Variants, each on its own copy of the model, timed round-robin (the starting variant
+rotates every round): `none`; `torchtrace` (the defaults: a span per module call, every statistic, CUDA events, the
+embedded file exporter); `torchtrace_batched` (the same with Stats(batch=8): eight tensors' statistics a launch,
+which tensors with version counters allow: use --grad-mode no_grad, where forwards make them); `torchtrace_spans`
+(stats=False); `torchtrace_sampled` (sample_every=10: one forward in ten traced); `torch_profiler` (CPU and CUDA
+activities, every op recorded; its trace's processing when the profile closes is left out of the window,
+torchtrace's flush is in it). One repetition = N calls of the case, the variant's flush, and
+torch.cuda.synchronize().
 
 Targets (issue 41): every statistic <= 1.15x untraced on the forwards, <= 1.35x on generate, <= 1.25x on the
 training step; each less than half of torch.profiler's added cost.
 
-Run: python benchmarks/gpu_models.py [--quick] [--repeats R] [--cases a,b]. The last line printed is one JSON
-object (on a machine without CUDA or transformers: {"gpu_models": {"skipped": "..."}}, exit 0).
+Run: python benchmarks/gpu_models.py [--quick] [--repeats R] [--cases a,b] [--grad-mode no_grad] (forwards and
+generation run under inference_mode by default). The last line printed is one JSON object (on a machine without
+CUDA or transformers: {"gpu_models": {"skipped": "..."}}, exit 0).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 TARGETS = {"gpt2_forward": 1.15, "bert_forward": 1.15, "gpt2_generate": 1.35, "gpt2_train_step": 1.25}
-VARIANTS = ("none", "torchtrace", "torchtrace_spans", "torchtrace_sampled", "torch_profiler")
+VARIANTS = ("none", "torchtrace", "torchtrace_batched", "torchtrace_spans", "torchtrace_sampled", "torch_profiler")
+GRAD_MODE: Callable[[], Any] = torch.inference_mode  # of the forward and generation cases (--grad-mode)
 
 
 @dataclass
@@ -133,7 +137,7 @@ def make_variants(case: Case, trace_dir: str) -> list[Variant]:
             variant.around = lambda activities=activities: torch.profiler.profile(activities=activities)
         elif name.startswith("torchtrace"):
             options: dict[str, Any] = {
-                "stats": name != "torchtrace_spans",
+                "stats": torchtrace.Stats(batch=8) if name == "torchtrace_batched" else name != "torchtrace_spans",
                 "sample_every": 10 if name == "torchtrace_sampled" else 1,
             }
             if case.training:
@@ -157,7 +161,7 @@ def synchronize() -> None:
 def timed(case: Case, variant: Variant, calls: int) -> float:
     """Seconds per call for one repetition: the calls, the flush and the device's completion (the profiler's trace
     processing when it closes left out)."""
-    grad = contextlib.nullcontext() if case.training else torch.inference_mode()
+    grad = contextlib.nullcontext() if case.training else GRAD_MODE()
     with variant.around():
         synchronize()
         start = time.perf_counter()
@@ -212,7 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=None, help="calls of the case per repetition")
     parser.add_argument("--cases", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke test of the script)")
+    parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
     args = parser.parse_args(argv)
+    global GRAD_MODE
+    GRAD_MODE = torch.no_grad if args.grad_mode == "no_grad" else torch.inference_mode
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"gpu_models": {"skipped": "no CUDA device"}}))
         return 0
@@ -226,6 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
+        "grad_mode": args.grad_mode,
         "cases": {},
     }
     for case in cases(device, args.quick, args.cases.split(",")):

@@ -20,6 +20,8 @@ Variants:
   cuda_spans   spans as on a GPU: the CUDA host path (two driver timing events a call) on a simulated device
                (benchmarks/simulated_cuda.py: C stubs for the driver's calls; needs a C compiler and Triton)
   cuda_stats   every statistic as on a GPU: the events, a statistics row and a C kernel launch per tensor
+  cuda_batched the same with Stats(batch=8): each tensor queued from C, one launch per eight (the warm-up forwards
+               include the two in which its kinds are checked)
 
 Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
 the empty hooks' added count ("x empty hook"). The untraced and empty-hook counts repeat exactly from run to run; the
@@ -49,7 +51,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-VARIANTS = ("untraced", "empty_hooks", "spans", "stats", "cuda_spans", "cuda_stats")
+VARIANTS = ("untraced", "empty_hooks", "spans", "stats", "cuda_spans", "cuda_stats", "cuda_batched")
 WARMUP_FORWARDS = 5
 LAYERS = 64
 WIDTH = 32
@@ -93,14 +95,16 @@ def run_child(variant: str, forwards: int) -> None:
         for module in model.modules():
             module.register_forward_pre_hook(pre)
             module.register_forward_hook(post)
-    elif variant in ("spans", "stats", "cuda_spans", "cuda_stats"):
+    elif variant in ("spans", "stats", "cuda_spans", "cuda_stats", "cuda_batched"):
         if variant.startswith("cuda_"):
             import simulated_cuda
 
             simulated_cuda.install(setattr)
         # only exporter= and stats=: the summary print is off through TORCHTRACE_PRINT_SUMMARY (set by the parent)
-        no_stats = {"stats": False} if variant.endswith("spans") else {}  # "stats": the default, every statistic
-        handle = torchtrace.instrument(model, exporter="none", **no_stats)
+        stats = {"stats": False} if variant.endswith("spans") else {}  # "stats": the default, every statistic
+        if variant == "cuda_batched":
+            stats = {"stats": torchtrace.Stats(batch=8)}
+        handle = torchtrace.instrument(model, exporter="none", **stats)
         flush = handle.flush
 
     for _ in range(WARMUP_FORWARDS):  # first calls, lazy imports, caches

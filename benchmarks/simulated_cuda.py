@@ -28,13 +28,14 @@ import torch
 STUBS = r"""
 #include <stdint.h>
 #define KEPT 4096
-long records, launches, reads;
+long records, launches, reads, tensors; /* tensors: those the launches reduce (a batch launch's grid rows) */
 int64_t launched[KEPT][5]; /* the statistics kernel's parameters (x, values, counts, n, stride) of the first launches */
 int record(void *event, void *stream) { (void)event; (void)stream; records++; return 0; }
 int elapsed(float *ms, void *start, void *end) { (void)start; (void)end; *ms = 0.0f; reads++; return 0; }
 int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
            void *stream, void **params, void **extra) {
-    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    (void)f; (void)gx; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
+    tensors += gy;
     if (launches < KEPT) {
         for (int i = 0; i < 3; i++) launched[launches][i] = *(int64_t *)params[i];
         for (int i = 3; i < 5; i++) launched[launches][i] = *(int32_t *)params[i];
@@ -89,7 +90,7 @@ class Stubs:
         return ctypes.c_long.in_dll(self._library, name).value
 
     def counts(self) -> dict[str, int]:
-        return {name: self.count(name) for name in ("records", "launches", "reads")}
+        return {name: self.count(name) for name in ("records", "launches", "reads", "tensors")}
 
     def launched(self) -> list[tuple[int, ...]]:
         """(x, values row, counts row, n, stride) of each statistics launch so far (the first ``KEPT``)."""
@@ -134,6 +135,11 @@ def install(setattr: Callable[[Any, str, Any], None], directory: str | None = No
         for contiguous in (True, False)
     }
     setattr(triton_stats, "_direct", compiled)
+    batch_direct = triton_stats.DirectLaunch(
+        stubs.address("launch"), 0xBA7, 128, 0, bytes(triton_stats.BATCH_ARGUMENT_SIZES)
+    )
+    batched = {(INDEX, dtype, counted): batch_direct for dtype in READ_AS_IS for counted in (True, False)}
+    setattr(triton_stats, "_batch_direct", batched)
 
     # timing: the driver's events, recorded from C through the stub
     driver = types.SimpleNamespace(

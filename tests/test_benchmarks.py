@@ -109,6 +109,7 @@ GPU_VARIANTS = [
     "torchtrace_spans_host_clock",
     "torchtrace_torch_ops",
     "torchtrace_sampled",
+    "torchtrace_batched",
 ]
 
 
@@ -146,7 +147,7 @@ def test_gpu_benchmark_variants_are_set_up_as_named_on_any_device(tmp_path, monk
         (line,) = (tmp_path / f"{name}.jsonl").read_text().splitlines()
         spans = json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]
         attributes[name] = {attribute["key"] for span in spans for attribute in span["attributes"]}
-    for name in ("torchtrace", "torchtrace_torch_ops", "torchtrace_sampled"):
+    for name in ("torchtrace", "torchtrace_torch_ops", "torchtrace_sampled", "torchtrace_batched"):
         assert "torchtrace.output.mean" in attributes[name], name
     for name in ("torchtrace_spans", "torchtrace_spans_host_clock"):
         assert "torchtrace.output.mean" not in attributes[name], name
@@ -229,9 +230,11 @@ def test_gpu_benchmark_peak_memory_compares_the_traced_forward_with_the_untraced
         traced_now.append(traced)
 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    report = gpu.peak_memory(base, batch=2, seq=4, device="cpu")
-    assert traced_now == [False, True]
-    assert report == {"untraced_mib": 10.0, "traced_mib": 13.0, "added_mib": 3.0, "target_mib": 64, "met": True}
+    for options in ({}, {"stats_batch": 8, "grad_mode": torch.no_grad}):  # every statistic; batched (no_grad)
+        traced_now.clear()
+        report = gpu.peak_memory(base, batch=2, seq=4, device="cpu", **options)
+        assert traced_now == [False, True]
+        assert report == {"untraced_mib": 10.0, "traced_mib": 13.0, "added_mib": 3.0, "target_mib": 64, "met": True}
 
 
 def test_gpu_benchmark_reports_json_last_and_skips_cleanly_without_cuda() -> None:
@@ -263,7 +266,14 @@ def test_gpu_models_benchmark_runs_each_variant_on_a_real_model() -> None:
     pytest.importorskip("transformers")
     report = run_benchmark("gpu_models.py", "--quick", "--device", "cpu", "--cases", "bert_forward", timeout=600)[0]
     case = report["gpu_models"]["cases"]["bert_forward"]
-    assert set(case["x_none"]) == {"none", "torchtrace", "torchtrace_spans", "torchtrace_sampled", "torch_profiler"}
+    assert set(case["x_none"]) == {
+        "none",
+        "torchtrace",
+        "torchtrace_batched",
+        "torchtrace_spans",
+        "torchtrace_sampled",
+        "torch_profiler",
+    }
     assert case["x_none"]["none"] == 1.0 and case["target"] == 1.15 and isinstance(case["met"], bool)
 
 

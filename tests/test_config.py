@@ -81,7 +81,14 @@ def test_a_field_left_unset_in_an_option_object_still_reads_its_variable(monkeyp
     monkeypatch.setenv("TORCHTRACE_STATS", "mean")
     with instrument(stats=torchtrace.Stats(inputs=True)) as handle:
         assert handle.options.stats == torchtrace.Stats(
-            names=("mean",), extra={}, inputs=True, max_tensors=2, sample=None, on_nonfinite=None
+            names=("mean",),
+            extra={},
+            inputs=True,
+            max_tensors=2,
+            sample=None,
+            batch=1,
+            batch_mb=64.0,
+            on_nonfinite=None,
         )
     with instrument(stats=["max"]) as handle:  # a plain value is the object's names
         assert handle.options.stats.names == ("max",) and handle.options.stats.max_tensors == 2

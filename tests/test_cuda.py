@@ -102,6 +102,53 @@ def test_cuda_statistics_of_nan_and_inf(stats_path):
     assert (got["nan_count"], got["inf_count"]) == (1, 1)
 
 
+@pytest.mark.parametrize("launch", ["c", "jit"])
+def test_batched_cuda_statistics_equal_torchs_with_no_synchronizing_call(monkeypatch, launch):
+    """Stats(batch=8) under no_grad: from the third forward on, the outputs are queued from C and reduced eight to a
+    launch (from C, or through Triton's JIT); every span's statistics are torch's, and the queued forwards make no
+    synchronizing call."""
+    kernel = pytest.importorskip("torchtrace._capture.triton_stats")
+    if _device.fused_kernel(torch.empty(1, device="cuda")) is None:
+        pytest.skip("Triton is not installed (or TORCHTRACE_TRITON=0)")
+    if launch == "jit":
+        monkeypatch.setattr(kernel, "launch_directly", False)
+    launched = []
+    launch_batch = kernel.launch_batch
+
+    def counted(key, stream, members):
+        launched.append(len(members))
+        launch_batch(key, stream, members)
+
+    monkeypatch.setattr(kernel, "launch_batch", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(64, 64), nn.GELU())]).cuda()
+    inputs = [torch.randn(32, 64, device="cuda") * 3 + 1 for _ in range(5)]
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured, torch.no_grad():
+        for x in inputs[:3]:
+            model(x)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for x in inputs[3:]:
+                    model(x)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        captured.handle.flush()
+        spans = captured.spans()
+    assert not [warning for warning in caught if SYNC_WARNING in str(warning.message)]
+    assert launched == [8, 4] * 3  # the third forward and the two counted ones (12 outputs each)
+    with torch.no_grad():
+        for forward, x in enumerate(inputs):
+            for name, module in model.named_children():
+                x = module(x)
+                span = [s for s in spans if s.attributes.get("torchtrace.module.path") == name][forward]
+                got = {key.removeprefix("torchtrace.output."): value for key, value in span.attributes.items()}
+                assert "stats_error" not in got
+                assert_stats_match({**got, "device": "cpu"}, x.cpu(), rel=1e-4)
+
+
 def test_a_traced_training_step_makes_no_synchronizing_call(stats_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True), nn.Linear(256, 8)).cuda()

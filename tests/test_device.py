@@ -189,6 +189,7 @@ def triton_kernel(device_rows, monkeypatch):
         return kernel
 
     monkeypatch.setattr(device_module, "fused_kernel", fused_kernel)
+    monkeypatch.setattr(device_module, "_triton", kernel)  # as once a CUDA tensor was summarised
     return launches
 
 
@@ -1075,6 +1076,7 @@ def test_a_traced_cuda_forward_costs_two_driver_events_a_call_and_one_c_launch_a
     assert simulated_cuda.counts() == {
         "records": 2 * calls * forwards,
         "launches": 4 * forwards,  # the containers return their last child's tensor: its statistics, shared
+        "tensors": 4 * forwards,
         "reads": 2 * calls * forwards,
     }
     launched = simulated_cuda.launched()

@@ -17,6 +17,7 @@ import torchtrace
 from torchtrace._capture import device as device_module
 from torchtrace._capture import stats as _stats
 from torchtrace._capture import traced_forward as _traced_forward
+from torchtrace._capture.batched import StatBatch
 from torchtrace.testing import capture_spans
 
 ERROR = ValueError("the model's own error")
@@ -287,7 +288,7 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
     owners = {"local": seen["local"], "state": seen["state"], "forward": seen["forward"],
               "compiler": torch.compiler, "class": seen["class_"], "rows": rows, "block": rows._blocks[0],
               "timer": timer, "event": timer._free[0], "computer": seen["state"].stats,
-              "staging": _stats._Staging(torch.float32, 4)}  # fmt: skip
+              "staging": _stats._Staging(torch.float32, 4), "batch": StatBatch(8, 1 << 20)}  # fmt: skip
     assert {where for where, _ in native.ATTRIBUTES_READ} == set(owners)
     for where, name in native.ATTRIBUTES_READ:
         assert hasattr(owners[where], name), f"_native.traced_call reads {where}.{name}, which is not there"

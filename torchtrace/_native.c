@@ -955,7 +955,7 @@ done:
    launch then hands the GIL to it and waits to get it back. ``sizes`` gives each parameter's width in bytes (4 or
    8; the kernel's own, read once from the driver); parameters past those given are zero (NULL scratch pointers).
    Returns the driver's result code. */
-#define MAX_KERNEL_PARAMS 16
+#define MAX_KERNEL_PARAMS 40
 typedef int (*launch_function)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                                void **, void **);
 
@@ -1009,13 +1009,14 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
     return PyLong_FromLong(result);
 }
 
-/* A launch as launch_kernel's, of ``native`` (a DirectLaunch: launch, function, threads, shared, sizes) with the
-   statistics kernel's five parameters (x, values, counts: pointers; n, stride: int32) and NULL scratch pointers
-   after them. Returns the driver's result code, or -1 with an exception set for a DirectLaunch it cannot read. */
-static int launch_row(PyObject *native, unsigned long programs, void *stream, void *x, void *values, void *counts,
-                      int32_t n, int32_t stride) {
+/* Launches ``native`` (a DirectLaunch: launch, function, threads, shared, sizes) on a grid of ``gx`` x ``gy``
+   programs with ``values`` as its first parameters, whose widths must be ``expected`` (4: int32, 8: 64 bits), then
+   NULL scratch pointers (8 bytes, at most two). Returns the driver's result code, or -1 with an exception set for a
+   DirectLaunch it cannot read (``caller`` names the caller). */
+static int launch_direct(PyObject *native, const char *caller, unsigned long gx, unsigned long gy, void *stream,
+                         const int64_t *values, const unsigned char *expected, Py_ssize_t n_expected) {
     if (!PyTuple_Check(native) || PyTuple_GET_SIZE(native) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(native, 4))) {
-        PyErr_SetString(PyExc_TypeError, "launch_taken: a DirectLaunch is (launch, function, threads, shared, sizes)");
+        PyErr_Format(PyExc_TypeError, "%s: a DirectLaunch is (launch, function, threads, shared, sizes)", caller);
         return -1;
     }
     void *launch = PyLong_AsVoidPtr(PyTuple_GET_ITEM(native, 0));
@@ -1026,22 +1027,68 @@ static int launch_row(PyObject *native, unsigned long programs, void *stream, vo
     Py_ssize_t count = PyBytes_GET_SIZE(widths);
     const unsigned char *sizes = (const unsigned char *)PyBytes_AS_STRING(widths);
     if (PyErr_Occurred()) return -1;
-    if (launch == NULL || function == NULL || count < 5 || count > MAX_KERNEL_PARAMS) {
-        PyErr_SetString(PyExc_ValueError, "launch_taken: no function, or not the statistics kernel's parameters");
+    if (launch == NULL || function == NULL || count < n_expected || count > n_expected + 2 ||
+        count > MAX_KERNEL_PARAMS) {
+        PyErr_Format(PyExc_ValueError, "%s: no function, or not the kernel's parameters", caller);
         return -1;
     }
-    int64_t wide[MAX_KERNEL_PARAMS] = {(int64_t)(intptr_t)x, (int64_t)(intptr_t)values, (int64_t)(intptr_t)counts};
-    int32_t narrow[2] = {n, stride};
+    int64_t wide[MAX_KERNEL_PARAMS] = {0}; /* past the values: NULL scratch */
+    int32_t narrow[MAX_KERNEL_PARAMS];
     void *params[MAX_KERNEL_PARAMS];
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (sizes[i] != (i == 3 || i == 4 ? 4 : 8)) {
-            PyErr_SetString(PyExc_ValueError, "launch_taken: not the statistics kernel's parameter widths");
+        if (sizes[i] != (i < n_expected ? expected[i] : 8)) {
+            PyErr_Format(PyExc_ValueError, "%s: not the kernel's parameter widths", caller);
             return -1;
         }
-        params[i] = i == 3 || i == 4 ? (void *)&narrow[i - 3] : (void *)&wide[i]; /* past 4: NULL scratch */
+        if (i < n_expected && sizes[i] == 4) {
+            narrow[i] = (int32_t)values[i];
+            params[i] = &narrow[i];
+        } else {
+            wide[i] = i < n_expected ? values[i] : 0;
+            params[i] = &wide[i];
+        }
     }
-    return ((launch_function)launch)(function, (unsigned)programs, 1, 1, (unsigned)threads, 1, 1, (unsigned)shared,
-                                     stream, params, NULL);
+    return ((launch_function)launch)(function, (unsigned)gx, (unsigned)gy, 1, (unsigned)threads, 1, 1,
+                                     (unsigned)shared, stream, params, NULL);
+}
+
+/* The statistics kernel's parameters: x, values, counts (pointers); n, stride (int32) */
+static const unsigned char row_widths[] = {8, 8, 8, 4, 4};
+
+/* A launch of the statistics kernel (``native``: its DirectLaunch) into one row, as launch_kernel's. */
+static int launch_row(PyObject *native, unsigned long programs, void *stream, void *x, void *values, void *counts,
+                      int32_t n, int32_t stride) {
+    int64_t row[5] = {(int64_t)(intptr_t)x, (int64_t)(intptr_t)values, (int64_t)(intptr_t)counts, n, stride};
+    return launch_direct(native, "launch_taken", programs, 1, stream, row, row_widths, 5);
+}
+
+/* launch_batch(native, programs, count, stream, arguments) -> the driver's result code: the batch kernel
+   (triton_stats._batch_kernel; ``native``: its DirectLaunch) on a grid of programs x count, with ``arguments``
+   (a list of BATCH_ENTRIES x (x, values, counts, n) ints) as its parameters. */
+#define BATCH_ENTRIES 8
+static PyObject *launch_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    const char *signature = "launch_batch(native, programs, count, stream, arguments)";
+    if (!takes(nargs, 5, signature)) return NULL;
+    if (!PyList_CheckExact(args[4]) || PyList_GET_SIZE(args[4]) != 4 * BATCH_ENTRIES) {
+        PyErr_Format(PyExc_TypeError, "%s: arguments is a list of %d ints", signature, 4 * BATCH_ENTRIES);
+        return NULL;
+    }
+    unsigned char widths[4 * BATCH_ENTRIES];
+    int64_t values[4 * BATCH_ENTRIES];
+    for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) {
+        widths[i] = i % 4 == 3 ? 4 : 8;
+        values[i] = PyLong_AsLongLong(PyList_GET_ITEM(args[4], i));
+    }
+    unsigned long programs = PyLong_AsUnsignedLong(args[1]), count = PyLong_AsUnsignedLong(args[2]);
+    void *stream = args[3] == Py_None ? NULL : PyLong_AsVoidPtr(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (programs == 0 || count == 0 || count > BATCH_ENTRIES) {
+        PyErr_Format(PyExc_ValueError, "%s: an empty grid, or more than %d tensors", signature, BATCH_ENTRIES);
+        return NULL;
+    }
+    int result = launch_direct(args[0], "launch_batch", programs, count, stream, values, widths, 4 * BATCH_ENTRIES);
+    return result < 0 ? NULL : PyLong_FromLong(result);
 }
 
 /* run_uncompiled(set_eval_frame, function, *args, **kwargs): function(*args, **kwargs) with torch.compile's frame
@@ -1126,14 +1173,14 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(handle, event) X(device, timer) X(_on_device, computer) X(_staged, computer) X(_recent, computer)             \
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
-    X(address, staging) X(row_bytes, staging)
+    X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
     X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
     X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
-    X(_row)
+    X(_row) X(batch) X(queue)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1521,7 +1568,7 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, 
    aligned, key unaligned, the compiled kernels by key, current device, current raw stream, (rows a block, rows at
    most, bytes a float row, bytes a count row)). */
 enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIGNED, PLAN_DIRECT, PLAN_DEVICE,
-       PLAN_STREAM, PLAN_GEOMETRY, PLAN_SIZE };
+       PLAN_STREAM, PLAN_GEOMETRY, PLAN_BATCH_KEY, PLAN_BYTES, PLAN_SIZE };
 
 /* The next row of a StatRows: 1 with its index and addresses, 0 where Python must reserve it (its lock held by
    another thread, or no rows left), 2 where the row's block is not made yet, -1 with an exception set.
@@ -1575,9 +1622,30 @@ done:
     return outcome;
 }
 
+/* batch.queue((tensor, version, batching, stats or None, batch key, stream, address, values row, counts row, n),
+   bytes, stream): see batched.StatBatch. 0, or -1 with an exception set. */
+static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyObject *batching, PyObject *stats,
+                       PyObject *plan, PyObject *stream, void *address, void *values, void *counts, PyObject *n) {
+    PyObject *entry = PyTuple_New(10), *queued = NULL;
+    if (entry == NULL) return -1;
+    PyObject *items[10] = {Py_NewRef(tensor), Py_NewRef(version), Py_NewRef(batching), Py_NewRef(stats),
+                           Py_NewRef(PyTuple_GET_ITEM(plan, PLAN_BATCH_KEY)), Py_NewRef(stream),
+                           PyLong_FromVoidPtr(address), PyLong_FromVoidPtr(values), PyLong_FromVoidPtr(counts),
+                           Py_NewRef(n)};
+    for (Py_ssize_t i = 0; i < 10; i++) PyTuple_SET_ITEM(entry, i, items[i]);
+    if (!PyErr_Occurred())
+        queued = PyObject_CallMethodObjArgs(batch, str_queue, entry, PyTuple_GET_ITEM(plan, PLAN_BYTES), stream, NULL);
+    Py_DECREF(entry);
+    Py_XDECREF(queued);
+    return queued != NULL ? 0 : -1;
+}
+
 /* launch_taken's work: stats (a new reference), None (a new reference) where this path does not apply, NULL with an
-   exception set */
-static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, PyObject *head, PyObject *wanted) {
+   exception set. With a ``batch`` (a batched.StatBatch, else NULL), the tensor's ``version`` and its kind's
+   ``batching`` state (batched.py): a kind queued from now on (0) is queued there instead of launched (where it is
+   16-byte aligned), one still checked (> 0) is launched and queued to be checked. */
+static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, PyObject *head, PyObject *wanted,
+                            PyObject *batch, PyObject *batching, PyObject *version) {
     if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != PLAN_SIZE || !PyDict_CheckExact(head) ||
         !PyDict_Check(PyTuple_GET_ITEM(plan, PLAN_DIRECT)) || !PyTuple_Check(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) ||
         PyTuple_GET_SIZE(PyTuple_GET_ITEM(plan, PLAN_GEOMETRY)) != 4) {
@@ -1589,6 +1657,12 @@ static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, Py
     void *address = PyLong_AsVoidPtr(pointer);
     Py_DECREF(pointer);
     if (PyErr_Occurred()) return NULL;
+    long state = -1; /* the kind's batching state; -1: launched at once */
+    if (batch != NULL && PyList_CheckExact(batching) && PyList_GET_SIZE(batching) == 1) {
+        state = PyLong_AsLong(PyList_GET_ITEM(batching, 0));
+        if (state == -1 && PyErr_Occurred()) return NULL;
+    }
+    int queued = state == 0 && (uintptr_t)address % 16 == 0;
     PyObject *key = PyTuple_GET_ITEM(plan, (uintptr_t)address % 16 ? PLAN_UNALIGNED : PLAN_ALIGNED);
     PyObject *native = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_DIRECT), key); /* borrowed */
     if (native == NULL || native == Py_None) {
@@ -1616,7 +1690,8 @@ static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, Py
     long n_value = PyLong_AsLong(n), stride = PyLong_AsLong(PyTuple_GET_ITEM(plan, PLAN_STRIDE));
     unsigned long programs = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(plan, PLAN_PROGRAMS));
     if (PyErr_Occurred()) goto done;
-    int result = launch_row(native, programs, raw_stream, address, values, counts, (int32_t)n_value, (int32_t)stride);
+    int result = queued ? 0 : launch_row(native, programs, raw_stream, address, values, counts, (int32_t)n_value,
+                                         (int32_t)stride);
     if (result != 0) goto done; /* -1: an exception set; a driver error: the Python path tries and says why */
     /* the row pending, as device.device_stats records it: (rows, row, n, wanted, fused, passes) */
     PyObject *row_index = PyLong_FromLongLong(row);
@@ -1631,6 +1706,9 @@ static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, Py
     PyTuple_SET_ITEM(pending, 4, Py_NewRef(Py_True));
     PyTuple_SET_ITEM(pending, 5, Py_NewRef(one));
     if ((stats = PyDict_Copy(head)) != NULL && PyDict_SetItem(stats, str__pending, pending) < 0) Py_CLEAR(stats);
+    if (stats != NULL && state >= 0 && queue_entry(batch, tensor, version, batching, queued ? stats : Py_None, plan,
+                                                   stream, address, values, counts, n) < 0)
+        Py_CLEAR(stats); /* not queued: the Python path summarises it (its row stays unread) */
 done:
     Py_XDECREF(pending);
     Py_XDECREF(stream);
@@ -1642,7 +1720,7 @@ done:
 static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 5, "launch_taken(plan, rows, tensor, head, wanted)")) return NULL;
-    return launch_for(args[0], args[1], args[2], args[3], args[4]);
+    return launch_for(args[0], args[1], args[2], args[3], args[4], NULL, NULL, NULL);
 }
 
 /* A computer's attribute, a new reference (NULL with an exception set) */
@@ -1723,7 +1801,7 @@ static PyObject *staged_stats(PyObject *staged, PyObject *tensor, PyObject *dtyp
    and any Exception, which the Python path meets again and reports). */
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     PyObject *kinds = GET(computer, _on_device), *staged = NULL, *found = NULL, *version = NULL, *recent = NULL,
-             *key = NULL, *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL;
+             *key = NULL, *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL, *batch = NULL;
     int inference = -1;
     if (kinds == NULL || !PyDict_CheckExact(kinds) || (staged = GET(computer, _staged)) == NULL ||
         !PyDict_CheckExact(staged) || (PyDict_GET_SIZE(kinds) == 0 && PyDict_GET_SIZE(staged) == 0))
@@ -1774,8 +1852,8 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     Py_XDECREF(index);
     Py_XDECREF(contiguous);
     if (key == NULL || (entry = PyDict_GetItemWithError(kinds, key)) == NULL) goto done;
-    Py_INCREF(entry); /* (head, stride, device, plan) */
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4 || PyTuple_GET_ITEM(entry, 3) == Py_None) goto done;
+    Py_INCREF(entry); /* (head, stride, device, plan, batching) */
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 || PyTuple_GET_ITEM(entry, 3) == Py_None) goto done;
     PyObject *transformed = PyObject_CallMethodOneArg(computer, str_in_transform, tensor);
     int plain = transformed != NULL ? transformed == Py_False : -1;
     Py_XDECREF(transformed);
@@ -1797,7 +1875,13 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     }
     Py_XDECREF(rows_for);
     if (rows == NULL || (wanted = GET(computer, wanted)) == NULL) goto done;
-    stats = launch_for(PyTuple_GET_ITEM(entry, 3), rows, tensor, PyTuple_GET_ITEM(entry, 0), wanted);
+    PyObject *batching = PyTuple_GET_ITEM(entry, 4);
+    if (batching != Py_None && !inference && ((batch = GET(computer, batch)) == NULL || batch == Py_None)) {
+        if (batch == NULL) goto done;
+        Py_CLEAR(batch);
+    }
+    stats = launch_for(PyTuple_GET_ITEM(entry, 3), rows, tensor, PyTuple_GET_ITEM(entry, 0), wanted, batch, batching,
+                       version);
     if (stats == NULL || stats == Py_None) goto done;
     /* launched: the forward's rows are read on the host */
     if (PyObject_SetAttr(computer, str__all_finite, Py_False) < 0) goto done;
@@ -1815,6 +1899,7 @@ summarised: /* the tensor is the latest one summarised */
     }
     found = Py_NewRef(stats);
 done:
+    Py_XDECREF(batch);
     Py_XDECREF(stats);
     Py_XDECREF(wanted);
     Py_XDECREF(rows);
@@ -1866,6 +1951,8 @@ static PyMethodDef methods[] = {
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
      "the GIL held"},
+    {"launch_batch", (PyCFunction)(void (*)(void))launch_batch, METH_FASTCALL,
+     "launch_batch(native, programs, count, stream, arguments) -> int: the batch statistics kernel, the GIL held"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth, durations) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,

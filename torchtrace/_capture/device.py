@@ -194,6 +194,10 @@ class _Block:
                 views = self._views[row] = (self.values[row], self.counts[row])
         return views
 
+    def row_addresses(self, row: int) -> tuple[int, int]:
+        """(float row, count row) of row ``row``, as addresses (what the batch kernel takes)."""
+        return self.values_address + row * VALUE_WIDTH * 4, self.counts_address + row * COUNT_WIDTH * 8
+
     def reset(self) -> None:
         """Two launches per block and forward: the Triton kernel adds into its row."""
         self.values.copy_(self.start)
@@ -354,6 +358,21 @@ def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool) -> tuple | 
     """How ``_native.launch_taken`` launches the statistics of tensors of ``x``'s kind from C (``x``: one the fused
     kernel has just reduced), or None where it cannot: see ``triton_stats.launch_plan``."""
     return _triton.launch_plan(x, n, stride, counted, ROW_GEOMETRY) if _triton else None
+
+
+def kernel_works() -> bool:
+    """Whether the Triton kernels are in use (imported for a CUDA tensor, and none has failed)."""
+    return bool(_triton)
+
+
+def launch_batch(key: tuple, stream: Any, members: list[tuple[int, int, int, int]]) -> None:
+    """One launch of the batch kernel: see ``triton_stats.launch_batch``."""
+    _triton.launch_batch(key, stream, members)
+
+
+def raw_stream(x: torch.Tensor) -> int:
+    """The raw current stream of a device tensor's device, as the kernels launch on it (0 under the interpreter)."""
+    return _triton.raw_stream(x.get_device())
 
 
 def reduce(

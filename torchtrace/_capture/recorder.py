@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from opentelemetry import trace
 
+from torchtrace._capture.batched import StatBatch
 from torchtrace._capture.buffer import RecordBuffer
 from torchtrace._capture.device import DeviceWork, event_timer
 from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
@@ -169,9 +170,9 @@ class _ThreadState:
 
     def __init__(self, options: Options, steps: Any) -> None:
         # per thread: it batches per forward; in training, device statistics share the step's rows
-        self.stats = StatComputer(
-            options.stats.names, options.stats.extra, steps.device_rows if steps else None, options.stats.sample
-        )
+        stats = options.stats
+        batch = StatBatch(stats.batch, int(stats.batch_mb * 2**20)) if stats.batch > 1 else None
+        self.stats = StatComputer(stats.names, stats.extra, steps.device_rows if steps else None, stats.sample, batch)
         self.stack: list[int] = []  # positions of the open calls, innermost last
         self.forward: RawForward | None = None  # the forward being recorded
         self.skip_depth = 0  # > 0 inside a forward that is not traced

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtrace._capture.batched import StatBatch, check_later, learning, queue_tensor
 from torchtrace._capture.device import (
     READ_AS_IS,
     ROW_POOL,
@@ -75,7 +76,7 @@ class StatComputer:
     __slots__ = (
         "wanted", "numeric", "extra", "_shape", "_dtype", "_device", "_recent", "_staging", "_copies", "_filled",
         "_dtype_names", "_rows", "_rows_for", "sample", "_all_finite", "_columns", "_codes", "_staged", "_on_device",
-        "in_step", "in_transform",
+        "in_step", "in_transform", "batch",
     )  # fmt: skip
 
     def __init__(
@@ -84,6 +85,7 @@ class StatComputer:
         extra: Mapping[str, StatFunction],
         rows_for: Callable[[torch.device], StatRows] | None = None,
         sample: int | None = None,
+        batch: StatBatch | None = None,
     ) -> None:
         self.wanted = frozenset(wanted)
         self.numeric = any(name in self.wanted for name in _NUMERIC)
@@ -113,8 +115,9 @@ class StatComputer:
         self._staged: dict[tuple, tuple[dict, _Staging | None]] = {}
         # (dtype, shape, device index) of a contiguous device tensor the fused kernel took, or (dtype, shape, device
         # index, strides) of a permuted one (attention's transposed output) -> (its stats before the values, its
-        # sampling stride, its device): see _remember_device_kind
-        self._on_device: dict[tuple, tuple[dict, int, torch.device]] = {}
+        # sampling stride, its device, its C launch plan, its batching state): see _remember_device_kind
+        self._on_device: dict[tuple, tuple[dict, int, torch.device, tuple | None, list[int] | None]] = {}
+        self.batch = batch  # device tensors' launches batched (Stats(batch=N)), else None
         self.in_transform = _in_transform  # what _native.stats_taken asks of a tensor before it reads its memory
 
     def finish_forward(self) -> tuple[list[StatRows], bool, StatTable | None]:
@@ -122,6 +125,8 @@ class StatComputer:
         its stats dict names), then forgets the copies; starts the copy of the device rows to the host and returns
         them (read by ``resolve`` once copied); and says whether no tensor of the forward is known to hold NaN or Inf
         (then nothing needs looking for its first producer)."""
+        if self.batch is not None:  # the queued tensors reduced before the rows are copied
+            self.batch.finish()
         self._forget_recent()
         all_finite, self._all_finite = self._all_finite, True
         staged = [staging for staging in self._staging.values() if staging.count]
@@ -256,18 +261,27 @@ class StatComputer:
             layout = kind if tensor.is_contiguous() else (*kind, tensor.stride())
             n = -(-tensor.numel() // stride)
             plan = launch_plan(tensor, n, stride, "zero_fraction" in self.wanted) if _launch_taken else None
-            self._on_device[layout] = (head, stride, tensor.device, plan)
+            batching = learning() if self.batch is not None and stride == 1 else None
+            self._on_device[layout] = (head, stride, tensor.device, plan, batching)
 
     def _reduce_on_device(self, tensor: torch.Tensor, head: dict, stride: int, device: torch.device,
-                          plan: tuple | None) -> dict:  # fmt: skip
-        """A tensor of a kind the kernel took before: launched from C in one call (``_native.launch_taken``) where
-        its ``plan`` applies, else through ``device_stats``."""
+                          plan: tuple | None, batching: list[int] | None) -> dict:  # fmt: skip
+        """A tensor of a kind the kernel took before: queued for a batched launch where its kind is (batched.py),
+        else launched from C in one call (``_native.launch_taken``) where its ``plan`` applies, else through
+        ``device_stats``; and queued to be checked where its kind is still checked for batching."""
         try:
             rows = self._device_rows(device)
-            stats = _launch_taken(plan, rows, tensor, head, self.wanted) if plan is not None else None
+            version = -1 if batching is None or tensor.is_inference() else tensor._version
+            stats = head.copy() if version >= 0 and batching[0] == 0 else None
+            if stats is not None and not queue_tensor(self.batch, tensor, version, batching, stats, rows, self.wanted):
+                stats = None
             if stats is None:
-                stats = head.copy()
-                device_stats(tensor, rows, self.wanted, stats, stride, taken=True)
+                stats = _launch_taken(plan, rows, tensor, head, self.wanted) if plan is not None else None
+                if stats is None:
+                    stats = head.copy()
+                    device_stats(tensor, rows, self.wanted, stats, stride, taken=True)
+                if version >= 0 and batching[0] > 0:
+                    check_later(self.batch, tensor, version, batching)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats = head.copy()

@@ -19,9 +19,10 @@ import triton.language as tl
 from torchtrace._capture.cuda_driver import driver, kernel_param_sizes
 
 try:
+    from torchtrace._native import launch_batch as _launch_batch
     from torchtrace._native import launch_kernel as _launch_kernel
 except ImportError:  # not built: Triton's launcher
-    _launch_kernel = None
+    _launch_kernel = _launch_batch = None
 
 _logger = logging.getLogger(__name__)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)  # CUDA builds of torch only
@@ -49,8 +50,14 @@ def _load(x_ptr, offsets, stride, mask, CONTIGUOUS: tl.constexpr):
 def _row_kernel(
     x_ptr, values_ptr, counts_ptr, n, stride, COUNT_ZEROS: tl.constexpr, CONTIGUOUS: tl.constexpr, BLOCK: tl.constexpr
 ):
-    program = tl.program_id(0)
-    programs = tl.num_programs(0)
+    _reduce(x_ptr, values_ptr, counts_ptr, n, stride, tl.program_id(0), tl.num_programs(0), COUNT_ZEROS, CONTIGUOUS,
+            BLOCK)  # fmt: skip
+
+
+@triton.jit
+def _reduce(x_ptr, values_ptr, counts_ptr, n, stride, program, programs, COUNT_ZEROS: tl.constexpr,
+            CONTIGUOUS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Adds this program's share of the raw sums of ``x`` into its row (the kernels' common body)."""
     # Sums of x - shift, shift being the mean of the finite values among the first BLOCK: the variance then does
     # not cancel when |mean| >> std. Every program computes the same shift from the same (cached) block.
     head = tl.arange(0, BLOCK)
@@ -90,6 +97,42 @@ def _row_kernel(
     tl.atomic_add(counts_ptr + 1, tl.sum(infs, axis=0).to(tl.int64))
     if COUNT_ZEROS:
         tl.atomic_add(counts_ptr + 2, tl.sum(nonzero, axis=0).to(tl.int64))
+
+
+BATCH = 8  # tensors one launch of the batch kernel reduces, at most
+_BATCH_PARAMETERS = [f"{name}{entry}" for entry in range(BATCH) for name in ("x", "values", "counts", "n")]
+
+
+@triton.jit
+def _pick(entry, a0, a1, a2, a3, a4, a5, a6, a7):
+    """The argument of batch entry ``entry`` (a kernel cannot index its parameters)."""
+    picked = tl.where(entry == 6, a6, a7)
+    picked = tl.where(entry == 5, a5, picked)
+    picked = tl.where(entry == 4, a4, picked)
+    picked = tl.where(entry == 3, a3, picked)
+    picked = tl.where(entry == 2, a2, picked)
+    picked = tl.where(entry == 1, a1, picked)
+    return tl.where(entry == 0, a0, picked)
+
+
+# Up to BATCH contiguous tensors of one dtype, each into its own row: grid (programs a tensor, tensors). Addresses
+# are int64 parameters, made pointers here: the host queues them without making a tensor a row. Every one is
+# 16-byte aligned (the caller's check), as the single kernel's specialisation tells its compiler.
+@triton.jit(do_not_specialize=_BATCH_PARAMETERS)
+def _batch_kernel(
+    x0, values0, counts0, n0, x1, values1, counts1, n1, x2, values2, counts2, n2, x3, values3, counts3, n3,
+    x4, values4, counts4, n4, x5, values5, counts5, n5, x6, values6, counts6, n6, x7, values7, counts7, n7,
+    DTYPE: tl.constexpr, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    entry = tl.program_id(1)
+    x = _pick(entry, x0, x1, x2, x3, x4, x5, x6, x7)
+    values = _pick(entry, values0, values1, values2, values3, values4, values5, values6, values7)
+    counts = _pick(entry, counts0, counts1, counts2, counts3, counts4, counts5, counts6, counts7)
+    n = _pick(entry, n0, n1, n2, n3, n4, n5, n6, n7)
+    x_ptr = tl.multiple_of(x, 16).to(tl.pointer_type(DTYPE))
+    values_ptr = tl.multiple_of(values, 16).to(tl.pointer_type(tl.float32))
+    counts_ptr = tl.multiple_of(counts, 16).to(tl.pointer_type(tl.int64))
+    _reduce(x_ptr, values_ptr, counts_ptr, n, 1, tl.program_id(0), tl.num_programs(0), COUNT_ZEROS, True, BLOCK)
 
 
 _programs: dict[int, int] = {}  # device index -> programs in a full grid
@@ -169,6 +212,8 @@ _direct: dict[tuple, DirectLaunch | None] = {}  # that key -> how to launch it f
 launch_directly = True  # False once this Triton's compiled kernels take other arguments (then the JIT launches)
 _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used the device yet (Triton's launcher then)
 _ARGUMENT_SIZES = (8, 8, 8, 4, 4)  # x, values, counts (pointers); n, stride (int32)
+BATCH_ARGUMENT_SIZES = (8, 8, 8, 4) * BATCH  # x, values, counts (int64 addresses); n (int32), of each entry
+_batch_direct: dict[tuple, DirectLaunch | None] = {}  # (device index, dtype, counted) -> the batch kernel's launch
 
 
 class DirectLaunch(NamedTuple):
@@ -191,20 +236,24 @@ def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool, geometry: t
     if _launch_kernel is None or not launch_directly or not (_direct.get(aligned) or _direct.get(unaligned)):
         return None
     programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))
-    return (n, stride, programs, index, aligned, unaligned, _direct, _current_device, _current_raw_stream, geometry)
+    batch_key = (index, x.dtype, counted)  # what batched.StatBatch queues a tensor under, and how many bytes it holds
+    return (n, stride, programs, index, aligned, unaligned, _direct, _current_device, _current_raw_stream, geometry,
+            batch_key, n * x.element_size())  # fmt: skip
 
 
 def forget_compiled() -> None:
     """The kernel failed: nothing is launched from C any longer (launch plans read these), Triton's JIT compiles
     again if it is ever asked."""
     _direct.clear()
+    _batch_direct.clear()
     _launchers.clear()
     _compiled.clear()
 
 
-def direct_launch(kernel: Any) -> DirectLaunch | None:
-    """How to launch a compiled kernel from C, or None where anything about it is not what this module passes: a
-    Triton that adds parameters, needs scratch memory, clusters or cooperative launches; no driver; no C module."""
+def direct_launch(kernel: Any, arguments: tuple[int, ...] = _ARGUMENT_SIZES) -> DirectLaunch | None:
+    """How to launch a compiled kernel from C, or None where anything about it is not what this module passes
+    (``arguments``: the widths of its parameters): a Triton that adds parameters, needs scratch memory, clusters or
+    cooperative launches; no driver; no C module."""
     cuda = driver()
     if _launch_kernel is None or cuda is None:
         return None
@@ -222,9 +271,9 @@ def direct_launch(kernel: Any) -> DirectLaunch | None:
         ):
             return None
         sizes = kernel_param_sizes(function)
-        if sizes is None or sizes[: len(_ARGUMENT_SIZES)] != _ARGUMENT_SIZES:
+        if sizes is None or sizes[: len(arguments)] != arguments:
             return None
-        scratch = sizes[len(_ARGUMENT_SIZES) :]
+        scratch = sizes[len(arguments) :]
         if len(scratch) > 2 or any(size != 8 for size in scratch):
             return None
         return DirectLaunch(cuda.launch_address, function, 32 * metadata.num_warps, metadata.shared, bytes(sizes))
@@ -258,3 +307,52 @@ def _launch(x: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, n: int,
     if direct:
         _compiled[key] = kernel
         _direct[key] = direct_launch(kernel)
+
+
+def launch_batch(key: tuple, stream: Any, members: list[tuple[int, int, int, int]]) -> None:
+    """One launch of the batch kernel over ``members`` (at most BATCH of (address, values row address, counts row
+    address, elements): 16-byte aligned tensors whose elements fill one block of memory, of the kind ``key``:
+    (device index, dtype, counted)) on ``stream`` (a raw stream) of the members' device: from C once the kernel is
+    compiled, else through Triton's JIT (which compiles it)."""
+    index = key[0]
+    programs = min(-(-max(member[3] for member in members) // BLOCK), max(1, _max_programs(index) // len(members)))
+    padded = members + members[:1] * (BATCH - len(members))  # never read: the grid has one row of programs a member
+    arguments = [value for member in padded for value in member]
+    if index >= 0 and index != _current_device():  # the launch from C is on the current device
+        with torch.cuda.device(index):
+            _launch_batch_here(key, programs, len(members), stream, arguments)
+    else:
+        _launch_batch_here(key, programs, len(members), stream, arguments)
+
+
+def _launch_batch_here(key: tuple, programs: int, count: int, stream: Any, arguments: list[int]) -> None:
+    native = _batch_direct.get(key)
+    if native is not None:
+        result = _launch_batch(native, programs, count, stream, arguments)
+        if result == 0:
+            return
+        if result != _NO_CONTEXT:
+            raise RuntimeError(f"torchtrace: launching the batched statistics kernel failed with CUDA error {result}")
+    index = key[0]
+    if index >= 0:  # Triton's JIT launches on torch's current stream: the queued tensors' own
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=index)):
+            _jit_batch(key, programs, count, arguments)
+    else:  # Triton's interpreter (tests/test_device.py): the host's memory
+        _jit_batch(key, programs, count, arguments)
+
+
+def raw_stream(index: int) -> int:
+    """The raw current stream of device ``index`` (0: the CPU, under the interpreter)."""
+    return _current_raw_stream(index) if index >= 0 else 0
+
+
+def _jit_batch(key: tuple, programs: int, count: int, arguments: list[int]) -> None:
+    index, dtype, counted = key
+    kernel = _batch_kernel[(programs, count)](
+        *arguments, DTYPE=_TRITON_DTYPES[dtype], COUNT_ZEROS=counted, BLOCK=BLOCK, **OPTIONS
+    )
+    if index >= 0 and launch_directly and key not in _batch_direct:
+        _batch_direct[key] = direct_launch(kernel, BATCH_ARGUMENT_SIZES)
+
+
+_TRITON_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -353,6 +353,9 @@ class Stats(_Group):
         inputs: summarise module inputs too.
         max_tensors: tensors summarised per output (and per input).
         sample: summarise a larger tensor from an evenly spaced sample of about this many elements.
+        batch: on a GPU, reduce the statistics of up to this many output tensors with one kernel launch (1: each at
+            once). Tensors wait, referenced, until then; see docs/gpus.md.
+        batch_mb: MiB of waiting tensors that launch their batch early (the memory batching may hold per thread).
         on_nonfinite: on a NaN/Inf output: ``None`` (mark the span), ``"raise"``, or a callable(``NonFiniteError``).
     """
 
@@ -370,6 +373,14 @@ class Stats(_Group):
     sample: int | None = option(
         None, "`None`: every element; else summarise larger tensors from about this many",
         env="TORCHTRACE_STATS_SAMPLE", parse=parse_int, check=number(1),
+    )  # fmt: skip
+    batch: int | None = option(
+        1, "on a GPU: output tensors whose statistics one kernel launch reduces (1: each at once; at most 8)",
+        env="TORCHTRACE_STATS_BATCH", parse=parse_int, check=number(1, 8),
+    )  # fmt: skip
+    batch_mb: float | None = option(
+        64.0, "MiB of tensors waiting for a batched launch that launch it early",
+        env="TORCHTRACE_STATS_BATCH_MB", parse=parse_float, check=number(0, integer=False),
     )  # fmt: skip
     on_nonfinite: str | Callable[[Any], Any] | None = option(
         None, '`None` (mark the span only), `"raise"` or a callable(`NonFiniteError`)', check=_nonfinite

@@ -1,0 +1,191 @@
+"""Batched statistics launches (``Stats(batch=N)``): device tensors queued and reduced N to a kernel launch.
+
+Run on any machine: the Triton kernels interpreted on CPU tensors routed through the device rows (values), and the
+CUDA host path on the simulated device (what is launched, and from where). A batch must never report statistics
+other than those of the tensor its module returned, even where the model changes it in place afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from test_device import device_rows, simulated_cuda, triton_kernel  # noqa: F401 (fixtures)
+from test_statistics import assert_stats_match
+from torch import nn
+
+import torchtrace
+from torchtrace._capture.batched import CHANGED_IN_PLACE, LEARNING_FORWARDS
+from torchtrace.testing import capture_spans
+
+PREFIX = "torchtrace.output."
+
+
+class Residual(nn.Module):
+    """A block that changes its first layer's output in place after that layer returned (as ``out += identity``
+    does in a ResNet) when ``in_place`` is set."""
+
+    def __init__(self, width: int, in_place: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.second = nn.Linear(width, width)
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.first(x)
+        if self.in_place:
+            out += x
+        return self.second(out)
+
+
+def returned_outputs(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Each leaf's outputs as it returned them (copies), by module name, forward after forward."""
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if not list(module.children()):
+            module.register_forward_hook(
+                lambda module, args, output, name=name: outputs.setdefault(name, []).append(output.detach().clone())
+            )
+    return outputs
+
+
+@pytest.fixture
+def batch_launches(triton_kernel, monkeypatch):  # noqa: F811
+    """The tensors of each batched launch (interpreted), in order."""
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
+    launched = []
+    launch = kernel._jit_batch
+
+    def counted(key, programs, count, arguments):
+        launched.append(count)
+        launch(key, programs, count, arguments)
+
+    monkeypatch.setattr(kernel, "_jit_batch", counted)
+    return launched
+
+
+def span_of(captured, name: str, forward: int):
+    return [span for span in captured.spans() if span.attributes.get("torchtrace.module.path") == name][forward]
+
+
+def test_batched_statistics_are_torchs_for_every_forward(batch_launches):
+    """A kind of tensor is launched one by one (and checked) in its first two forwards, then queued and reduced eight
+    tensors to a launch: every span's statistics are torch's for the tensor its module returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(16, 16), nn.Tanh())])
+    returned = returned_outputs(model)
+    forwards = 5
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(forwards):
+            model(torch.randn(4, 16) * 3 + 1)
+        captured.handle.flush()
+        for name, outputs in returned.items():
+            for forward, output in enumerate(outputs):
+                attributes = span_of(captured, name, forward).attributes
+                assert "torchtrace.output.stats_error" not in attributes
+                assert_stats_match(attributes, output, prefix=PREFIX)
+    # 12 tensors a forward: none batched while checked, then 8 + 4 a forward
+    assert batch_launches == [8, 4] * (forwards - LEARNING_FORWARDS)
+
+
+def test_a_kind_changed_in_place_after_its_module_returned_is_never_batched(batch_launches):
+    """``out += x`` after a layer returned: found while its kind is checked, so that kind is launched one by one
+    from then on, and no statistics are ever read from the changed values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Residual(16, in_place=True), Residual(16, in_place=True))
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(4):
+            model(torch.randn(4, 16))
+        captured.handle.flush()
+        for name, outputs in returned.items():
+            for forward, output in enumerate(outputs):
+                assert_stats_match(span_of(captured, name, forward).attributes, output, prefix=PREFIX)
+    assert batch_launches == []  # every output is of the one kind (4, 16) float32
+
+
+def test_a_tensor_changed_in_place_after_it_was_queued_reports_that_instead_of_wrong_statistics(batch_launches):
+    """A model that starts changing an output in place once its kind is queued (a branch taken later): that call's
+    statistics say so, nothing else is lost, and its kind is launched one by one from then on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Residual(16, in_place=False), Residual(16, in_place=False))
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(LEARNING_FORWARDS + 1):
+            model(torch.randn(4, 16))
+        queued_launches = len(batch_launches)
+        model[0].in_place = True
+        model(torch.randn(4, 16))
+        model(torch.randn(4, 16))
+        captured.handle.flush()
+        changed = span_of(captured, "0.first", LEARNING_FORWARDS + 1).attributes
+        assert changed["torchtrace.output.stats_error"] == CHANGED_IN_PLACE
+        assert "torchtrace.output.mean" not in changed
+        for name, outputs in returned.items():
+            for forward, output in enumerate(outputs):
+                if (name, forward) != ("0.first", LEARNING_FORWARDS + 1):
+                    assert_stats_match(span_of(captured, name, forward).attributes, output, prefix=PREFIX)
+    # the third forward's four tensors in one launch; the fourth forward's other three (the change is found when its
+    # queue is reduced, at the forward's end); none after
+    assert queued_launches == 1 and batch_launches == [4, 3]
+
+
+def launches_a_forward(stubs, model: nn.Module, forwards: int, **options) -> list[tuple[int, int]]:
+    """(kernel launches, tensors they reduce) of each forward on the simulated CUDA device."""
+    counts = []
+    with torchtrace.instrument(model, exporter="none", **options) as handle:
+        for _ in range(forwards):
+            before = stubs.counts()
+            model(torch.randn(4, 16))
+            handle.flush()
+            after = stubs.counts()
+            counts.append((after["launches"] - before["launches"], after["tensors"] - before["tensors"]))
+    return counts
+
+
+def test_a_batched_cuda_forward_launches_once_per_eight_tensors_from_c(simulated_cuda):  # noqa: F811
+    """What a batched CUDA forward asks of the driver, pinned: its ten tensors launched one by one in the two checked
+    forwards, then two launches a forward (eight tensors, then two); one a tensor under inference_mode, where tensors
+    have no version to check, and where the tensors queued reach Stats.batch_mb."""
+    model = nn.Sequential(*[layer for _ in range(5) for layer in (nn.Linear(16, 16), nn.ReLU())])
+    batched = torchtrace.Stats(batch=8)
+    assert launches_a_forward(simulated_cuda, model, 5, stats=batched) == [(10, 10)] * 2 + [(2, 10)] * 3
+    with torch.inference_mode():  # (the model's output is summarised again: its last child's tensor, unversioned)
+        assert launches_a_forward(simulated_cuda, model, 4, stats=batched) == [(11, 11)] * 4
+    small = torchtrace.Stats(batch=8, batch_mb=1e-6)  # 4 x 16 float32 tensors: 256 bytes each
+    assert launches_a_forward(simulated_cuda, model, 4, stats=small) == [(10, 10)] * 4
+    assert launches_a_forward(simulated_cuda, model, 3) == [(10, 10)] * 3  # the default: one launch a tensor
+
+
+def test_the_batch_launch_from_c_passes_each_tensors_memory_and_row(simulated_cuda):  # noqa: F811
+    """The queued tensors' addresses, rows and sizes reach the driver as the batch kernel's parameters."""
+    native = importlib.import_module("torchtrace._native")
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
+    native_launch = kernel._batch_direct[(-1, torch.float32, True)]
+    tensors = [torch.randn(n) for n in (5, 7, 9)]
+    members = [(t.data_ptr(), 1000 + 32 * i, 2000 + 32 * i, t.numel()) for i, t in enumerate(tensors)]
+    before = simulated_cuda.counts()
+    kernel.launch_batch((-1, torch.float32, True), 0, members)
+    after = simulated_cuda.counts()
+    assert (after["launches"] - before["launches"], after["tensors"] - before["tensors"]) == (1, 3)
+    x, values, counts, n, _ = simulated_cuda.launched()[-1]
+    assert (x, values, counts, n) == members[0]
+    arguments = [value for member in members + members[:1] * 5 for value in member]
+    with pytest.raises(ValueError, match="more than 8 tensors"):
+        native.launch_batch(native_launch, 1, 9, 0, arguments)
+    with pytest.raises(TypeError, match="a list of 32 ints"):
+        native.launch_batch(native_launch, 1, 3, 0, arguments[:-1])
+
+
+@pytest.mark.parametrize("batch", [0, 9, True, 2.5])
+def test_a_batch_size_outside_one_to_eight_is_refused(batch):
+    with pytest.raises(ValueError, match="batch"):
+        torchtrace.instrument(nn.Linear(2, 2), exporter="none", stats=torchtrace.Stats(batch=batch))
+
+
+def test_the_batch_size_and_bound_are_read_from_their_variables(monkeypatch):
+    monkeypatch.setenv("TORCHTRACE_STATS_BATCH", "4")
+    monkeypatch.setenv("TORCHTRACE_STATS_BATCH_MB", "8")
+    with torchtrace.instrument(nn.Linear(2, 2), exporter="none") as handle:
+        assert (handle.options.stats.batch, handle.options.stats.batch_mb) == (4, 8.0)
