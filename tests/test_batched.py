@@ -189,3 +189,27 @@ def test_the_batch_size_and_bound_are_read_from_their_variables(monkeypatch):
     monkeypatch.setenv("TORCHTRACE_STATS_BATCH_MB", "8")
     with torchtrace.instrument(nn.Linear(2, 2), exporter="none") as handle:
         assert (handle.options.stats.batch, handle.options.stats.batch_mb) == (4, 8.0)
+
+
+def test_the_compiled_queue_leaves_a_tensor_changed_since_it_was_queued_to_python_which_reports_it(
+    simulated_cuda,  # noqa: F811
+):
+    """On the CUDA host path the queue is filled and launched in C; a queue holding a tensor changed since it was
+    queued is launched by Python instead, which leaves that tensor out and says so on its span."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Residual(16, in_place=False) for _ in range(4)])  # eight outputs a forward
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(LEARNING_FORWARDS + 1):
+            model(torch.randn(4, 16))
+        before = simulated_cuda.counts()
+        model[1].in_place = True
+        model(torch.randn(4, 16))
+        after = simulated_cuda.counts()
+        captured.handle.flush()
+        errors = {
+            span.attributes["torchtrace.module.path"]: span.attributes.get("torchtrace.output.stats_error")
+            for span in captured.spans()[-len(list(model.modules())) :]
+        }
+    assert errors.pop("1.first") == CHANGED_IN_PLACE
+    assert set(errors.values()) == {None}
+    assert (after["launches"] - before["launches"], after["tensors"] - before["tensors"]) == (1, 7)

@@ -1173,14 +1173,15 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(handle, event) X(device, timer) X(_on_device, computer) X(_staged, computer) X(_recent, computer)             \
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
-    X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch)
+    X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch) X(launch, batch) X(entries, batch)  \
+    X(limits, batch) X(bytes, batch) X(checked, batch)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
     X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
     X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
-    X(_row) X(batch) X(queue)
+    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1566,9 +1567,10 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, 
    rows' lock held by another thread or every row used, a launch the driver refused): the Python path then
    reduces the tensor and says why where something failed. ``plan``: (n, stride, programs, device index, key
    aligned, key unaligned, the compiled kernels by key, current device, current raw stream, (rows a block, rows at
-   most, bytes a float row, bytes a count row)). */
+   most, bytes a float row, bytes a count row), the batch kernel's key, the tensor's bytes, the batch kernel's
+   compiled launches by key, (its BLOCK, programs in a full grid)). */
 enum { PLAN_N, PLAN_STRIDE, PLAN_PROGRAMS, PLAN_INDEX, PLAN_ALIGNED, PLAN_UNALIGNED, PLAN_DIRECT, PLAN_DEVICE,
-       PLAN_STREAM, PLAN_GEOMETRY, PLAN_BATCH_KEY, PLAN_BYTES, PLAN_SIZE };
+       PLAN_STREAM, PLAN_GEOMETRY, PLAN_BATCH_KEY, PLAN_BYTES, PLAN_BATCH_DIRECT, PLAN_BATCH_GRID, PLAN_SIZE };
 
 /* The next row of a StatRows: 1 with its index and addresses, 0 where Python must reserve it (its lock held by
    another thread, or no rows left), 2 where the row's block is not made yet, -1 with an exception set.
@@ -1622,22 +1624,132 @@ done:
     return outcome;
 }
 
-/* batch.queue((tensor, version, batching, stats or None, batch key, stream, address, values row, counts row, n),
-   bytes, stream): see batched.StatBatch. 0, or -1 with an exception set. */
+/* A batched.StatBatch entry, by index: (tensor, version, its kind's batching state, stats or None (checked only),
+   batch key, raw stream, address, values row, counts row, elements) */
+enum { ENTRY_TENSOR, ENTRY_VERSION, ENTRY_STATE, ENTRY_STATS, ENTRY_KEY, ENTRY_STREAM, ENTRY_ADDRESS, ENTRY_VALUES,
+       ENTRY_COUNTS, ENTRY_N, ENTRY_SIZE };
+
+/* Whether two entries are of one batch kernel key and stream (1), not (0), or -1 with an exception set */
+static int same_batch(PyObject *entry, PyObject *first) {
+    PyObject *key = PyTuple_GET_ITEM(entry, ENTRY_KEY), *first_key = PyTuple_GET_ITEM(first, ENTRY_KEY);
+    int same = key == first_key ? 1 : PyObject_RichCompareBool(key, first_key, Py_EQ);
+    return same > 0 ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, ENTRY_STREAM),
+                                               PyTuple_GET_ITEM(first, ENTRY_STREAM), Py_EQ)
+                    : same;
+}
+
+/* A full queue launched in C, as StatBatch.launch does where every queued tensor is unchanged: 1 (launched, the
+   queue emptied, the checked kinds noted), 0 where batch.launch() is to (a tensor changed since it was queued, a
+   queue of several kinds or streams, the batch kernel not compiled yet, a launch the driver refused: Python's says
+   why), -1 with an exception set. */
+static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
+    Py_ssize_t count = PyList_GET_SIZE(entries), members = 0;
+    if (count == 0 || count > BATCH_ENTRIES) return 0;
+    PyObject *first = PyList_GET_ITEM(entries, 0);
+    PyObject *native = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT),
+                                               PyTuple_GET_ITEM(first, ENTRY_KEY)); /* borrowed */
+    if (native == NULL || native == Py_None) return PyErr_Occurred() ? -1 : 0;
+    int64_t values[4 * BATCH_ENTRIES];
+    unsigned char widths[4 * BATCH_ENTRIES];
+    long long most = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE) return 0;
+        int same = same_batch(entry, first);
+        if (same <= 0) return same;
+        PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(entry, ENTRY_TENSOR), str__version);
+        int unchanged = now != NULL ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(entry, ENTRY_VERSION), Py_EQ) : -1;
+        Py_XDECREF(now);
+        if (unchanged <= 0) return unchanged;
+        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue; /* checked only */
+        for (int j = 0; j < 4; j++)
+            values[4 * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
+        if (values[4 * members + 3] > most) most = values[4 * members + 3];
+        members++;
+    }
+    PyObject *grid = PyTuple_GET_ITEM(plan, PLAN_BATCH_GRID), *checked = list_attribute(batch, str_checked);
+    long long block = PyTuple_Check(grid) && PyTuple_GET_SIZE(grid) == 2 ? PyLong_AsLongLong(PyTuple_GET_ITEM(grid, 0))
+                                                                         : 0;
+    long long full = block > 0 ? PyLong_AsLongLong(PyTuple_GET_ITEM(grid, 1)) : 0;
+    PyObject *stream = PyTuple_GET_ITEM(first, ENTRY_STREAM);
+    void *raw_stream = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
+    if (checked == NULL || block <= 0 || full <= 0 || PyErr_Occurred()) {
+        Py_XDECREF(checked);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (members) { /* slots past the members: copies of the first (the grid has no programs for them) */
+        for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) {
+            widths[i] = i % 4 == 3 ? 4 : 8;
+            if (i >= 4 * members) values[i] = values[i % 4];
+        }
+        long long programs = (most + block - 1) / block, room = full / members > 0 ? full / members : 1;
+        int result = launch_direct(native, "launch_batch", (unsigned long)(programs < room ? programs : room),
+                                   (unsigned long)members, raw_stream, values, widths, 4 * BATCH_ENTRIES);
+        if (result != 0) {
+            Py_DECREF(checked);
+            return result < 0 ? -1 : 0;
+        }
+    }
+    int noted = 0;
+    for (Py_ssize_t i = 0; i < count && noted == 0; i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i);
+        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None)
+            noted = PyList_Append(checked, PyTuple_GET_ITEM(entry, ENTRY_STATE));
+    }
+    Py_DECREF(checked);
+    if (noted < 0 || PyList_SetSlice(entries, 0, count, NULL) < 0 || PyObject_SetAttr(batch, str_bytes, zero) < 0)
+        return -1;
+    return 1;
+}
+
+/* Queues (tensor, version, batching, stats or None, ...: see ENTRY_SIZE) in ``batch`` as StatBatch.queue does: in C
+   where the queue is empty or of the entry's kind and stream (and launched in C where it is full: launch_queue),
+   else through queue(). 0, or -1 with an exception set. */
 static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyObject *batching, PyObject *stats,
                        PyObject *plan, PyObject *stream, void *address, void *values, void *counts, PyObject *n) {
-    PyObject *entry = PyTuple_New(10), *queued = NULL;
+    PyObject *entry = PyTuple_New(ENTRY_SIZE), *entries = NULL, *limits = NULL, *held = NULL, *now = NULL;
     if (entry == NULL) return -1;
-    PyObject *items[10] = {Py_NewRef(tensor), Py_NewRef(version), Py_NewRef(batching), Py_NewRef(stats),
-                           Py_NewRef(PyTuple_GET_ITEM(plan, PLAN_BATCH_KEY)), Py_NewRef(stream),
-                           PyLong_FromVoidPtr(address), PyLong_FromVoidPtr(values), PyLong_FromVoidPtr(counts),
-                           Py_NewRef(n)};
-    for (Py_ssize_t i = 0; i < 10; i++) PyTuple_SET_ITEM(entry, i, items[i]);
-    if (!PyErr_Occurred())
-        queued = PyObject_CallMethodObjArgs(batch, str_queue, entry, PyTuple_GET_ITEM(plan, PLAN_BYTES), stream, NULL);
+    PyObject *items[ENTRY_SIZE] = {Py_NewRef(tensor), Py_NewRef(version), Py_NewRef(batching), Py_NewRef(stats),
+                                   Py_NewRef(PyTuple_GET_ITEM(plan, PLAN_BATCH_KEY)), Py_NewRef(stream),
+                                   PyLong_FromVoidPtr(address), PyLong_FromVoidPtr(values), PyLong_FromVoidPtr(counts),
+                                   Py_NewRef(n)};
+    for (Py_ssize_t i = 0; i < ENTRY_SIZE; i++) PyTuple_SET_ITEM(entry, i, items[i]);
+    PyObject *nbytes = PyTuple_GET_ITEM(plan, PLAN_BYTES);
+    int outcome = -1, same = 0;
+    if (PyErr_Occurred() || (entries = list_attribute(batch, str_entries)) == NULL ||
+        (limits = PyObject_GetAttr(batch, str_limits)) == NULL || (held = PyObject_GetAttr(batch, str_bytes)) == NULL)
+        goto done;
+    same = PyList_GET_SIZE(entries) == 0 ? 1 : same_batch(entry, PyList_GET_ITEM(entries, 0));
+    if (same < 0) goto done;
+    if (!same || !PyTuple_CheckExact(limits) || PyTuple_GET_SIZE(limits) != 2) { /* the general path */
+        PyObject *queued = PyObject_CallMethodObjArgs(batch, str_queue, entry, nbytes, NULL);
+        outcome = queued != NULL ? 0 : -1;
+        Py_XDECREF(queued);
+        goto done;
+    }
+    if (PyList_Append(entries, entry) < 0 || (now = PyNumber_Add(held, nbytes)) == NULL ||
+        PyObject_SetAttr(batch, str_bytes, now) < 0)
+        goto done;
+    int full = PyList_GET_SIZE(entries) >= PyLong_AsSsize_t(PyTuple_GET_ITEM(limits, 0));
+    if (!full) full = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(limits, 1), Py_GE);
+    if (full < 0 || PyErr_Occurred()) goto done;
+    outcome = 0;
+    if (full) {
+        int launched = launch_queue(batch, entries, plan);
+        if (launched == 0) { /* Python's launch: changed tensors, several kinds, a first compilation, errors */
+            PyObject *done_launching = PyObject_CallMethodNoArgs(batch, str_launch);
+            launched = done_launching != NULL ? 1 : -1;
+            Py_XDECREF(done_launching);
+        }
+        outcome = launched < 0 ? -1 : 0;
+    }
+done:
+    Py_XDECREF(now);
+    Py_XDECREF(held);
+    Py_XDECREF(limits);
+    Py_XDECREF(entries);
     Py_DECREF(entry);
-    Py_XDECREF(queued);
-    return queued != NULL ? 0 : -1;
+    return outcome;
 }
 
 /* launch_taken's work: stats (a new reference), None (a new reference) where this path does not apply, NULL with an
@@ -1706,8 +1818,9 @@ static PyObject *launch_for(PyObject *plan, PyObject *rows, PyObject *tensor, Py
     PyTuple_SET_ITEM(pending, 4, Py_NewRef(Py_True));
     PyTuple_SET_ITEM(pending, 5, Py_NewRef(one));
     if ((stats = PyDict_Copy(head)) != NULL && PyDict_SetItem(stats, str__pending, pending) < 0) Py_CLEAR(stats);
-    if (stats != NULL && state >= 0 && queue_entry(batch, tensor, version, batching, queued ? stats : Py_None, plan,
-                                                   stream, address, values, counts, n) < 0)
+    if (stats != NULL && (queued || state > 0) &&
+        queue_entry(batch, tensor, version, batching, queued ? stats : Py_None, plan, stream, address, values, counts,
+                    n) < 0)
         Py_CLEAR(stats); /* not queued: the Python path summarises it (its row stays unread) */
 done:
     Py_XDECREF(pending);

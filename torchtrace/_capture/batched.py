@@ -42,26 +42,26 @@ def learning() -> list[int]:
 
 class StatBatch:
     """The queue of one thread's forwards: ``entries`` of (tensor, version, its kind's state, its stats or None for
-    a tensor only checked, kernel key, raw stream, address, values row address, counts row address, elements).
-    ``_native.stats_taken`` appends to it as this module does (``queue``), and calls ``launch`` when it is full."""
+    a tensor only checked, kernel key, raw stream, address, values row address, counts row address, elements), all
+    of one kernel key and stream. ``_native.stats_taken`` appends to it and launches it as ``queue`` and ``launch``
+    do, in C where it can (every tensor unchanged, the kernel compiled), else by calling them."""
 
-    __slots__ = ("size", "bound", "entries", "bytes", "stream", "checked", "_failed")
+    __slots__ = ("size", "bound", "limits", "entries", "bytes", "checked", "_failed")
 
     def __init__(self, size: int, bound: int) -> None:
         self.size = size  # tensors a launch reduces (at most triton_stats.BATCH)
         self.bound = bound  # bytes of queued tensors that launch the queue
+        self.limits = (size, bound)  # both, read by C in one attribute read
         self.entries: list[tuple] = []
         self.bytes = 0
-        self.stream: Any = None  # the raw stream the queued tensors were made on (one per queue)
         self.checked: list[list[int]] = []  # states of kinds found unchanged since the forward began
         self._failed = False
 
-    def queue(self, entry: tuple, nbytes: int, stream: Any) -> None:
-        """Queues one entry (see the class) made on ``stream``; launches the queue first where it holds another
-        stream's tensors, and after where it is full."""
-        if self.entries and stream != self.stream:
+    def queue(self, entry: tuple, nbytes: int) -> None:
+        """Queues one entry (see the class) holding ``nbytes``; launches the queue first where it holds another
+        kind's or stream's tensors, and after where it is full."""
+        if self.entries and entry[4:6] != self.entries[0][4:6]:
             self.launch()
-        self.stream = stream
         self.entries.append(entry)
         self.bytes += nbytes
         if len(self.entries) >= self.size or self.bytes >= self.bound:
@@ -126,15 +126,19 @@ def queue_tensor(batch: StatBatch, tensor: torch.Tensor, version: int, state: li
     index, block, row = reserved
     n = tensor.numel()
     stats["_pending"] = (rows, index, n, wanted, True, 1)
-    key, stream = (tensor.get_device(), tensor.dtype, "zero_fraction" in wanted), device.raw_stream(tensor)
-    batch.queue((tensor, version, state, stats, key, stream, address, *block.row_addresses(row), n),
-                n * tensor.element_size(), stream)  # fmt: skip
+    entry = (tensor, version, state, stats, batch_key(tensor, wanted), device.raw_stream(tensor), address,
+             *block.row_addresses(row), n)  # fmt: skip
+    batch.queue(entry, n * tensor.element_size())
     return True
 
 
-def check_later(batch: StatBatch, tensor: torch.Tensor, version: int, state: list[int]) -> None:
+def check_later(batch: StatBatch, tensor: torch.Tensor, version: int, state: list[int], wanted: frozenset) -> None:
     """Queues a tensor just summarised at once, of a kind still checked (``state`` > 0): to be found unchanged or
     changed when the queue is next reduced."""
-    stream = device.raw_stream(tensor)
-    batch.queue((tensor, version, state, None, None, stream, 0, 0, 0, 0), tensor.numel() * tensor.element_size(),
-                stream)  # fmt: skip
+    entry = (tensor, version, state, None, batch_key(tensor, wanted), device.raw_stream(tensor), 0, 0, 0, 0)
+    batch.queue(entry, tensor.numel() * tensor.element_size())
+
+
+def batch_key(tensor: torch.Tensor, wanted: frozenset) -> tuple:
+    """The batch kernel a tensor is reduced by: (device index, dtype, whether zeros are counted)."""
+    return tensor.get_device(), tensor.dtype, "zero_fraction" in wanted

@@ -281,7 +281,7 @@ class StatComputer:
                     stats = head.copy()
                     device_stats(tensor, rows, self.wanted, stats, stride, taken=True)
                 if version >= 0 and batching[0] > 0:
-                    check_later(self.batch, tensor, version, batching)
+                    check_later(self.batch, tensor, version, batching, self.wanted)
             self._all_finite = False
         except Exception as error:  # a statistic must never break the user's forward
             stats = head.copy()

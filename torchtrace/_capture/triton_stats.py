@@ -236,9 +236,11 @@ def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool, geometry: t
     if _launch_kernel is None or not launch_directly or not (_direct.get(aligned) or _direct.get(unaligned)):
         return None
     programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))
-    batch_key = (index, x.dtype, counted)  # what batched.StatBatch queues a tensor under, and how many bytes it holds
+    # for batched.StatBatch: the key a tensor is queued under, the bytes it holds, the batch kernel's compiled launches
+    # and its grid's limits (BLOCK, programs in a full grid)
+    batch_key, grid = (index, x.dtype, counted), (BLOCK, _programs.get(index) or _max_programs(index))
     return (n, stride, programs, index, aligned, unaligned, _direct, _current_device, _current_raw_stream, geometry,
-            batch_key, n * x.element_size())  # fmt: skip
+            batch_key, n * x.element_size(), _batch_direct, grid)  # fmt: skip
 
 
 def forget_compiled() -> None:
