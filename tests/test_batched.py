@@ -7,6 +7,7 @@ other than those of the tensor its module returned, even where the model changes
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
@@ -17,7 +18,7 @@ from torch import nn
 
 import torchtrace
 from torchtrace._capture.batched import CHANGED_IN_PLACE, LEARNING_FORWARDS
-from torchtrace.testing import capture_spans
+from torchtrace.testing import capture_spans, check_traces
 
 PREFIX = "torchtrace.output."
 
@@ -213,3 +214,76 @@ def test_the_compiled_queue_leaves_a_tensor_changed_since_it_was_queued_to_pytho
     assert errors.pop("1.first") == CHANGED_IN_PLACE
     assert set(errors.values()) == {None}
     assert (after["launches"] - before["launches"], after["tensors"] - before["tensors"]) == (1, 7)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "generate"])
+def test_gpt2_on_the_simulated_cuda_path_batches_its_statistics_and_loses_none(simulated_cuda, mode):  # noqa: F811
+    """GPT-2 (from a small config) batched on the CUDA host path: outputs the untraced twin's, every call summarised
+    and none failed, and once its kinds are checked a forward makes several times fewer statistics launches than
+    tensors summarised."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    run = {
+        "grad": lambda m: m(ids).logits,
+        "no_grad": torch.no_grad()(lambda m: m(ids).logits),
+        "generate": lambda m: m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0),
+    }[mode]
+    expected = [run(twin) for _ in range(4)]
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        got = [run(model) for _ in range(LEARNING_FORWARDS + 1)]
+        before = simulated_cuda.counts()
+        got.append(run(model))
+        after = simulated_cuda.counts()
+        captured.handle.flush()
+        spans = captured.spans()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    check_traces(spans)
+    assert not [span.name for span in spans if any(key.endswith("stats_error") for key in span.attributes)]
+    assert all(any(key.startswith(PREFIX) for key in span.attributes) for span in spans)
+    launches, tensors = after["launches"] - before["launches"], after["tensors"] - before["tensors"]
+    assert tensors > 3 * launches > 0, (launches, tensors)
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype) * 2  # a tensor of its own, also where x is of that dtype already
+
+
+def mixed_precision_model() -> nn.Module:
+    """Ten outputs a forward, float32 and bfloat16 in turn (as layers under autocast make)."""
+    layers = [nn.Linear(16, 16)]
+    for _ in range(3):
+        layers += [Cast(torch.bfloat16), Cast(torch.float32), nn.Linear(16, 16)]
+    return nn.Sequential(*layers)
+
+
+def test_a_queue_of_two_dtypes_is_launched_once_for_each_with_torchs_statistics(batch_launches):
+    torch.manual_seed(0)
+    model = mixed_precision_model()
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(LEARNING_FORWARDS + 2):
+            model(torch.randn(4, 16))
+        captured.handle.flush()
+        for name, outputs in returned.items():
+            for forward, output in enumerate(outputs):
+                rel = 1e-2 if output.dtype == torch.bfloat16 else 1e-5
+                assert_stats_match(span_of(captured, name, forward).attributes, output, prefix=PREFIX, rel=rel)
+    # each forward: its first eight outputs (five float32, three bfloat16), then the last two (float32)
+    assert batch_launches == [5, 3, 2] * 2
+
+
+def test_the_compiled_queue_makes_one_launch_a_dtype(simulated_cuda):  # noqa: F811
+    model = mixed_precision_model()
+    assert (
+        launches_a_forward(simulated_cuda, model, 4, stats=torchtrace.Stats(batch=8))[LEARNING_FORWARDS:]
+        == [(3, 10)] * 2
+    )

@@ -1638,73 +1638,88 @@ static int same_batch(PyObject *entry, PyObject *first) {
                     : same;
 }
 
-/* A full queue launched in C, as StatBatch.launch does where every queued tensor is unchanged: 1 (launched, the
-   queue emptied, the checked kinds noted), 0 where batch.launch() is to (a tensor changed since it was queued, a
-   queue of several kinds or streams, the batch kernel not compiled yet, a launch the driver refused: Python's says
-   why), -1 with an exception set. */
+/* A full queue launched in C, as StatBatch.launch does where every queued tensor is unchanged: one launch a batch
+   kernel key and stream among its entries. 1 (launched, the queue emptied, the checked kinds noted), 0 where
+   batch.launch() is to (a tensor changed since it was queued, a batch kernel not compiled yet, a launch the driver
+   refused: Python's says why; nothing was launched where a tensor changed or a kernel is missing), -1 with an
+   exception set. */
 static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
-    Py_ssize_t count = PyList_GET_SIZE(entries), members = 0;
+    Py_ssize_t count = PyList_GET_SIZE(entries);
     if (count == 0 || count > BATCH_ENTRIES) return 0;
-    PyObject *first = PyList_GET_ITEM(entries, 0);
-    PyObject *native = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT),
-                                               PyTuple_GET_ITEM(first, ENTRY_KEY)); /* borrowed */
-    if (native == NULL || native == Py_None) return PyErr_Occurred() ? -1 : 0;
-    int64_t values[4 * BATCH_ENTRIES];
-    unsigned char widths[4 * BATCH_ENTRIES];
-    long long most = 0;
+    PyObject *natives[BATCH_ENTRIES]; /* borrowed: each entry's batch kernel */
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i);
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != ENTRY_SIZE) return 0;
-        int same = same_batch(entry, first);
-        if (same <= 0) return same;
         PyObject *now = PyObject_GetAttr(PyTuple_GET_ITEM(entry, ENTRY_TENSOR), str__version);
         int unchanged = now != NULL ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(entry, ENTRY_VERSION), Py_EQ) : -1;
         Py_XDECREF(now);
         if (unchanged <= 0) return unchanged;
-        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue; /* checked only */
-        for (int j = 0; j < 4; j++)
-            values[4 * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
-        if (values[4 * members + 3] > most) most = values[4 * members + 3];
-        members++;
+        natives[i] = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT), PyTuple_GET_ITEM(entry, ENTRY_KEY));
+        if (natives[i] == NULL || natives[i] == Py_None) return PyErr_Occurred() ? -1 : 0;
     }
     PyObject *grid = PyTuple_GET_ITEM(plan, PLAN_BATCH_GRID), *checked = list_attribute(batch, str_checked);
     long long block = PyTuple_Check(grid) && PyTuple_GET_SIZE(grid) == 2 ? PyLong_AsLongLong(PyTuple_GET_ITEM(grid, 0))
                                                                          : 0;
     long long full = block > 0 ? PyLong_AsLongLong(PyTuple_GET_ITEM(grid, 1)) : 0;
-    PyObject *stream = PyTuple_GET_ITEM(first, ENTRY_STREAM);
-    void *raw_stream = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
     if (checked == NULL || block <= 0 || full <= 0 || PyErr_Occurred()) {
         Py_XDECREF(checked);
         return PyErr_Occurred() ? -1 : 0;
     }
-    if (members) { /* slots past the members: copies of the first (the grid has no programs for them) */
-        for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) {
-            widths[i] = i % 4 == 3 ? 4 : 8;
-            if (i >= 4 * members) values[i] = values[i % 4];
+    unsigned char widths[4 * BATCH_ENTRIES];
+    for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) widths[i] = i % 4 == 3 ? 4 : 8;
+    char grouped[BATCH_ENTRIES] = {0}, launched[BATCH_ENTRIES] = {0};
+    int outcome = 1;
+    for (Py_ssize_t first = 0; first < count && outcome == 1; first++) { /* a launch of first's key and stream */
+        PyObject *head = PyList_GET_ITEM(entries, first);
+        if (grouped[first] || PyTuple_GET_ITEM(head, ENTRY_STATS) == Py_None) continue; /* checked only */
+        int64_t values[4 * BATCH_ENTRIES];
+        Py_ssize_t members = 0;
+        long long most = 0;
+        for (Py_ssize_t i = first; i < count && outcome == 1; i++) {
+            PyObject *entry = PyList_GET_ITEM(entries, i);
+            if (grouped[i] || PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue;
+            int same = i == first ? 1 : same_batch(entry, head);
+            if (same <= 0) {
+                outcome = same < 0 ? -1 : 1;
+                continue;
+            }
+            grouped[i] = (char)(first + 1); /* the group it is launched in */
+            for (int j = 0; j < 4; j++)
+                values[4 * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
+            if (values[4 * members + 3] > most) most = values[4 * members + 3];
+            members++;
         }
+        PyObject *stream = PyTuple_GET_ITEM(head, ENTRY_STREAM);
+        void *raw_stream = stream == Py_None ? NULL : PyLong_AsVoidPtr(stream);
+        if (outcome < 0 || PyErr_Occurred()) {
+            outcome = -1;
+            break;
+        }
+        for (Py_ssize_t i = 4 * members; i < 4 * BATCH_ENTRIES; i++) values[i] = values[i % 4]; /* no programs read */
         long long programs = (most + block - 1) / block, room = full / members > 0 ? full / members : 1;
-        int result = launch_direct(native, "launch_batch", (unsigned long)(programs < room ? programs : room),
+        int result = launch_direct(natives[first], "launch_batch", (unsigned long)(programs < room ? programs : room),
                                    (unsigned long)members, raw_stream, values, widths, 4 * BATCH_ENTRIES);
-        if (result != 0) {
-            Py_DECREF(checked);
-            return result < 0 ? -1 : 0;
-        }
+        if (result != 0) outcome = result < 0 ? -1 : 0;
+        for (Py_ssize_t i = first; i < count && result == 0; i++) launched[i] |= grouped[i] == first + 1;
     }
-    int noted = 0;
-    for (Py_ssize_t i = 0; i < count && noted == 0; i++) {
+    /* a launch the driver refused after others were made: those leave the queue, Python's launch takes the rest */
+    for (Py_ssize_t i = count - 1; i >= 0 && outcome == 0; i--)
+        if (launched[i] && PyList_SetSlice(entries, i, i + 1, NULL) < 0) outcome = -1;
+    for (Py_ssize_t i = 0; i < count && outcome == 1; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i);
-        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None)
-            noted = PyList_Append(checked, PyTuple_GET_ITEM(entry, ENTRY_STATE));
+        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None &&
+            PyList_Append(checked, PyTuple_GET_ITEM(entry, ENTRY_STATE)) < 0)
+            outcome = -1;
     }
     Py_DECREF(checked);
-    if (noted < 0 || PyList_SetSlice(entries, 0, count, NULL) < 0 || PyObject_SetAttr(batch, str_bytes, zero) < 0)
-        return -1;
-    return 1;
+    if (outcome == 1 && (PyList_SetSlice(entries, 0, count, NULL) < 0 || PyObject_SetAttr(batch, str_bytes, zero) < 0))
+        outcome = -1;
+    return outcome;
 }
 
-/* Queues (tensor, version, batching, stats or None, ...: see ENTRY_SIZE) in ``batch`` as StatBatch.queue does: in C
-   where the queue is empty or of the entry's kind and stream (and launched in C where it is full: launch_queue),
-   else through queue(). 0, or -1 with an exception set. */
+/* Queues (tensor, version, batching, stats or None, ...: see ENTRY_SIZE) in ``batch`` as StatBatch.queue does, and
+   launches the queue where it is full: in C where it can (launch_queue), else through batch.launch(). 0, or -1 with
+   an exception set. */
 static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyObject *batching, PyObject *stats,
                        PyObject *plan, PyObject *stream, void *address, void *values, void *counts, PyObject *n) {
     PyObject *entry = PyTuple_New(ENTRY_SIZE), *entries = NULL, *limits = NULL, *held = NULL, *now = NULL;
@@ -1715,16 +1730,12 @@ static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyO
                                    Py_NewRef(n)};
     for (Py_ssize_t i = 0; i < ENTRY_SIZE; i++) PyTuple_SET_ITEM(entry, i, items[i]);
     PyObject *nbytes = PyTuple_GET_ITEM(plan, PLAN_BYTES);
-    int outcome = -1, same = 0;
+    int outcome = -1;
     if (PyErr_Occurred() || (entries = list_attribute(batch, str_entries)) == NULL ||
         (limits = PyObject_GetAttr(batch, str_limits)) == NULL || (held = PyObject_GetAttr(batch, str_bytes)) == NULL)
         goto done;
-    same = PyList_GET_SIZE(entries) == 0 ? 1 : same_batch(entry, PyList_GET_ITEM(entries, 0));
-    if (same < 0) goto done;
-    if (!same || !PyTuple_CheckExact(limits) || PyTuple_GET_SIZE(limits) != 2) { /* the general path */
-        PyObject *queued = PyObject_CallMethodObjArgs(batch, str_queue, entry, nbytes, NULL);
-        outcome = queued != NULL ? 0 : -1;
-        Py_XDECREF(queued);
+    if (!PyTuple_CheckExact(limits) || PyTuple_GET_SIZE(limits) != 2) {
+        PyErr_SetString(PyExc_TypeError, "stats_taken: StatBatch.limits is (size, bound)");
         goto done;
     }
     if (PyList_Append(entries, entry) < 0 || (now = PyNumber_Add(held, nbytes)) == NULL ||

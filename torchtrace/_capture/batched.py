@@ -42,9 +42,10 @@ def learning() -> list[int]:
 
 class StatBatch:
     """The queue of one thread's forwards: ``entries`` of (tensor, version, its kind's state, its stats or None for
-    a tensor only checked, kernel key, raw stream, address, values row address, counts row address, elements), all
-    of one kernel key and stream. ``_native.stats_taken`` appends to it and launches it as ``queue`` and ``launch``
-    do, in C where it can (every tensor unchanged, the kernel compiled), else by calling them."""
+    a tensor only checked, batch kernel key, raw stream, address, values row address, counts row address, elements).
+    ``_native.stats_taken`` appends to it and launches it as ``queue`` and ``launch`` do (one launch a kernel key and
+    stream among the entries), in C where it can (every tensor unchanged, the kernels compiled), else by calling
+    ``launch``."""
 
     __slots__ = ("size", "bound", "limits", "entries", "bytes", "checked", "_failed")
 
@@ -58,10 +59,7 @@ class StatBatch:
         self._failed = False
 
     def queue(self, entry: tuple, nbytes: int) -> None:
-        """Queues one entry (see the class) holding ``nbytes``; launches the queue first where it holds another
-        kind's or stream's tensors, and after where it is full."""
-        if self.entries and entry[4:6] != self.entries[0][4:6]:
-            self.launch()
+        """Queues one entry (see the class) holding ``nbytes``; launches the queue where it is then full."""
         self.entries.append(entry)
         self.bytes += nbytes
         if len(self.entries) >= self.size or self.bytes >= self.bound:
