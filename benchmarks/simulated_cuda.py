@@ -43,6 +43,15 @@ int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned
     launches++;
     return 0;
 }
+/* a launch the driver refuses (CUDA_ERROR_LAUNCH_FAILED), counted */
+long refused;
+int refuse(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
+           void *stream, void **params, void **extra) {
+    (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)params;
+    (void)extra;
+    refused++;
+    return 719;
+}
 """
 KEPT = 4096  # launches whose parameters the stubs keep
 # pooled events made up front, so a mark never makes one (cuEventCreate is not stubbed): enough for 100 forwards of

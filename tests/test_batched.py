@@ -287,3 +287,38 @@ def test_the_compiled_queue_makes_one_launch_a_dtype(simulated_cuda):  # noqa: F
         launches_a_forward(simulated_cuda, model, 4, stats=torchtrace.Stats(batch=8))[LEARNING_FORWARDS:]
         == [(3, 10)] * 2
     )
+
+
+def test_a_batch_the_driver_refuses_reports_its_tensors_and_launches_their_kind_one_by_one(
+    simulated_cuda,  # noqa: F811
+    monkeypatch,
+    caplog,
+):
+    """A queue of two dtypes whose bfloat16 launch the driver refuses: the float32 batch, launched before from C,
+    is not launched again; the bfloat16 tensors' spans say the launch failed (one warning), and that kind is
+    launched one by one from then on."""
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
+    key = (-1, torch.bfloat16, True)
+    monkeypatch.setitem(
+        kernel._batch_direct, key, kernel._batch_direct[key]._replace(launch=simulated_cuda.address("refuse"))
+    )
+    model = mixed_precision_model()
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        counts = []
+        for _ in range(LEARNING_FORWARDS + 2):
+            before = simulated_cuda.counts()
+            model(torch.randn(4, 16))
+            after = simulated_cuda.counts()
+            counts.append((after["launches"] - before["launches"], after["tensors"] - before["tensors"]))
+        captured.handle.flush()
+        failed = [
+            span.attributes["torchtrace.module.path"]
+            for span in captured.spans()
+            if "launch failed" in span.attributes.get("torchtrace.output.stats_error", "")
+        ]
+    assert failed == ["1", "4", "7"]  # the bfloat16 outputs of the first batched forward
+    assert simulated_cuda.count("refused") == 2  # from C, then once more from Python, which reports it
+    # the batched forwards: 5 + 2 float32 tensors in two launches (the bfloat16 ones refused); then the 7 in one, the
+    # bfloat16 ones one by one
+    assert counts[LEARNING_FORWARDS:] == [(2, 7), (4, 10)]
+    assert caplog.text.count("batched statistics launch failed") == 1
