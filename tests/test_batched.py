@@ -322,3 +322,33 @@ def test_a_batch_the_driver_refuses_reports_its_tensors_and_launches_their_kind_
     # bfloat16 ones one by one
     assert counts[LEARNING_FORWARDS:] == [(2, 7), (4, 10)]
     assert caplog.text.count("batched statistics launch failed") == 1
+
+
+def test_a_failed_batch_launch_turns_only_its_own_kind_to_one_by_one(batch_launches, monkeypatch):
+    """The bfloat16 batch fails to launch (interpreted: Python's path): its tensors say so and their kind is
+    launched one by one from then on; the float32 batches of the same queue go on, with torch's statistics."""
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
+    jit_batch = kernel._jit_batch
+
+    def refusing(key, programs, count, arguments):
+        if key[1] == torch.bfloat16:
+            raise RuntimeError("refused")
+        jit_batch(key, programs, count, arguments)
+
+    monkeypatch.setattr(kernel, "_jit_batch", refusing)
+    torch.manual_seed(0)
+    model = mixed_precision_model()
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(LEARNING_FORWARDS + 2):
+            model(torch.randn(4, 16))
+        captured.handle.flush()
+        for name, outputs in returned.items():
+            for forward, output in enumerate(outputs):
+                attributes = span_of(captured, name, forward).attributes
+                if output.dtype == torch.bfloat16 and forward == LEARNING_FORWARDS:
+                    assert "refused" in attributes["torchtrace.output.stats_error"]
+                else:
+                    rel = 1e-2 if output.dtype == torch.bfloat16 else 1e-5
+                    assert_stats_match(attributes, output, prefix=PREFIX, rel=rel)
+    assert batch_launches == [5, 2, 7]  # float32: five and two, then all seven in one; bfloat16 never again

@@ -1,8 +1,8 @@
 """Statistics of several device tensors reduced by one kernel launch (``Stats(batch=N)``, opt-in).
 
 On a GPU a forward is often bound by its host: each launch costs the model's thread microseconds, and the per-tensor
-statistics launch is most of what torchtrace adds to a call. Batching queues a tensor (a reference, its version and
-its row) instead of launching, and reduces the queue with one launch of ``triton_stats._batch_kernel`` per ``N``
+statistics launch is a large part of what torchtrace adds to a call. Batching queues a tensor (a reference, its version
+and its row) instead of launching, and reduces the queue with one launch of ``triton_stats._batch_kernel`` per ``N``
 tensors, when the tensors queued hold ``bound`` bytes (they are kept alive until then), and when the forward ends.
 
 A kernel launched later reads the values as they are then, not as the module returned them: an output changed in
@@ -88,12 +88,12 @@ class StatBatch:
         try:
             device.launch_batch(key, stream, members)
         except Exception as error:  # a statistic must never break the user's forward
-            launched = {member[1] for member in members}  # their rows, by address
-            for entry in entries:
-                if entry[3] is not None and entry[7] in launched:
-                    entry[3].pop("_pending", None)
-                    entry[3]["stats_error"] = f"batched statistics launch failed: {error}"
-                entry[2][0] = -1
+            refused = {member[1] for member in members}  # their rows, by address
+            for _, _, state, stats, _, _, _, values, _, _ in entries:
+                if stats is not None and values in refused:
+                    stats.pop("_pending", None)
+                    stats["stats_error"] = f"batched statistics launch failed: {error}"
+                    state[0] = -1
             if not self._failed:
                 self._failed = True
                 _logger.warning("torchtrace: a batched statistics launch failed (%s); launching one by one", error)
