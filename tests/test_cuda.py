@@ -138,7 +138,10 @@ def test_batched_cuda_statistics_equal_torchs_with_no_synchronizing_call(monkeyp
         captured.handle.flush()
         spans = captured.spans()
     assert not [warning for warning in caught if SYNC_WARNING in str(warning.message)]
-    assert launched == [8, 4] * 3  # the third forward and the two counted ones (12 outputs each)
+    # the third forward and the two counted ones (12 outputs each): eight, then four at the forward's end; from C once
+    # the batch kernel is compiled (the third forward's first batch compiles it), a full queue without Python
+    assert launched == ([8, 4] * 3 if launch == "jit" else [8, 4, 4, 4])
+    assert launch == "jit" or kernel._batch_direct[(0, torch.float32, True)] is not None
     with torch.no_grad():
         for forward, x in enumerate(inputs):
             for name, module in model.named_children():

@@ -328,7 +328,7 @@ def launch_batch(key: tuple, stream: Any, members: list[tuple[int, int, int, int
 
 
 def _launch_batch_here(key: tuple, programs: int, count: int, stream: Any, arguments: list[int]) -> None:
-    native = _batch_direct.get(key)
+    native = _batch_direct.get(key) if launch_directly else None
     if native is not None:
         result = _launch_batch(native, programs, count, stream, arguments)
         if result == 0:
