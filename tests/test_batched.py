@@ -170,13 +170,22 @@ def test_the_batch_launch_from_c_passes_each_tensors_memory_and_row(simulated_cu
     kernel.launch_batch((-1, torch.float32, True), 0, members)
     after = simulated_cuda.counts()
     assert (after["launches"] - before["launches"], after["tensors"] - before["tensors"]) == (1, 3)
-    x, values, counts, n, _ = simulated_cuda.launched()[-1]
-    assert (x, values, counts, n) == members[0]
-    arguments = [value for member in members + members[:1] * 5 for value in member]
+    x, values, counts, n, programs = simulated_cuda.launched()[-1]
+    assert (x, values, counts, n, programs) == (*members[0], 1)  # 5 elements: one program
+    arguments = [value for member in members + members[:1] * 5 for value in (*member, 1)]
     with pytest.raises(ValueError, match="more than 8 tensors"):
         native.launch_batch(native_launch, 1, 9, 0, arguments)
-    with pytest.raises(TypeError, match="a list of 32 ints"):
+    with pytest.raises(TypeError, match="a list of 40 ints"):
         native.launch_batch(native_launch, 1, 3, 0, arguments[:-1])
+
+
+def test_each_tensor_of_a_batch_is_read_by_programs_in_proportion_to_its_size():
+    """A batch of one large tensor and small ones: the large one gets most of a full grid (it is read about as fast
+    as by a launch of its own), each small one at least one program and never more than its blocks."""
+    kernel = pytest.importorskip("torchtrace._capture.triton_stats")
+    assert kernel.batch_shares([1 << 22, 1000, 5000, 1 << 20], 1024, 528) == [421, 1, 1, 105]
+    assert kernel.batch_shares([3000] * 8, 1024, 528) == [3] * 8
+    assert kernel.batch_shares([0, 7], 1024, 528) == [1, 1]
 
 
 @pytest.mark.parametrize("batch", [0, 9, True, 2.5])

@@ -652,6 +652,7 @@ COMPILE_FOR_GPUS = """
 import json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from torchtrace._capture import triton_stats as kernel
@@ -670,12 +671,22 @@ for arch in (80, 90):
                 )
                 compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=kernel.OPTIONS)
                 built.append([arch, dtype, zeros, contiguous, len(compiled.asm["cubin"]) > 0])
+    for dtype in ("fp32", "bf16", "fp16"):  # the batch kernel (Stats(batch=N)): int64 addresses, int32 sizes
+        types = {"x": "i64", "values": "i64", "counts": "i64", "n": "i32", "programs": "i32"}
+        signature = {name: types[name.rstrip("01234567")] for name in kernel._BATCH_PARAMETERS}
+        signature.update(DTYPE="constexpr", COUNT_ZEROS="constexpr", BLOCK="constexpr")
+        dtypes = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+        source = ASTSource(fn=kernel._batch_kernel, signature=signature,
+                           constexprs={"DTYPE": dtypes[dtype], "COUNT_ZEROS": True, "BLOCK": kernel.BLOCK})
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=kernel.OPTIONS)
+        built.append([arch, "batch " + dtype, True, True, len(compiled.asm["cubin"]) > 0])
 print(json.dumps(built))
 """
 
 
 def test_the_triton_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
-    """Triton's ahead-of-time compiler builds the real (not interpreted) kernel down to a cubin."""
+    """Triton's ahead-of-time compiler builds the real (not interpreted) kernels down to a cubin: the single kernel
+    in each of its variants, the batch kernel for each dtype."""
     pytest.importorskip("triton")
     env = {key: value for key, value in os.environ.items() if not key.startswith("TRITON_")}
     result = subprocess.run(
@@ -684,7 +695,7 @@ def test_the_triton_kernel_compiles_for_ampere_and_hopper_without_a_gpu():
     assert result.returncode == 0, result.stderr[-4000:]
     assert "Warning" not in result.stderr, result.stderr  # nothing for the user's log either
     built = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(built) == 24
+    assert len(built) == 24 + 6
     assert all(cubin for *_, cubin in built)
 
 

@@ -955,7 +955,7 @@ done:
    launch then hands the GIL to it and waits to get it back. ``sizes`` gives each parameter's width in bytes (4 or
    8; the kernel's own, read once from the driver); parameters past those given are zero (NULL scratch pointers).
    Returns the driver's result code. */
-#define MAX_KERNEL_PARAMS 40
+#define MAX_KERNEL_PARAMS 48
 typedef int (*launch_function)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                                void **, void **);
 
@@ -1062,24 +1062,27 @@ static int launch_row(PyObject *native, unsigned long programs, void *stream, vo
     return launch_direct(native, "launch_taken", programs, 1, stream, row, row_widths, 5);
 }
 
+/* The batch kernel's parameters, BATCH_ENTRIES times: x, values, counts (int64 addresses); n, programs (int32) */
+#define BATCH_ENTRIES 8
+#define ENTRY_PARAMS 5
+#define ENTRY_WIDTHS 8, 8, 8, 4, 4
+static const unsigned char batch_widths[ENTRY_PARAMS * BATCH_ENTRIES] = {
+    ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS, ENTRY_WIDTHS};
+
 /* launch_batch(native, programs, count, stream, arguments) -> the driver's result code: the batch kernel
    (triton_stats._batch_kernel; ``native``: its DirectLaunch) on a grid of programs x count, with ``arguments``
-   (a list of BATCH_ENTRIES x (x, values, counts, n) ints) as its parameters. */
-#define BATCH_ENTRIES 8
+   (a list of BATCH_ENTRIES x (x, values, counts, n, programs) ints) as its parameters. */
 static PyObject *launch_batch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     const char *signature = "launch_batch(native, programs, count, stream, arguments)";
     if (!takes(nargs, 5, signature)) return NULL;
-    if (!PyList_CheckExact(args[4]) || PyList_GET_SIZE(args[4]) != 4 * BATCH_ENTRIES) {
-        PyErr_Format(PyExc_TypeError, "%s: arguments is a list of %d ints", signature, 4 * BATCH_ENTRIES);
+    if (!PyList_CheckExact(args[4]) || PyList_GET_SIZE(args[4]) != ENTRY_PARAMS * BATCH_ENTRIES) {
+        PyErr_Format(PyExc_TypeError, "%s: arguments is a list of %d ints", signature, ENTRY_PARAMS * BATCH_ENTRIES);
         return NULL;
     }
-    unsigned char widths[4 * BATCH_ENTRIES];
-    int64_t values[4 * BATCH_ENTRIES];
-    for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) {
-        widths[i] = i % 4 == 3 ? 4 : 8;
+    int64_t values[ENTRY_PARAMS * BATCH_ENTRIES];
+    for (Py_ssize_t i = 0; i < ENTRY_PARAMS * BATCH_ENTRIES; i++)
         values[i] = PyLong_AsLongLong(PyList_GET_ITEM(args[4], i));
-    }
     unsigned long programs = PyLong_AsUnsignedLong(args[1]), count = PyLong_AsUnsignedLong(args[2]);
     void *stream = args[3] == Py_None ? NULL : PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred()) return NULL;
@@ -1087,7 +1090,8 @@ static PyObject *launch_batch(PyObject *module, PyObject *const *args, Py_ssize_
         PyErr_Format(PyExc_ValueError, "%s: an empty grid, or more than %d tensors", signature, BATCH_ENTRIES);
         return NULL;
     }
-    int result = launch_direct(args[0], "launch_batch", programs, count, stream, values, widths, 4 * BATCH_ENTRIES);
+    int result = launch_direct(args[0], "launch_batch", programs, count, stream, values, batch_widths,
+                               ENTRY_PARAMS * BATCH_ENTRIES);
     return result < 0 ? NULL : PyLong_FromLong(result);
 }
 
@@ -1654,7 +1658,10 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
         int unchanged = now != NULL ? PyObject_RichCompareBool(now, PyTuple_GET_ITEM(entry, ENTRY_VERSION), Py_EQ) : -1;
         Py_XDECREF(now);
         if (unchanged <= 0) return unchanged;
-        natives[i] = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT), PyTuple_GET_ITEM(entry, ENTRY_KEY));
+        natives[i] = NULL;
+        if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue; /* checked only: nothing launched */
+        natives[i] = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT),
+                                             PyTuple_GET_ITEM(entry, ENTRY_KEY));
         if (natives[i] == NULL || natives[i] == Py_None) return PyErr_Occurred() ? -1 : 0;
     }
     PyObject *grid = PyTuple_GET_ITEM(plan, PLAN_BATCH_GRID), *checked = list_attribute(batch, str_checked);
@@ -1665,16 +1672,14 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
         Py_XDECREF(checked);
         return PyErr_Occurred() ? -1 : 0;
     }
-    unsigned char widths[4 * BATCH_ENTRIES];
-    for (Py_ssize_t i = 0; i < 4 * BATCH_ENTRIES; i++) widths[i] = i % 4 == 3 ? 4 : 8;
     char grouped[BATCH_ENTRIES] = {0}, launched[BATCH_ENTRIES] = {0};
     int outcome = 1;
     for (Py_ssize_t first = 0; first < count && outcome == 1; first++) { /* a launch of first's key and stream */
         PyObject *head = PyList_GET_ITEM(entries, first);
         if (grouped[first] || PyTuple_GET_ITEM(head, ENTRY_STATS) == Py_None) continue; /* checked only */
-        int64_t values[4 * BATCH_ENTRIES];
+        int64_t values[ENTRY_PARAMS * BATCH_ENTRIES];
         Py_ssize_t members = 0;
-        long long most = 0;
+        long long total = 0;
         for (Py_ssize_t i = first; i < count && outcome == 1; i++) {
             PyObject *entry = PyList_GET_ITEM(entries, i);
             if (grouped[i] || PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue;
@@ -1685,8 +1690,8 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
             }
             grouped[i] = (char)(first + 1); /* the group it is launched in */
             for (int j = 0; j < 4; j++)
-                values[4 * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
-            if (values[4 * members + 3] > most) most = values[4 * members + 3];
+                values[ENTRY_PARAMS * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
+            total += values[ENTRY_PARAMS * members + 3];
             members++;
         }
         PyObject *stream = PyTuple_GET_ITEM(head, ENTRY_STREAM);
@@ -1695,10 +1700,19 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
             outcome = -1;
             break;
         }
-        for (Py_ssize_t i = 4 * members; i < 4 * BATCH_ENTRIES; i++) values[i] = values[i % 4]; /* no programs read */
-        long long programs = (most + block - 1) / block, room = full / members > 0 ? full / members : 1;
-        int result = launch_direct(natives[first], "launch_batch", (unsigned long)(programs < room ? programs : room),
-                                   (unsigned long)members, raw_stream, values, widths, 4 * BATCH_ENTRIES);
+        /* each member's share of the grid, as triton_stats.batch_shares */
+        long long most = 1;
+        for (Py_ssize_t m = 0; m < members; m++) {
+            long long n = values[ENTRY_PARAMS * m + 3], blocks = (n + block - 1) / block;
+            long long share = total > 0 ? full * n / total : 1;
+            share = share < blocks ? share : blocks;
+            values[ENTRY_PARAMS * m + 4] = share > 1 ? share : 1;
+            if (values[ENTRY_PARAMS * m + 4] > most) most = values[ENTRY_PARAMS * m + 4];
+        }
+        for (Py_ssize_t i = ENTRY_PARAMS * members; i < ENTRY_PARAMS * BATCH_ENTRIES; i++)
+            values[i] = values[i % ENTRY_PARAMS]; /* the grid has no programs for these */
+        int result = launch_direct(natives[first], "launch_batch", (unsigned long)most, (unsigned long)members,
+                                   raw_stream, values, batch_widths, ENTRY_PARAMS * BATCH_ENTRIES);
         if (result != 0) outcome = result < 0 ? -1 : 0;
         for (Py_ssize_t i = first; i < count && result == 0; i++) launched[i] |= grouped[i] == first + 1;
     }

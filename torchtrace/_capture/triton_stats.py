@@ -100,7 +100,7 @@ def _reduce(x_ptr, values_ptr, counts_ptr, n, stride, program, programs, COUNT_Z
 
 
 BATCH = 8  # tensors one launch of the batch kernel reduces, at most
-_BATCH_PARAMETERS = [f"{name}{entry}" for entry in range(BATCH) for name in ("x", "values", "counts", "n")]
+_BATCH_PARAMETERS = [f"{name}{entry}" for entry in range(BATCH) for name in ("x", "values", "counts", "n", "programs")]
 
 
 @triton.jit
@@ -115,24 +115,29 @@ def _pick(entry, a0, a1, a2, a3, a4, a5, a6, a7):
     return tl.where(entry == 0, a0, picked)
 
 
-# Up to BATCH contiguous tensors of one dtype, each into its own row: grid (programs a tensor, tensors). Addresses
-# are int64 parameters, made pointers here: the host queues them without making a tensor a row. Every one is
-# 16-byte aligned (the caller's check), as the single kernel's specialisation tells its compiler.
+# Up to BATCH contiguous tensors of one dtype, each into its own row: grid (programs of the largest share, tensors);
+# each tensor's share of the device's programs is in proportion to its size (a batch of one large tensor and small
+# ones reads the large one about as fast as its own launch would), and the programs past a tensor's share return at
+# once. Addresses are int64 parameters, made pointers here: the host queues them without making a tensor a row.
+# Every one is 16-byte aligned (the caller's check), as the single kernel's specialisation tells its compiler.
 @triton.jit(do_not_specialize=_BATCH_PARAMETERS)
 def _batch_kernel(
-    x0, values0, counts0, n0, x1, values1, counts1, n1, x2, values2, counts2, n2, x3, values3, counts3, n3,
-    x4, values4, counts4, n4, x5, values5, counts5, n5, x6, values6, counts6, n6, x7, values7, counts7, n7,
+    x0, values0, counts0, n0, programs0, x1, values1, counts1, n1, programs1, x2, values2, counts2, n2, programs2,
+    x3, values3, counts3, n3, programs3, x4, values4, counts4, n4, programs4, x5, values5, counts5, n5, programs5,
+    x6, values6, counts6, n6, programs6, x7, values7, counts7, n7, programs7,
     DTYPE: tl.constexpr, COUNT_ZEROS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     entry = tl.program_id(1)
-    x = _pick(entry, x0, x1, x2, x3, x4, x5, x6, x7)
-    values = _pick(entry, values0, values1, values2, values3, values4, values5, values6, values7)
-    counts = _pick(entry, counts0, counts1, counts2, counts3, counts4, counts5, counts6, counts7)
-    n = _pick(entry, n0, n1, n2, n3, n4, n5, n6, n7)
-    x_ptr = tl.multiple_of(x, 16).to(tl.pointer_type(DTYPE))
-    values_ptr = tl.multiple_of(values, 16).to(tl.pointer_type(tl.float32))
-    counts_ptr = tl.multiple_of(counts, 16).to(tl.pointer_type(tl.int64))
-    _reduce(x_ptr, values_ptr, counts_ptr, n, 1, tl.program_id(0), tl.num_programs(0), COUNT_ZEROS, True, BLOCK)
+    programs = _pick(entry, programs0, programs1, programs2, programs3, programs4, programs5, programs6, programs7)
+    if tl.program_id(0) < programs:
+        x = _pick(entry, x0, x1, x2, x3, x4, x5, x6, x7)
+        values = _pick(entry, values0, values1, values2, values3, values4, values5, values6, values7)
+        counts = _pick(entry, counts0, counts1, counts2, counts3, counts4, counts5, counts6, counts7)
+        n = _pick(entry, n0, n1, n2, n3, n4, n5, n6, n7)
+        x_ptr = tl.multiple_of(x, 16).to(tl.pointer_type(DTYPE))
+        values_ptr = tl.multiple_of(values, 16).to(tl.pointer_type(tl.float32))
+        counts_ptr = tl.multiple_of(counts, 16).to(tl.pointer_type(tl.int64))
+        _reduce(x_ptr, values_ptr, counts_ptr, n, 1, tl.program_id(0), programs, COUNT_ZEROS, True, BLOCK)
 
 
 _programs: dict[int, int] = {}  # device index -> programs in a full grid
@@ -212,7 +217,7 @@ _direct: dict[tuple, DirectLaunch | None] = {}  # that key -> how to launch it f
 launch_directly = True  # False once this Triton's compiled kernels take other arguments (then the JIT launches)
 _NO_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: a thread that has not used the device yet (Triton's launcher then)
 _ARGUMENT_SIZES = (8, 8, 8, 4, 4)  # x, values, counts (pointers); n, stride (int32)
-BATCH_ARGUMENT_SIZES = (8, 8, 8, 4) * BATCH  # x, values, counts (int64 addresses); n (int32), of each entry
+BATCH_ARGUMENT_SIZES = (8, 8, 8, 4, 4) * BATCH  # x, values, counts (int64 addresses); n, programs (int32), each
 _batch_direct: dict[tuple, DirectLaunch | None] = {}  # (device index, dtype, counted) -> the batch kernel's launch
 
 
@@ -317,14 +322,22 @@ def launch_batch(key: tuple, stream: Any, members: list[tuple[int, int, int, int
     (device index, dtype, counted)) on ``stream`` (a raw stream) of the members' device: from C once the kernel is
     compiled, else through Triton's JIT (which compiles it)."""
     index = key[0]
-    programs = min(-(-max(member[3] for member in members) // BLOCK), max(1, _max_programs(index) // len(members)))
-    padded = members + members[:1] * (BATCH - len(members))  # never read: the grid has one row of programs a member
+    shares = batch_shares([member[3] for member in members], BLOCK, _programs.get(index) or _max_programs(index))
+    padded = [(*member, share) for member, share in zip(members, shares)]
+    padded += padded[:1] * (BATCH - len(members))  # never read: the grid has no programs for them
     arguments = [value for member in padded for value in member]
     if index >= 0 and index != _current_device():  # the launch from C is on the current device
         with torch.cuda.device(index):
-            _launch_batch_here(key, programs, len(members), stream, arguments)
+            _launch_batch_here(key, max(shares), len(members), stream, arguments)
     else:
-        _launch_batch_here(key, programs, len(members), stream, arguments)
+        _launch_batch_here(key, max(shares), len(members), stream, arguments)
+
+
+def batch_shares(sizes: list[int], block: int, full: int) -> list[int]:
+    """Programs each of a batch's tensors (of ``sizes`` elements) is read by: in proportion to its size, of a grid of
+    about ``full`` programs; at least one, at most one a ``block`` of its elements (as ``_native``'s launch_queue)."""
+    total = max(1, sum(sizes))
+    return [max(1, min(-(-n // block), full * n // total)) for n in sizes]
 
 
 def _launch_batch_here(key: tuple, programs: int, count: int, stream: Any, arguments: list[int]) -> None:
