@@ -7,12 +7,12 @@ other than those of the tensor its module returned, even where the model changes
 
 from __future__ import annotations
 
-import copy
 import importlib
+from typing import Any
 
 import pytest
 import torch
-from test_device import device_rows, simulated_cuda, triton_kernel  # noqa: F401 (fixtures)
+from test_device import device_rows, gpt2_run, simulated_cuda, triton_kernel  # noqa: F401 (fixtures)
 from test_statistics import assert_stats_match
 from torch import nn
 
@@ -230,17 +230,7 @@ def test_gpt2_on_the_simulated_cuda_path_batches_its_statistics_and_loses_none(s
     """GPT-2 (from a small config) batched on the CUDA host path: outputs the untraced twin's, every call summarised
     and none failed, and once its kinds are checked a forward makes several times fewer statistics launches than
     tensors summarised."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    twin = copy.deepcopy(model)
-    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
-    run = {
-        "grad": lambda m: m(ids).logits,
-        "no_grad": torch.no_grad()(lambda m: m(ids).logits),
-        "generate": lambda m: m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0),
-    }[mode]
+    model, twin, run = gpt2_run(mode)
     expected = [run(twin) for _ in range(4)]
     with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
         got = [run(model) for _ in range(LEARNING_FORWARDS + 1)]
@@ -266,6 +256,20 @@ class Cast(nn.Module):
         return x.to(self.dtype) * 2  # a tensor of its own, also where x is of that dtype already
 
 
+def traced_and_returned(model: nn.Module, forwards: int) -> list[tuple[int, Any, torch.Tensor]]:
+    """(forward, a leaf's span attributes, the output it returned) of ``forwards`` batched forwards."""
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(forwards):
+            model(torch.randn(4, 16))
+        captured.handle.flush()
+        return [
+            (forward, span_of(captured, name, forward).attributes, output)
+            for name, outputs in returned.items()
+            for forward, output in enumerate(outputs)
+        ]
+
+
 def mixed_precision_model() -> nn.Module:
     """Ten outputs a forward, float32 and bfloat16 in turn (as layers under autocast make)."""
     layers = [nn.Linear(16, 16)]
@@ -277,15 +281,8 @@ def mixed_precision_model() -> nn.Module:
 def test_a_queue_of_two_dtypes_is_launched_once_for_each_with_torchs_statistics(batch_launches):
     torch.manual_seed(0)
     model = mixed_precision_model()
-    returned = returned_outputs(model)
-    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
-        for _ in range(LEARNING_FORWARDS + 2):
-            model(torch.randn(4, 16))
-        captured.handle.flush()
-        for name, outputs in returned.items():
-            for forward, output in enumerate(outputs):
-                rel = 1e-2 if output.dtype == torch.bfloat16 else 1e-5
-                assert_stats_match(span_of(captured, name, forward).attributes, output, prefix=PREFIX, rel=rel)
+    for _, attributes, output in traced_and_returned(model, LEARNING_FORWARDS + 2):
+        assert_stats_match(attributes, output, prefix=PREFIX, rel=1e-2 if output.dtype == torch.bfloat16 else 1e-5)
     # each forward: its first eight outputs (five float32, three bfloat16), then the last two (float32)
     assert batch_launches == [5, 3, 2] * 2
 
@@ -347,17 +344,9 @@ def test_a_failed_batch_launch_turns_only_its_own_kind_to_one_by_one(batch_launc
     monkeypatch.setattr(kernel, "_jit_batch", refusing)
     torch.manual_seed(0)
     model = mixed_precision_model()
-    returned = returned_outputs(model)
-    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
-        for _ in range(LEARNING_FORWARDS + 2):
-            model(torch.randn(4, 16))
-        captured.handle.flush()
-        for name, outputs in returned.items():
-            for forward, output in enumerate(outputs):
-                attributes = span_of(captured, name, forward).attributes
-                if output.dtype == torch.bfloat16 and forward == LEARNING_FORWARDS:
-                    assert "refused" in attributes["torchtrace.output.stats_error"]
-                else:
-                    rel = 1e-2 if output.dtype == torch.bfloat16 else 1e-5
-                    assert_stats_match(attributes, output, prefix=PREFIX, rel=rel)
+    for forward, attributes, output in traced_and_returned(model, LEARNING_FORWARDS + 2):
+        if output.dtype == torch.bfloat16 and forward == LEARNING_FORWARDS:
+            assert "refused" in attributes["torchtrace.output.stats_error"]
+        else:
+            assert_stats_match(attributes, output, prefix=PREFIX, rel=1e-2 if output.dtype == torch.bfloat16 else 1e-5)
     assert batch_launches == [5, 2, 7]  # float32: five and two, then all seven in one; bfloat16 never again

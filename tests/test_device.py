@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -1276,16 +1277,13 @@ def test_a_traced_forward_summarises_kinds_seen_before_without_the_python_statis
     assert all(f"{OUTPUT_PREFIX}.mean" in record.attributes for record in records)
 
 
-@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "generate"])
-def test_a_hugging_face_model_on_the_simulated_cuda_path_traces_every_call_with_statistics(simulated_cuda, mode):
-    """GPT-2 (from a small config) through the CUDA host path: tuple outputs, containers returning their child's
-    tensor, dropout returning its input, all through the compiled launch after the first forward. The outputs are
-    the untraced twin's, the traces well formed, no statistic failed, and every call's outputs were summarised."""
+def gpt2_run(mode: str) -> tuple[nn.Module, nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """GPT-2 from a small config (eval), its untraced twin, and a call of it: a forward in a grad mode, or greedy
+    generation of three tokens."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
     model = transformers.GPT2LMHeadModel(config).eval()
-    twin = copy.deepcopy(model)
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
     run = {
         "grad": lambda m: m(ids).logits,
@@ -1293,6 +1291,15 @@ def test_a_hugging_face_model_on_the_simulated_cuda_path_traces_every_call_with_
         "inference_mode": torch.inference_mode()(lambda m: m(ids).logits),
         "generate": lambda m: m.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0),
     }[mode]
+    return model, copy.deepcopy(model), run
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode", "generate"])
+def test_a_hugging_face_model_on_the_simulated_cuda_path_traces_every_call_with_statistics(simulated_cuda, mode):
+    """GPT-2 (from a small config) through the CUDA host path: tuple outputs, containers returning their child's
+    tensor, dropout returning its input, all through the compiled launch after the first forward. The outputs are
+    the untraced twin's, the traces well formed, no statistic failed, and every call's outputs were summarised."""
+    model, twin, run = gpt2_run(mode)
     expected = [run(twin) for _ in range(2)]
     with capture_spans(model) as captured:
         got = [run(model) for _ in range(2)]
