@@ -1644,9 +1644,9 @@ static int same_batch(PyObject *entry, PyObject *first) {
 
 /* A full queue launched in C, as StatBatch.launch does where every queued tensor is unchanged: one launch a batch
    kernel key and stream among its entries. 1 (launched, the queue emptied, the checked kinds noted), 0 where
-   batch.launch() is to (a tensor changed since it was queued, a batch kernel not compiled yet, a launch the driver
-   refused: Python's says why; nothing was launched where a tensor changed or a kernel is missing), -1 with an
-   exception set. */
+   batch.launch() is to (a tensor changed since it was queued, one of another device, a batch kernel not compiled
+   yet, a launch the driver refused: Python's says why; nothing was launched but where the driver refused), -1 with
+   an exception set. */
 static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
     Py_ssize_t count = PyList_GET_SIZE(entries);
     if (count == 0 || count > BATCH_ENTRIES) return 0;
@@ -1660,8 +1660,13 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
         if (unchanged <= 0) return unchanged;
         natives[i] = NULL;
         if (PyTuple_GET_ITEM(entry, ENTRY_STATS) == Py_None) continue; /* checked only: nothing launched */
-        natives[i] = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT),
-                                             PyTuple_GET_ITEM(entry, ENTRY_KEY));
+        /* launched here only on the current device (the plan's: its tensor was just launched or queued on it) */
+        PyObject *key = PyTuple_GET_ITEM(entry, ENTRY_KEY);
+        int here = PyTuple_CheckExact(key) && PyTuple_GET_SIZE(key) == 3
+                       ? PyObject_RichCompareBool(PyTuple_GET_ITEM(key, 0), PyTuple_GET_ITEM(plan, PLAN_INDEX), Py_EQ)
+                       : 0;
+        if (here <= 0) return here;
+        natives[i] = PyDict_GetItemWithError(PyTuple_GET_ITEM(plan, PLAN_BATCH_DIRECT), key);
         if (natives[i] == NULL || natives[i] == Py_None) return PyErr_Occurred() ? -1 : 0;
     }
     PyObject *grid = PyTuple_GET_ITEM(plan, PLAN_BATCH_GRID), *checked = list_attribute(batch, str_checked);
