@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -795,22 +796,28 @@ def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_remove_ga
 
 def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: int, timeout: float) -> dict[int, str]:
     """Each rank's /metrics (port ``base`` + its local rank) once it holds all ``steps`` (examples/ddp_train.py
-    ``--linger`` keeps serving after training), by rank."""
-    scraped: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(scraped) < ranks and time.monotonic() < deadline and process.poll() is None:
-        for rank in set(range(ranks)) - set(scraped):
+    ``--linger`` keeps serving after training), by rank. Each rank is polled on a thread of its own: with 8 ranks on
+    two cores an endpoint can take seconds to answer, and polling them in turn left the last ranks unasked until
+    their linger was over."""
+
+    def scrape(rank: int) -> str | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=2) as response:
+                with urllib.request.urlopen(f"http://127.0.0.1:{base + rank}/metrics", timeout=5) as response:
                     text = response.read().decode()
             except (OSError, http.client.HTTPException):
                 # not listening yet; where the client's own ephemeral port is that port, it connects to itself and
                 # reads its request back as the reply (a BadStatusLine)
-                continue
+                text = ""
             if f'torchtrace_step_duration_seconds_count{{model="Sequential",rank="{rank}"}} {steps}.0' in text:
-                scraped[rank] = text
-        time.sleep(0.3)
-    return scraped
+                return text
+            time.sleep(0.3)
+        return None
+
+    with ThreadPoolExecutor(ranks) as pool:
+        texts = dict(zip(range(ranks), pool.map(scrape, range(ranks))))
+    return {rank: text for rank, text in texts.items() if text is not None}
 
 
 def module_series(text: str) -> set[str]:
@@ -837,7 +844,7 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
                            "--delay-ms=1500", "--nan-rank=5", "--nan-step=2", "--linger=20", metrics_port=base,
                            TORCHTRACE_RANK_DETAIL="auto")  # fmt: skip
         scraped = scrape_every_rank(process, base, ranks, steps, timeout=280)
-        finish(process, timeout=300)
+        output = finish(process, timeout=300)
         spans = spans_by_rank(receiver)
     step_of_trace = {}
     detail = {}
@@ -866,7 +873,7 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
             assert root.start_time_unix_nano <= span.start_time_unix_nano, (rank, detail)
             assert span.end_time_unix_nano <= root.end_time_unix_nano, (rank, detail)
 
-    assert set(scraped) == set(range(ranks)), "every rank's endpoint served its steps"
+    assert set(scraped) == set(range(ranks)), f"every rank's endpoint served its steps:\n{output[-3000:]}"
     assert 'module="0"' in scraped[0] and len(module_series(scraped[0])) > 20  # rank 0: every module, every family
     for rank in (3, 5, 1, 2, 4, 6, 7):  # the straggler and the NaN's rank first
         assert module_series(scraped[rank]) == set(), (rank, sorted(module_series(scraped[rank]))[:5])
