@@ -797,8 +797,8 @@ def test_under_auto_a_step_waits_on_the_worker_for_its_runs_gather_and_remove_ga
 def scrape_every_rank(process: subprocess.Popen, base: int, ranks: int, steps: int, timeout: float) -> dict[int, str]:
     """Each rank's /metrics (port ``base`` + its local rank) once it holds all ``steps`` (examples/ddp_train.py
     ``--linger`` keeps serving after training), by rank. Each rank is polled on a thread of its own: with 8 ranks on
-    two cores an endpoint can take seconds to answer, and polling them in turn left the last ranks unasked until
-    their linger was over."""
+    two cores an endpoint can take seconds to answer, and polled in turn the last ranks could go unasked until their
+    linger was over."""
 
     def scrape(rank: int) -> str | None:
         deadline = time.monotonic() + timeout
