@@ -1721,8 +1721,8 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
         if (result != 0) outcome = result < 0 ? -1 : 0;
         for (Py_ssize_t i = first; i < count && result == 0; i++) launched[i] |= grouped[i] == first + 1;
     }
-    /* a launch the driver refused after others were made: those leave the queue, Python's launch takes the rest */
-    for (Py_ssize_t i = count - 1; i >= 0 && outcome == 0; i--)
+    /* stopped after some launches (the driver refused one, an error): those leave the queue, never launched twice */
+    for (Py_ssize_t i = count - 1; i >= 0 && outcome != 1; i--)
         if (launched[i] && PyList_SetSlice(entries, i, i + 1, NULL) < 0) outcome = -1;
     for (Py_ssize_t i = 0; i < count && outcome == 1; i++) {
         PyObject *entry = PyList_GET_ITEM(entries, i);
@@ -1766,7 +1766,7 @@ static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyO
     outcome = 0;
     if (full) {
         int launched = launch_queue(batch, entries, plan);
-        if (launched == 0) { /* Python's launch: changed tensors, several kinds, a first compilation, errors */
+        if (launched == 0) { /* Python's launch: changed tensors, another device's, a first compilation, errors */
             PyObject *done_launching = PyObject_CallMethodNoArgs(batch, str_launch);
             launched = done_launching != NULL ? 1 : -1;
             Py_XDECREF(done_launching);
