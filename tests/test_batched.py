@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import torch
+from nan_models import InjectNaN
+from opentelemetry.trace import StatusCode
 from test_device import device_rows, gpt2_run, simulated_cuda, triton_kernel  # noqa: F401 (fixtures)
 from test_statistics import assert_stats_match
 from torch import nn
@@ -377,3 +379,54 @@ def test_a_queue_holding_another_devices_tensor_is_launched_by_python_on_that_de
     assert switched == [3] and "stats_error" not in stats
     # the foreign tensor's launch, the seven queued beside it (Python's launch), the last three at the forward's end
     assert (after["launches"] - before["launches"], after["tensors"] - before["tensors"]) == (3, 11)
+
+
+def test_nan_provenance_holds_when_the_statistics_came_from_a_batch(batch_launches):
+    """A NaN first made by a layer of a forward whose statistics were batched: that layer's span is marked, the
+    layers after it only pass it on, and the counts are torch's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), InjectNaN(), nn.ReLU())
+    model[3].armed = False
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(LEARNING_FORWARDS + 1):
+            model(torch.randn(2, 4))
+        launched = len(batch_launches)
+        model[3].armed = True
+        model(torch.randn(2, 4))
+        captured.handle.flush()
+        last = {name: captured.spans_named(name)[-1] for name in ("0", "1", "2", "3", "4", "Sequential")}
+    assert len(batch_launches) > launched  # the armed forward's statistics were batched
+    assert last["3"].status.status_code is StatusCode.ERROR
+    assert last["3"].events[0].attributes["exception.type"] == "torchtrace._core.calls.NonFiniteError"
+    for name in ("0", "1", "2", "4", "Sequential"):
+        assert last[name].status.status_code is StatusCode.UNSET, name
+    assert [last[name].attributes[f"{PREFIX}nan_count"] for name in ("2", "3", "4")] == [0, 1, 1]
+
+
+def test_training_steps_batch_their_forward_statistics_and_keep_every_statistic(simulated_cuda):  # noqa: F811
+    """Training with backward spans and an optimizer on the CUDA host path: the forwards' outputs are batched once
+    their kinds are checked (into the step's rows, launched before the forward ends); gradients are launched one by
+    one as before; no span misses or fails a statistic."""
+    model = nn.Sequential(*[layer for _ in range(5) for layer in (nn.Linear(16, 16), nn.ReLU())])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    launches = []
+    with capture_spans(model, stats=torchtrace.Stats(batch=8), backward=True, optimizer=optimizer) as captured:
+        for _ in range(LEARNING_FORWARDS + 2):
+            before = simulated_cuda.counts()
+            model(torch.randn(4, 16)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            after = simulated_cuda.counts()
+            launches.append((after["launches"] - before["launches"], after["tensors"] - before["tensors"]))
+        captured.handle.flush()
+        spans = captured.spans()
+    assert not [span.name for span in spans if any(key.endswith("stats_error") for key in span.attributes)]
+    forwards = [
+        span
+        for span in spans
+        if span.attributes.get("torchtrace.module.type") == "Linear" and not span.name.endswith(" backward")
+    ]
+    assert len(forwards) == 5 * (LEARNING_FORWARDS + 2) and all(f"{PREFIX}mean" in s.attributes for s in forwards)
+    # the same tensors every step; the forward's ten outputs take two launches instead of ten once batched
+    assert {tensors for _, tensors in launches} == {launches[0][1]}
+    assert [launched for launched, _ in launches[LEARNING_FORWARDS:]] == [launches[0][0] - 8] * 2
