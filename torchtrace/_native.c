@@ -959,6 +959,30 @@ done:
 typedef int (*launch_function)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                                void **, void **);
 
+/* cuLaunchKernel (``launch``) of ``function`` on a grid of ``gx`` x ``gy`` programs of ``threads``, with ``count``
+   (at most MAX_KERNEL_PARAMS) parameters of the widths ``sizes`` (4: int32, else 8: 64 bits; the callers check)
+   holding ``values`` (``n_values`` of them; those past them zero: NULL scratch pointers). Returns the driver's
+   result code. */
+static int launch_values(void *launch, void *function, unsigned long gx, unsigned long gy, unsigned long threads,
+                         unsigned long shared, void *stream, const unsigned char *sizes, Py_ssize_t count,
+                         const int64_t *values, Py_ssize_t n_values) {
+    int64_t wide[MAX_KERNEL_PARAMS];
+    int32_t narrow[MAX_KERNEL_PARAMS];
+    void *params[MAX_KERNEL_PARAMS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t value = i < n_values ? values[i] : 0;
+        if (sizes[i] == 4) {
+            narrow[i] = (int32_t)value;
+            params[i] = &narrow[i];
+        } else {
+            wide[i] = value;
+            params[i] = &wide[i];
+        }
+    }
+    return ((launch_function)launch)(function, (unsigned)gx, (unsigned)gy, 1, (unsigned)threads, 1, 1,
+                                     (unsigned)shared, stream, params, NULL);
+}
+
 static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     const char *signature = "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params)";
@@ -970,10 +994,10 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, "%s: sizes must be bytes", signature);
         return NULL;
     }
-    Py_ssize_t count = PyBytes_GET_SIZE(args[6]);
+    Py_ssize_t count = PyBytes_GET_SIZE(args[6]), given = nargs - 7;
     const unsigned char *sizes = (const unsigned char *)PyBytes_AS_STRING(args[6]);
-    if (count > MAX_KERNEL_PARAMS || nargs - 7 > count) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd parameters for %zd sizes (at most %d)", signature, nargs - 7, count,
+    if (count > MAX_KERNEL_PARAMS || given > count) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd parameters for %zd sizes (at most %d)", signature, given, count,
                      MAX_KERNEL_PARAMS);
         return NULL;
     }
@@ -983,30 +1007,21 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
     unsigned long threads = PyLong_AsUnsignedLong(args[3]);
     unsigned long shared = PyLong_AsUnsignedLong(args[4]);
     void *stream = args[5] == Py_None ? NULL : PyLong_AsVoidPtr(args[5]);
-    union {
-        int32_t narrow;
-        int64_t wide;
-    } values[MAX_KERNEL_PARAMS];
-    void *params[MAX_KERNEL_PARAMS];
     for (Py_ssize_t i = 0; i < count; i++) {
-        params[i] = &values[i];
-        if (sizes[i] == 4) {
-            values[i].narrow = i + 7 < nargs ? (int32_t)PyLong_AsLong(args[i + 7]) : 0;
-        } else if (sizes[i] == 8) {
-            values[i].wide = i + 7 < nargs ? (int64_t)PyLong_AsLongLong(args[i + 7]) : 0;
-        } else {
+        if (sizes[i] != 4 && sizes[i] != 8) {
             PyErr_Format(PyExc_ValueError, "%s: a parameter of %d bytes", signature, (int)sizes[i]);
             return NULL;
         }
     }
+    int64_t values[MAX_KERNEL_PARAMS];
+    for (Py_ssize_t i = 0; i < given; i++) values[i] = PyLong_AsLongLong(args[i + 7]);
     if (PyErr_Occurred()) return NULL;
     if (launch == NULL || function == NULL || programs == 0 || threads == 0) {
         PyErr_Format(PyExc_ValueError, "%s: no function, or an empty grid", signature);
         return NULL;
     }
-    int result = ((launch_function)launch)(function, (unsigned)programs, 1, 1, (unsigned)threads, 1, 1,
-                                           (unsigned)shared, stream, params, NULL);
-    return PyLong_FromLong(result);
+    return PyLong_FromLong(
+        launch_values(launch, function, programs, 1, threads, shared, stream, sizes, count, values, given));
 }
 
 /* Launches ``native`` (a DirectLaunch: launch, function, threads, shared, sizes) on a grid of ``gx`` x ``gy``
@@ -1027,29 +1042,14 @@ static int launch_direct(PyObject *native, const char *caller, unsigned long gx,
     Py_ssize_t count = PyBytes_GET_SIZE(widths);
     const unsigned char *sizes = (const unsigned char *)PyBytes_AS_STRING(widths);
     if (PyErr_Occurred()) return -1;
-    if (launch == NULL || function == NULL || count < n_expected || count > n_expected + 2 ||
-        count > MAX_KERNEL_PARAMS) {
-        PyErr_Format(PyExc_ValueError, "%s: no function, or not the kernel's parameters", caller);
+    int matches = launch != NULL && function != NULL && count >= n_expected && count <= n_expected + 2 &&
+                  count <= MAX_KERNEL_PARAMS && memcmp(sizes, expected, (size_t)n_expected) == 0;
+    for (Py_ssize_t i = n_expected; i < count && matches; i++) matches = sizes[i] == 8; /* scratch pointers */
+    if (!matches) {
+        PyErr_Format(PyExc_ValueError, "%s: no function, or not the kernel's parameters or their widths", caller);
         return -1;
     }
-    int64_t wide[MAX_KERNEL_PARAMS] = {0}; /* past the values: NULL scratch */
-    int32_t narrow[MAX_KERNEL_PARAMS];
-    void *params[MAX_KERNEL_PARAMS];
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (sizes[i] != (i < n_expected ? expected[i] : 8)) {
-            PyErr_Format(PyExc_ValueError, "%s: not the kernel's parameter widths", caller);
-            return -1;
-        }
-        if (i < n_expected && sizes[i] == 4) {
-            narrow[i] = (int32_t)values[i];
-            params[i] = &narrow[i];
-        } else {
-            wide[i] = i < n_expected ? values[i] : 0;
-            params[i] = &wide[i];
-        }
-    }
-    return ((launch_function)launch)(function, (unsigned)gx, (unsigned)gy, 1, (unsigned)threads, 1, 1,
-                                     (unsigned)shared, stream, params, NULL);
+    return launch_values(launch, function, gx, gy, threads, shared, stream, sizes, count, values, n_expected);
 }
 
 /* The statistics kernel's parameters: x, values, counts (pointers); n, stride (int32) */
