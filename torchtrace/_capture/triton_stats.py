@@ -240,12 +240,12 @@ def launch_plan(x: torch.Tensor, n: int, stride: int, counted: bool, geometry: t
     aligned, unaligned = ((index, x.dtype, alignment, counted, stride == 1) for alignment in (True, False))
     if _launch_kernel is None or not launch_directly or not (_direct.get(aligned) or _direct.get(unaligned)):
         return None
-    programs = min(-(-n // BLOCK), _programs.get(index) or _max_programs(index))
-    # for batched.StatBatch: the key a tensor is queued under, the bytes it holds, the batch kernel's compiled launches
-    # and its grid's limits (BLOCK, programs in a full grid)
-    batch_key, grid = (index, x.dtype, counted), (BLOCK, _programs.get(index) or _max_programs(index))
-    return (n, stride, programs, index, aligned, unaligned, _direct, _current_device, _current_raw_stream, geometry,
-            batch_key, n * x.element_size(), _batch_direct, grid)  # fmt: skip
+    full = _programs.get(index) or _max_programs(index)
+    # then, for batched.StatBatch: the key a tensor is queued under, the bytes it holds, the batch kernel's compiled
+    # launches and its grid's limits (BLOCK, programs in a full grid)
+    return (n, stride, min(-(-n // BLOCK), full), index, aligned, unaligned, _direct, _current_device,
+            _current_raw_stream, geometry, (index, x.dtype, counted), n * x.element_size(), _batch_direct,
+            (BLOCK, full))  # fmt: skip
 
 
 def forget_compiled() -> None:
