@@ -430,3 +430,15 @@ def test_training_steps_batch_their_forward_statistics_and_keep_every_statistic(
     # the same tensors every step; the forward's ten outputs take two launches instead of ten once batched
     assert {tensors for _, tensors in launches} == {launches[0][1]}
     assert [launched for launched, _ in launches[LEARNING_FORWARDS:]] == [launches[0][0] - 8] * 2
+
+
+def test_a_batch_launched_from_c_shares_the_grid_as_python_computes_it(simulated_cuda, monkeypatch):  # noqa: F811
+    """C computes each tensor's share of the grid itself (no Python at the launch): the same as batch_shares."""
+    kernel = importlib.import_module("torchtrace._capture.triton_stats")
+    monkeypatch.setitem(kernel._programs, -1, 40)  # a full grid of 40 programs on the simulated device
+    model = nn.Sequential(*[layer for _ in range(2) for layer in (nn.Linear(16, 4096), nn.ReLU(), nn.Linear(4096, 16),
+                                                                   nn.ReLU())])  # fmt: skip
+    sizes = [4 * 4096, 4 * 4096, 4 * 16, 4 * 16] * 2  # a forward's eight outputs: one full queue, launched from C
+    launches_a_forward(simulated_cuda, model, LEARNING_FORWARDS + 1, stats=torchtrace.Stats(batch=8))
+    *_, n, programs = simulated_cuda.launched()[-1]  # the first member's
+    assert (n, programs) == (sizes[0], kernel.batch_shares(sizes, kernel.BLOCK, 40)[0]) == (16384, 9)
