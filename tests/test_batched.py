@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,22 +74,31 @@ def span_of(captured, name: str, forward: int):
     return [span for span in captured.spans() if span.attributes.get("torchtrace.module.path") == name][forward]
 
 
+def traced_and_returned(
+    model: nn.Module, forwards: int, make_input: Callable[[], torch.Tensor] = lambda: torch.randn(4, 16)
+) -> list[tuple[int, Any, torch.Tensor]]:
+    """(forward, a leaf's span attributes, the output it returned) of ``forwards`` batched forwards."""
+    returned = returned_outputs(model)
+    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
+        for _ in range(forwards):
+            model(make_input())
+        captured.handle.flush()
+        return [
+            (forward, span_of(captured, name, forward).attributes, output)
+            for name, outputs in returned.items()
+            for forward, output in enumerate(outputs)
+        ]
+
+
 def test_batched_statistics_are_torchs_for_every_forward(batch_launches):
     """A kind of tensor is launched one by one (and checked) in its first two forwards, then queued and reduced eight
     tensors to a launch: every span's statistics are torch's for the tensor its module returned."""
     torch.manual_seed(0)
     model = nn.Sequential(*[layer for _ in range(6) for layer in (nn.Linear(16, 16), nn.Tanh())])
-    returned = returned_outputs(model)
     forwards = 5
-    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
-        for _ in range(forwards):
-            model(torch.randn(4, 16) * 3 + 1)
-        captured.handle.flush()
-        for name, outputs in returned.items():
-            for forward, output in enumerate(outputs):
-                attributes = span_of(captured, name, forward).attributes
-                assert "torchtrace.output.stats_error" not in attributes
-                assert_stats_match(attributes, output, prefix=PREFIX)
+    for _, attributes, output in traced_and_returned(model, forwards, lambda: torch.randn(4, 16) * 3 + 1):
+        assert "torchtrace.output.stats_error" not in attributes
+        assert_stats_match(attributes, output, prefix=PREFIX)
     # 12 tensors a forward: none batched while checked, then 8 + 4 a forward
     assert batch_launches == [8, 4] * (forwards - LEARNING_FORWARDS)
 
@@ -98,14 +108,8 @@ def test_a_kind_changed_in_place_after_its_module_returned_is_never_batched(batc
     from then on, and no statistics are ever read from the changed values."""
     torch.manual_seed(0)
     model = nn.Sequential(Residual(16, in_place=True), Residual(16, in_place=True))
-    returned = returned_outputs(model)
-    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
-        for _ in range(4):
-            model(torch.randn(4, 16))
-        captured.handle.flush()
-        for name, outputs in returned.items():
-            for forward, output in enumerate(outputs):
-                assert_stats_match(span_of(captured, name, forward).attributes, output, prefix=PREFIX)
+    for _, attributes, output in traced_and_returned(model, 4):
+        assert_stats_match(attributes, output, prefix=PREFIX)
     assert batch_launches == []  # every output is of the one kind (4, 16) float32
 
 
@@ -257,20 +261,6 @@ class Cast(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.dtype) * 2  # a tensor of its own, also where x is of that dtype already
-
-
-def traced_and_returned(model: nn.Module, forwards: int) -> list[tuple[int, Any, torch.Tensor]]:
-    """(forward, a leaf's span attributes, the output it returned) of ``forwards`` batched forwards."""
-    returned = returned_outputs(model)
-    with capture_spans(model, stats=torchtrace.Stats(batch=8)) as captured:
-        for _ in range(forwards):
-            model(torch.randn(4, 16))
-        captured.handle.flush()
-        return [
-            (forward, span_of(captured, name, forward).attributes, output)
-            for name, outputs in returned.items()
-            for forward, output in enumerate(outputs)
-        ]
 
 
 def mixed_precision_model() -> nn.Module:
