@@ -24,9 +24,11 @@ Variants:
                include the two in which its kinds are checked)
 
 Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
-the empty hooks' added count ("x empty hook"). The untraced and empty-hook counts repeat exactly from run to run; the
-traced ones move by up to ~1-2%: torchtrace's dispatch thread (counted too) resolves records on wall-clock ticks, so
-how the work is split between it and the model's thread differs from run to run. Compare counts of the same script
+the empty hooks' added count ("x empty hook"), and the instructions added on the model's thread alone (each thread is
+counted on its own; the rest is torchtrace's dispatch thread, which on a GPU host shares the model's GIL). The
+untraced and empty-hook counts repeat exactly from run to run; the traced ones move by up to ~1-2%: the dispatch
+thread resolves records on wall-clock ticks, so how the work is split between it and the model's thread (the
+forward's end, a flush) differs from run to run. Compare counts of the same script
 version only: a change to the child itself (even an added call before the window) shifts every count a little.
 
 Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
@@ -128,13 +130,17 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int, dict]:
-    """(callgrind's total instructions while counting was on, the child's JSON line) for one child run."""
+def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int, int, dict]:
+    """(callgrind's total instructions while counting was on, those of the model's thread, the child's JSON line)
+    for one child run. Each thread is counted on its own (``--separate-threads=yes``: one file a thread, the main
+    thread's first): the model's thread and torchtrace's dispatch thread share one GIL, so on a host-bound GPU
+    forward the worker's instructions delay the model as well, but they are not part of a call's own path."""
     out_file = os.path.join(directory, f"callgrind.{variant}.{forwards}.out")
     command = [
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
+        "--separate-threads=yes",
         f"--callgrind-out-file={out_file}",
         sys.executable,
         os.path.abspath(__file__),
@@ -145,29 +151,44 @@ def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{variant} with {forwards} forwards exited {result.returncode}:\n{result.stderr[-4000:]}")
-    with open(out_file) as lines:
-        totals = [int(line.split()[1]) for line in lines if line.startswith("totals:")]
-    if len(totals) != 1 or totals[0] <= 0:
-        raise RuntimeError(f"{out_file}: expected one positive 'totals:' line, found {totals}")
-    return totals[0], json.loads(result.stdout.strip().splitlines()[-1])
+    threads = sorted(
+        name for name in os.listdir(directory) if re.fullmatch(re.escape(os.path.basename(out_file)) + r"-\d+", name)
+    )
+    totals = []
+    for name in threads:
+        with open(os.path.join(directory, name)) as lines:
+            totals += [int(line.split()[1]) for line in lines if line.startswith("totals:")]
+    if len(totals) != len(threads) or not threads or totals[0] <= 0:
+        raise RuntimeError(f"{out_file}-NN: expected one 'totals:' line a thread, the first positive, found {totals}")
+    return sum(totals), totals[0], json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int) -> dict:
     runs = [(variant, forwards) for variant in variants for forwards in calls]
     with tempfile.TemporaryDirectory(prefix="torchtrace-callgrind-") as directory, ThreadPoolExecutor(jobs) as pool:
         counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory), runs)))
-    child_lines = [line for _, line in counted.values()]
+    child_lines = [line for _, _, line in counted.values()]
     calls_per_forward = child_lines[0]["calls_per_forward"]
     extra_calls = (calls[1] - calls[0]) * calls_per_forward
     results: dict[str, dict] = {}
     for variant in variants:
         totals = [counted[(variant, forwards)][0] for forwards in calls]
-        results[variant] = {"totals": totals, "per_call": round((totals[1] - totals[0]) / extra_calls, 1)}
+        model = [counted[(variant, forwards)][1] for forwards in calls]
+        results[variant] = {
+            "totals": totals,
+            "per_call": round((totals[1] - totals[0]) / extra_calls, 1),
+            "model_thread_totals": model,
+            "model_thread_per_call": round((model[1] - model[0]) / extra_calls, 1),
+        }
     untraced = results.get("untraced", {}).get("per_call")
+    untraced_model = results.get("untraced", {}).get("model_thread_per_call")
     floor = results["empty_hooks"]["per_call"] - untraced if untraced and "empty_hooks" in results else None
     for values in results.values():
         added = None if untraced is None else round(values["per_call"] - untraced, 1)
         values["added_per_call"] = added
+        values["model_thread_added_per_call"] = (
+            None if untraced_model is None else round(values["model_thread_per_call"] - untraced_model, 1)
+        )
         values["x_empty_hook"] = None if added is None or not floor else round(added / floor, 3)
     return {
         "model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}",
@@ -186,13 +207,15 @@ def print_table(report: dict) -> None:
         f"{report['model']}: {report['calls_per_forward']} module calls per forward; {forwards[0]} and {forwards[1]} "
         f"counted forwards, the difference over {extra} module calls"
     )
-    header = f"{'variant':<12} {'instr/call':>11} {'added/call':>11} {'x empty hook':>13}"
+    header = f"{'variant':<12} {'instr/call':>11} {'added/call':>11} {'x empty hook':>13} {'model thread added':>19}"
     print(header)
     print("-" * len(header))
     for name, values in report["variants"].items():
         added = "n/a" if values["added_per_call"] is None else f"{values['added_per_call']:,.0f}"
         ratio = "n/a" if values["x_empty_hook"] is None else f"{values['x_empty_hook']:.3f}"
-        print(f"{name:<12} {values['per_call']:>11,.0f} {added:>11} {ratio:>13}")
+        on_model = values["model_thread_added_per_call"]
+        on_model = "n/a" if on_model is None else f"{on_model:,.0f}"
+        print(f"{name:<12} {values['per_call']:>11,.0f} {added:>11} {ratio:>13} {on_model:>19}")
 
 
 def parse_calls(text: str) -> tuple[int, int]:
