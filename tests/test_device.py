@@ -23,6 +23,7 @@ import types
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import test_training
 import torch
@@ -986,6 +987,81 @@ def test_a_forwards_device_rows_become_one_table_with_torchs_statistics(device_r
     assert row["mean"] == pytest.approx(float((finite * 3).mean()), rel=1e-5)
     assert row["std"] == pytest.approx(float((finite * 3).std()), rel=1e-5)
     device_rows_of_forward.release()
+
+
+def test_the_compiled_finish_of_device_rows_gives_the_numpy_finish_bit_for_bit():
+    """The worker's finish of a forward's device rows (``_native.pending_rows`` / ``rows_table`` / ``name_rows``) and
+    its numpy twin (``stats.pending_rows`` / ``_finish_rows``, used where the module is not built) agree: the same
+    dicts picked (each once, however many calls share it; none that is read or an expanded view's), the same table to
+    the bit (raw sums and torch-op rows, NaN and Inf, one element, the zero fraction counted or not), the same
+    verdict on NaN / Inf, and the same refusals (another set of rows, other statistics)."""
+    native = pytest.importorskip("torchtrace._native")
+    stats_module = torchtrace._capture.stats
+    values = np.array(
+        [
+            [6.0, 20.0, -1.0, 4.0, 29.0, 0.5, 0, 0],  # raw sums of 4 elements
+            [np.nan, np.nan, np.nan, np.nan, np.nan, 0.0, 0, 0],  # raw, counted NaN
+            [np.inf, np.inf, -2.0, np.inf, np.inf, 0.0, 0, 0],  # raw, counted Inf
+            [3.0, 0.0, 3.0, 3.0, 9.0, 0.0, 0, 0],  # raw, one element
+            [1.5, 0.25, -7.0, 2.0, 12.0, 0.0, 0, 0],  # a torch-op row: mean, std, min, max, norm
+            [1e30, 1e30, -3e38, 3e38, 1e38, -1e20, 0, 0],  # raw, large values
+        ],
+        np.float32,
+    )
+    counts = np.array([[0, 0, 3, 0], [2, 0, 4, 0], [0, 1, 4, 0], [0, 0, 1, 0], [0, 0, 5, 0], [0, 0, 7, 0]], np.int64)
+
+    class Rows:
+        def host_rows(self):
+            return values, counts
+
+    rows, other_rows = Rows(), Rows()
+    every = frozenset(torchtrace._core.options.STAT_NAMES)
+    some = frozenset({"mean", "max", "nan_count"})
+
+    def dicts(wanted=every, second_rows=rows):
+        layout = ((0, 4, True), (1, 4, True), (2, 4, True), (3, 1, True), (4, 5, False))  # (row, n, raw sums)
+        pending = [{"shape": (4,), "_pending": (rows, row, n, wanted, raw, 1)} for row, n, raw in layout]
+        pending.append({"_pending": (second_rows, 5, 8, wanted, True, 1)})
+        expanded = {"_pending": (rows, 0, 4, wanted, True, 2)}  # an expanded view's: read one by one
+        read = {"mean": 1.0, "nan_count": 0}
+        return [pending[0], read, *pending[1:3], pending[0], *pending[3:]], expanded
+
+    for wanted in (every, some):
+        for extra in (False, True):
+            found = {}
+            for name, (pending, finish, name_rows) in {
+                "compiled": (native.pending_rows, native.rows_table, native.name_rows),
+                "numpy": (stats_module.pending_rows, stats_module._finish_rows, None),
+            }.items():
+                summaries, expanded = dicts(wanted)
+                picked = pending(summaries + [expanded] * extra)
+                filled, rows_of, wanted_of, index, n, raw, others_finite = picked
+                assert rows_of is rows and wanted_of == wanted and others_finite is not extra
+                assert [id(stats) for stats in filled] == [id(summaries[i]) for i in (0, 2, 3, 5, 6, 7)]
+                names, codes = stats_module._wanted_columns(wanted)
+                table = np.empty((len(filled), len(names)))
+                verdict = (
+                    finish(values, counts, index, n, raw, codes, "zero_fraction" in wanted, table)
+                    if name == "compiled"
+                    else finish(values, counts, index, n, raw, names, "zero_fraction" in wanted, table)
+                )
+                if name_rows is not None:
+                    name_rows(filled)
+                    assert [stats.get("_row") for stats in filled] == list(range(6))
+                    assert not any("_pending" in stats for stats in filled)
+                found[name] = (table, verdict)
+            (compiled, compiled_verdict), (numpy_table, numpy_verdict) = found["compiled"], found["numpy"]
+            assert compiled_verdict is numpy_verdict is False  # rows 1 and 2 count NaN and Inf
+            assert compiled.tobytes() == numpy_table.tobytes(), (compiled, numpy_table)
+            if wanted is every:  # a NaN row's mean, one element's std, the Inf row's norm, a torch-op row's abs-max
+                assert math.isnan(compiled[1][0]) and compiled[3][1] == 0.0 and compiled[2][5] == math.inf
+                assert compiled[4][4] == 7.0 and compiled[0][8] == 0.25
+    for pending in (native.pending_rows, stats_module.pending_rows):
+        assert pending(dicts(second_rows=other_rows)[0]) is None  # rows of two devices: read one by one
+        assert pending([{"mean": 1.0}, dicts()[1]]) is None  # nothing pending at once
+        mixed = dicts()[0]
+        mixed[-1]["_pending"] = (rows, 5, 8, some, True, 1)
+        assert pending(mixed) is None
 
 
 def test_a_traced_device_forward_records_two_events_a_call_and_one_statistics_launch_a_tensor(

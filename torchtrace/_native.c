@@ -1185,7 +1185,7 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
-    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked)
+    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -2070,6 +2070,217 @@ static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t
     return stats_of_taken(args[0], args[1]);
 }
 
+/* Whether ``pointer`` was in ``set`` (an open-addressed table of ``mask + 1`` slots, NULL empty); added if not */
+static int seen_before(const void **set, size_t mask, const void *pointer) {
+    size_t slot = ((uintptr_t)pointer >> 4) * 0x9E3779B97F4A7C15ull & mask;
+    for (; set[slot] != NULL; slot = (slot + 1) & mask)
+        if (set[slot] == pointer) return 1;
+    set[slot] = pointer;
+    return 0;
+}
+
+/* numpy's maximum(x, 0.0): NaN kept */
+static double at_least_zero(double x) { return x >= 0.0 || x != x ? x : 0.0; }
+
+/* rows_table(values, counts, index, n, raw, columns, counted, out) -> bool: stats.device_table's finish of a
+   forward's device rows, one C loop rather than numpy a column: row index[i] of ``values`` (float32, RAW_COLUMNS
+   first) and ``counts`` (int64, COUNT_COLUMNS first), copied from the device, of n[i] elements (raw sums where
+   raw[i], else a torch-op row of mean, std, min, max, norm) into row i of ``out`` (float64, C-contiguous, a column
+   each of ``columns``: codes 0-8 as in stat_rows), the same values as device.finish_raw_rows and numpy give; the
+   zero fraction 0 unless ``counted``. Returns whether no row counts NaN or Inf. */
+static PyObject *rows_table(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 8, "rows_table(values, counts, index, n, raw, columns, counted, out)")) return NULL;
+    char *columns;
+    Py_ssize_t width;
+    int counted = PyObject_IsTrue(args[6]);
+    if (counted < 0 || PyBytes_AsStringAndSize(args[5], &columns, &width) < 0) return NULL;
+    for (Py_ssize_t j = 0; j < width; j++) {
+        if (columns[j] < 0 || columns[j] > 8) {
+            PyErr_SetString(PyExc_ValueError, "rows_table: a column is a number from 0 to 8");
+            return NULL;
+        }
+    }
+    Py_buffer views[6] = {{0}};
+    int taken = 0, flags[6] = {PyBUF_ND | PyBUF_FORMAT, PyBUF_ND | PyBUF_FORMAT, PyBUF_SIMPLE, PyBUF_SIMPLE,
+                               PyBUF_SIMPLE, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS};
+    PyObject *result = NULL;
+    for (; taken < 6; taken++)
+        if (PyObject_GetBuffer(args[taken == 5 ? 7 : taken], &views[taken], flags[taken]) < 0) goto done;
+    Py_buffer *values = &views[0], *counts = &views[1], *out = &views[5];
+    Py_ssize_t count = views[2].len / (Py_ssize_t)sizeof(Py_ssize_t);
+    if (values->ndim != 2 || values->itemsize != 4 || strcmp(values->format, "f") != 0 || values->shape[1] < 6 ||
+        counts->ndim != 2 || counts->itemsize != 8 || counts->shape[1] < 3 || counts->shape[0] != values->shape[0] ||
+        views[3].len != count * (Py_ssize_t)sizeof(double) || views[4].len != count || out->itemsize != 8 ||
+        out->len != count * width * 8) {
+        PyErr_SetString(PyExc_ValueError, "rows_table: float32 value rows and int64 count rows, an index, n and raw "
+                                          "of one length, and a float64 table of that many rows");
+        goto done;
+    }
+    const Py_ssize_t *index = views[2].buf;
+    const double *n = views[3].buf;
+    const char *raw = views[4].buf;
+    double *table = out->buf;
+    int finite = 1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t row = index[i];
+        if (row < 0 || row >= values->shape[0]) {
+            PyErr_SetString(PyExc_IndexError, "rows_table: a row index past the rows copied");
+            goto done;
+        }
+        const float *v = (const float *)values->buf + row * values->shape[1];
+        const int64_t *c = (const int64_t *)counts->buf + row * counts->shape[1];
+        double stat[9], elements = n[i];
+        if (raw[i]) { /* sum_d, squares_d, min, max, squares, shift */
+            double sum_d = v[0], squares_d = v[1];
+            stat[0] = (double)v[5] + sum_d / elements;
+            stat[1] = sqrt(at_least_zero(elements > 1 ? (squares_d - sum_d * sum_d / elements) / (elements - 1) : 0.0));
+            stat[2] = v[2];
+            stat[3] = v[3];
+            stat[5] = sqrt((double)v[4]);
+            if (c[0]) { /* NaN: every statistic NaN, as torch gives */
+                stat[0] = stat[1] = stat[2] = stat[3] = stat[5] = NAN;
+            } else if (c[1]) {
+                stat[1] = NAN;
+                stat[5] = INFINITY;
+            }
+        } else { /* torch ops' row: mean, std, min, max, norm */
+            stat[0] = v[0];
+            stat[1] = v[1];
+            stat[2] = v[2];
+            stat[3] = v[3];
+            stat[5] = v[4];
+        }
+        double low = fabs(stat[2]), high = fabs(stat[3]);
+        stat[4] = low != low || high != high ? NAN : low > high ? low : high;
+        stat[6] = (double)c[0];
+        stat[7] = (double)c[1];
+        stat[8] = counted ? (elements - (double)c[2]) / elements : 0.0;
+        finite = finite && c[0] == 0 && c[1] == 0;
+        for (Py_ssize_t j = 0; j < width; j++) table[i * width + j] = stat[(int)columns[j]];
+    }
+    result = PyBool_FromLong(finite);
+done:
+    for (int k = 0; k < taken; k++) PyBuffer_Release(&views[k]);
+    return result;
+}
+
+/* Whether a stats dict counts NaN or Inf (1), not (0), or -1 with an exception set */
+static int counts_nonfinite(PyObject *stats) {
+    PyObject *names[2] = {str_nan_count, str_inf_count};
+    for (int k = 0; k < 2; k++) {
+        PyObject *counted = PyDict_GetItemWithError(stats, names[k]); /* borrowed */
+        int nonzero = counted != NULL ? PyObject_IsTrue(counted) : PyErr_Occurred() ? -1 : 0;
+        if (nonzero != 0) return nonzero;
+    }
+    return 0;
+}
+
+/* pending_rows(summaries) -> (stats, rows, wanted, index, n, raw, others_finite) or None: stats.device_table's pass
+   over a forward's stats dicts on the worker, one C loop rather than Python a dict. ``stats``: the dicts whose
+   statistics are still in a device row (``_pending``: rows, row, n, wanted, raw, repeats 1), each once (a container's
+   dict may be its child's), in order; ``index``, ``n`` and ``raw``: their rows, element counts and raw flags as
+   native intp, float64 and bool bytes; ``others_finite``: whether no other dict is pending an expanded view's
+   scaling or counts NaN or Inf. None where nothing is pending, or the rows or the wanted statistics differ. */
+static PyObject *pending_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 1, "pending_rows(summaries)")) return NULL;
+    PyObject *all = PySequence_Fast(args[0], "pending_rows(summaries): an iterable of stats dicts");
+    if (all == NULL) return NULL;
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(all), count = 0;
+    size_t mask = 15;
+    while (mask + 1 < (size_t)total * 2) mask = mask * 2 + 1;
+    const void **set = PyMem_Calloc(mask + 1, sizeof(void *));
+    PyObject **entries = PyMem_Malloc(sizeof(PyObject *) * (size_t)(total ? total : 1)), *found = NULL;
+    PyObject *filled = PyList_New(0), *index = NULL, *n = NULL, *raw = NULL;
+    int others_finite = 1;
+    if (set == NULL || entries == NULL || filled == NULL) {
+        if (filled != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < total; i++) {
+        PyObject *stats = PySequence_Fast_GET_ITEM(all, i);
+        if (!PyDict_Check(stats)) {
+            PyErr_SetString(PyExc_TypeError, "pending_rows(summaries): an iterable of stats dicts");
+            goto done;
+        }
+        PyObject *entry = PyDict_GetItemWithError(stats, str__pending); /* borrowed */
+        if (entry == NULL && PyErr_Occurred()) goto done;
+        if (entry != NULL && (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 6)) {
+            PyErr_SetString(PyExc_TypeError, "pending_rows: a _pending entry is (rows, row, n, wanted, raw, repeats)");
+            goto done;
+        }
+        int single = entry != NULL ? PyObject_RichCompareBool(PyTuple_GET_ITEM(entry, 5), one, Py_EQ) : 0;
+        if (single < 0) goto done;
+        if (!single) { /* read already, or an expanded view's (scaled when read: resolve) */
+            int nonfinite = entry != NULL ? 1 : others_finite ? counts_nonfinite(stats) : 0;
+            if (nonfinite < 0) goto done;
+            others_finite = others_finite && !nonfinite;
+        } else if (!seen_before(set, mask, stats)) {
+            if (PyList_Append(filled, stats) < 0) goto done;
+            entries[count++] = entry;
+        }
+    }
+    if (count == 0) goto none;
+    PyObject *rows = PyTuple_GET_ITEM(entries[0], 0), *wanted = PyTuple_GET_ITEM(entries[0], 3);
+    index = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(Py_ssize_t));
+    n = PyBytes_FromStringAndSize(NULL, count * (Py_ssize_t)sizeof(double));
+    raw = PyBytes_FromStringAndSize(NULL, count);
+    if (index == NULL || n == NULL || raw == NULL) goto done;
+    Py_ssize_t *rows_at = (Py_ssize_t *)PyBytes_AS_STRING(index);
+    double *elements = (double *)PyBytes_AS_STRING(n);
+    char *raw_sums = PyBytes_AS_STRING(raw);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *entry = entries[i], *its_wanted = PyTuple_GET_ITEM(entry, 3);
+        if (PyTuple_GET_ITEM(entry, 0) != rows) goto none;
+        int same = its_wanted == wanted ? 1 : PyObject_RichCompareBool(its_wanted, wanted, Py_EQ);
+        if (same <= 0) {
+            if (same < 0) goto done;
+            goto none;
+        }
+        rows_at[i] = PyNumber_AsSsize_t(PyTuple_GET_ITEM(entry, 1), PyExc_OverflowError);
+        elements[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(entry, 2));
+        int is_raw = PyObject_IsTrue(PyTuple_GET_ITEM(entry, 4));
+        if (is_raw < 0 || PyErr_Occurred()) goto done;
+        raw_sums[i] = (char)is_raw;
+    }
+    found = Py_BuildValue("(OOOOOOO)", filled, rows, wanted, index, n, raw, others_finite ? Py_True : Py_False);
+    goto done;
+none:
+    found = Py_NewRef(Py_None);
+done:
+    Py_DECREF(all);
+    PyMem_Free(set);
+    PyMem_Free(entries);
+    Py_XDECREF(filled);
+    Py_XDECREF(index);
+    Py_XDECREF(n);
+    Py_XDECREF(raw);
+    return found;
+}
+
+/* name_rows(stats) -> None: each dict's pending row replaced by its row of the forward's table, its position (the
+   last key, as a CPU forward's small tensors') */
+static PyObject *name_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 1, "name_rows(stats)")) return NULL;
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "name_rows(stats): a list of stats dicts");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[0]); i++) {
+        PyObject *stats = PyList_GET_ITEM(args[0], i), *row = NULL;
+        if (!PyDict_Check(stats) || PyDict_DelItem(stats, str__pending) < 0 || (row = PyLong_FromSsize_t(i)) == NULL ||
+            PyDict_SetItem(stats, str__row, row) < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "name_rows(stats): a list of stats dicts");
+            Py_XDECREF(row);
+            return NULL;
+        }
+        Py_DECREF(row);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"float_stats", (PyCFunction)(void (*)(void))float_stats, METH_FASTCALL,
      "float_stats(address, n, is_float64, columns, names, stats) -> passes (0: not finite)"},
@@ -2096,6 +2307,14 @@ static PyMethodDef methods[] = {
      "the GIL held"},
     {"launch_batch", (PyCFunction)(void (*)(void))launch_batch, METH_FASTCALL,
      "launch_batch(native, programs, count, stream, arguments) -> int: the batch statistics kernel, the GIL held"},
+    {"pending_rows", (PyCFunction)(void (*)(void))pending_rows, METH_FASTCALL,
+     "pending_rows(summaries) -> (stats, rows, wanted, index, n, raw, others_finite) or None: a forward's stats "
+     "dicts still in one set of device rows"},
+    {"rows_table", (PyCFunction)(void (*)(void))rows_table, METH_FASTCALL,
+     "rows_table(values, counts, index, n, raw, columns, counted, out) -> bool: a forward's device rows finished "
+     "into its table"},
+    {"name_rows", (PyCFunction)(void (*)(void))name_rows, METH_FASTCALL,
+     "name_rows(stats) -> None: each dict's pending row replaced by its position"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth, durations) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,

@@ -36,10 +36,13 @@ try:
     from torchtrace._native import copy as _copy
     from torchtrace._native import float_stats as _one_pass
     from torchtrace._native import launch_taken as _launch_taken
+    from torchtrace._native import name_rows as _name_rows
+    from torchtrace._native import pending_rows as _pending_rows
+    from torchtrace._native import rows_table as _rows_table
     from torchtrace._native import stat_rows as _table_rows
     from torchtrace._native import stats_taken as _stats_taken
 except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
-    _one_pass = _table_rows = _launch_taken = None
+    _one_pass = _table_rows = _launch_taken = _pending_rows = _name_rows = _rows_table = None
 
     def _stats_taken(computer: StatComputer, tensor: torch.Tensor) -> None:
         return None  # the Python path below decides every tensor
@@ -949,14 +952,63 @@ def resolve(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] | None:
-    """The statistics of a forward's tensors reduced on one device, finished together as one table (numpy, a pass
-    a column, not Python a call); each of their stats dicts then names its row (``_row``) in place of its pending
-    row. Also whether no statistic of ``summaries`` holds NaN or Inf. None, changing nothing, where they come from
+    """The statistics of a forward's tensors reduced on one device, finished together as one table (one compiled
+    loop over the rows, or numpy a column without the module; not Python a call); each of their stats dicts then
+    names its row (``_row``) in place of its pending row. Also whether no statistic of ``summaries`` holds NaN or Inf. None, changing nothing, where they come from
     several devices or sets of statistics (``resolve`` reads them one by one)."""
+    found = _pending_rows(summaries) if _pending_rows is not None else pending_rows(summaries)
+    if found is None:
+        return None
+    filled, rows, wanted, index, n, raw, others_finite = found
+    values, counts = rows.host_rows()
+    names, codes = _wanted_columns(wanted)
+    table = np.empty((len(filled), len(names)))
+    if _rows_table is not None:
+        finite = _rows_table(values, counts, index, n, raw, codes, "zero_fraction" in wanted, table)
+    else:
+        finite = _finish_rows(values, counts, index, n, raw, names, "zero_fraction" in wanted, table)
+    if _name_rows is not None:
+        _name_rows(filled)
+    else:
+        for row, stats in enumerate(filled):
+            del stats[PENDING]
+            stats[ROW] = row  # the last key, as a row of a CPU forward's table
+    finite = others_finite and finite
+    return StatTable(table, names), finite
+
+
+def _finish_rows(values: np.ndarray, counts: np.ndarray, index: bytes, n: bytes, raw: bytes, names: tuple[str, ...],
+                 counted: bool, table: np.ndarray) -> bool:  # fmt: skip
+    """``_native.rows_table`` in numpy (the same values): rows ``index`` of the copied value and count rows, of ``n``
+    elements each (raw sums where ``raw``), finished into ``table``'s columns ``names``; whether none counts NaN or
+    Inf."""
+    index, n, raw = np.frombuffer(index, np.intp), np.frombuffer(n, np.float64), np.frombuffer(raw, np.bool_)
+    counts = counts[index]
+    nan_count, inf_count = counts[:, 0], counts[:, 1]
+    mean, std, low, high, norm = finish_raw_rows(values[index].astype(np.float64), nan_count, inf_count, n, raw)
+    with np.errstate(invalid="ignore"):
+        columns = {
+            "mean": mean, "std": std, "min": low, "max": high, "abs_max": np.maximum(np.abs(low), np.abs(high)),
+            "norm": norm, "nan_count": nan_count, "inf_count": inf_count,
+            "zero_fraction": (n - counts[:, 2]) / n if counted else np.zeros(len(n)),
+        }  # fmt: skip
+    for position, name in enumerate(names):
+        table[:, position] = columns[name]
+    return not (nan_count.any() or inf_count.any())
+
+
+def pending_rows(
+    summaries: Iterable[dict[str, Any]],
+) -> tuple[list[dict], StatRows, Any, bytes, bytes, bytes, bool] | None:
+    """``device_table``'s pass over the stats dicts (``_native.pending_rows`` where it is built, with the same
+    result): the dicts whose statistics wait in a device row, each once (a container's may be its child's), in
+    order; their rows object and wanted statistics; their rows, element counts and raw flags as native intp,
+    float64 and bool bytes; and whether no other dict is pending an expanded view's scaling or counts NaN or Inf.
+    None where nothing is pending, or the rows or wanted statistics differ."""
     pending: dict[int, tuple[dict, tuple]] = {}  # by identity: one tensor's stats may be shared by several calls
     others_finite = True
     for stats in summaries:
-        entry = stats.get("_pending")
+        entry = stats.get(PENDING)
         if entry is None or entry[5] != 1:  # read, or an expanded view's (scaled when read: resolve)
             others_finite = others_finite and entry is None and not (stats.get("nan_count") or stats.get("inf_count"))
         else:
@@ -967,28 +1019,13 @@ def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] 
     rows, wanted = entries[0][0], entries[0][3]
     if any(entry[0] is not rows or (entry[3] is not wanted and entry[3] != wanted) for entry in entries):
         return None
-    values, counts = rows.host_rows()
-    index = np.fromiter((entry[1] for entry in entries), np.intp, len(entries))
-    n = np.fromiter((entry[2] for entry in entries), np.float64, len(entries))
-    raw = np.fromiter((entry[4] for entry in entries), np.bool_, len(entries))
-    counts = counts[index]
-    nan_count, inf_count = counts[:, 0], counts[:, 1]
-    mean, std, low, high, norm = finish_raw_rows(values[index].astype(np.float64), nan_count, inf_count, n, raw)
-    with np.errstate(invalid="ignore"):
-        columns = {
-            "mean": mean, "std": std, "min": low, "max": high, "abs_max": np.maximum(np.abs(low), np.abs(high)),
-            "norm": norm, "nan_count": nan_count, "inf_count": inf_count,
-            "zero_fraction": (n - counts[:, 2]) / n if "zero_fraction" in wanted else np.zeros(len(n)),
-        }  # fmt: skip
-    names = numeric_columns(wanted)
-    table = np.empty((len(entries), len(names)))
-    for position, name in enumerate(names):
-        table[:, position] = columns[name]
-    for row, (stats, _) in enumerate(pending.values()):
-        del stats["_pending"]
-        stats["_row"] = row  # the last key, as a row of a CPU forward's table
-    finite = others_finite and not (nan_count.any() or inf_count.any())
-    return StatTable(table, names), finite
+    return (
+        [stats for stats, _ in pending.values()], rows, wanted,
+        np.array([entry[1] for entry in entries], np.intp).tobytes(),
+        np.array([entry[2] for entry in entries], np.float64).tobytes(),
+        np.array([bool(entry[4]) for entry in entries], np.bool_).tobytes(),
+        others_finite,
+    )  # fmt: skip
 
 
 def _user_stat(function: StatFunction, tensor: torch.Tensor) -> Any:
