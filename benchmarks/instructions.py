@@ -25,11 +25,13 @@ Variants:
 
 Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
 the empty hooks' added count ("x empty hook"), and the instructions added on the model's thread alone (each thread is
-counted on its own; the rest is torchtrace's dispatch thread, which on a GPU host shares the model's GIL). The
+counted on its own; the rest is torchtrace's dispatch thread, which on a GPU host shares the model's GIL). Before the
+flush that ends the counted window, the child waits for the dispatch thread to resolve every forward, so that the
+model's thread counts the hooks and the forwards' ends, not the resolving a flush would otherwise do in its place. The
 untraced and empty-hook counts repeat exactly from run to run; the traced ones move by up to ~1-2%: the dispatch
-thread resolves records on wall-clock ticks, so how the work is split between it and the model's thread (the
-forward's end, a flush) differs from run to run. Compare counts of the same script
-version only: a change to the child itself (even an added call before the window) shifts every count a little.
+thread resolves records on wall-clock ticks, so how many forwards it takes at a time (and what its pools hold)
+differs from run to run. Compare counts of the same script version only: a change to the child itself (even an
+added call before the window) shifts every count a little.
 
 Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
 Needs valgrind and callgrind_control on PATH, and for the cuda_* variants a C compiler and Triton (exits with status 2
@@ -107,7 +109,14 @@ def run_child(variant: str, forwards: int) -> None:
         if variant == "cuda_batched":
             stats = {"stats": torchtrace.Stats(batch=8)}
         handle = torchtrace.instrument(model, exporter="none", **stats)
-        flush = handle.flush
+
+        def flush() -> None:  # what the worker resolves stays on its thread, not the flush's (the model's)
+            from torchtrace._pipeline.worker import WORKER
+
+            WORKER.resolve_soon()
+            while handle._dispatcher.has_unresolved():
+                time.sleep(0.05)  # few wake-ups: the model's thread adds next to nothing while it waits
+            handle.flush()
 
     for _ in range(WARMUP_FORWARDS):  # first calls, lazy imports, caches
         model(x)
