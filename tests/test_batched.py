@@ -21,7 +21,7 @@ from test_statistics import assert_stats_match
 from torch import nn
 
 import torchtrace
-from torchtrace._capture.batched import CHANGED_IN_PLACE, LEARNING_FORWARDS
+from torchtrace._capture.batched import CHANGED_IN_PLACE, LEARNING_FORWARDS, StatBatch
 from torchtrace.testing import capture_spans, check_traces
 
 PREFIX = "torchtrace.output."
@@ -164,6 +164,17 @@ def test_a_batched_cuda_forward_launches_once_per_eight_tensors_from_c(simulated
     small = torchtrace.Stats(batch=8, batch_mb=1e-6)  # 4 x 16 float32 tensors: 256 bytes each
     assert launches_a_forward(simulated_cuda, model, 4, stats=small) == [(10, 10)] * 4
     assert launches_a_forward(simulated_cuda, model, 3) == [(10, 10)] * 3  # the default: one launch a tensor
+
+
+def test_a_batched_forward_on_the_short_path_runs_no_python_launch(simulated_cuda, monkeypatch):  # noqa: F811
+    """After the checked forwards, a forward's queue is launched from C both when it fills and at the forward's end
+    (what is left: two tensors of ten): StatBatch.launch, Python's path, is not called once."""
+    python_launches = []
+    launch = StatBatch.launch
+    monkeypatch.setattr(StatBatch, "launch", lambda batch: python_launches.append(len(batch.entries)) or launch(batch))
+    model = nn.Sequential(*[layer for _ in range(5) for layer in (nn.Linear(16, 16), nn.ReLU())])
+    counts = launches_a_forward(simulated_cuda, model, LEARNING_FORWARDS + 2, stats=torchtrace.Stats(batch=8))
+    assert counts[LEARNING_FORWARDS:] == [(2, 10)] * 2 and python_launches == []
 
 
 def test_the_batch_launch_from_c_passes_each_tensors_memory_and_row(simulated_cuda):  # noqa: F811

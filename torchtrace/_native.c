@@ -1178,14 +1178,15 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
     X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch) X(launch, batch) X(entries, batch)  \
-    X(limits, batch) X(bytes, batch) X(checked, batch)
+    X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch)
 #define INTERNED(X)                                                                                                   \
     X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
     X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
     X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
-    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)
+    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)            \
+    X(plan)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
@@ -1757,6 +1758,8 @@ static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyO
         PyErr_SetString(PyExc_TypeError, "stats_taken: StatBatch.limits is (size, bound)");
         goto done;
     }
+    /* the plan of a queue's first tensor launches what is left of it at the forward's end (launch_queued) */
+    if (PyList_GET_SIZE(entries) == 0 && PyObject_SetAttr(batch, str_plan, plan) < 0) goto done;
     if (PyList_Append(entries, entry) < 0 || (now = PyNumber_Add(held, nbytes)) == NULL ||
         PyObject_SetAttr(batch, str_bytes, now) < 0)
         goto done;
@@ -1780,6 +1783,25 @@ done:
     Py_XDECREF(entries);
     Py_DECREF(entry);
     return outcome;
+}
+
+/* launch_queued(batch) -> bool: what is left in a StatBatch's queue at the forward's end, launched in C as a full
+   queue is (launch_queue) with the plan of its first tensor, where that tensor's device is still the current one.
+   False (the queue as it was, but for launches the driver took before refusing one) where batch.launch() is to. */
+static PyObject *launch_queued(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 1, "launch_queued(batch)")) return NULL;
+    PyObject *entries = list_attribute(args[0], str_entries), *plan = NULL, *current = NULL;
+    int launched = entries != NULL && (plan = PyObject_GetAttr(args[0], str_plan)) != NULL ? 0 : -1;
+    if (launched == 0 && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == PLAN_SIZE) {
+        current = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, PLAN_DEVICE));
+        int here = current != NULL ? PyObject_RichCompareBool(current, PyTuple_GET_ITEM(plan, PLAN_INDEX), Py_EQ) : -1;
+        launched = here > 0 ? launch_queue(args[0], entries, plan) : here;
+    }
+    Py_XDECREF(current);
+    Py_XDECREF(plan);
+    Py_XDECREF(entries);
+    return launched < 0 ? NULL : PyBool_FromLong(launched);
 }
 
 /* launch_taken's work: stats (a new reference), None (a new reference) where this path does not apply, NULL with an
@@ -2326,6 +2348,8 @@ static PyMethodDef methods[] = {
      "run_uncompiled(set_eval_frame, function, *args, **kwargs): the call with torch.compile's frame callback off"},
     {"mark_event", (PyCFunction)(void (*)(void))mark_event, METH_FASTCALL,
      "mark_event(marking) -> event or None: a driver timing event from the pool, recorded now"},
+    {"launch_queued", (PyCFunction)(void (*)(void))launch_queued, METH_FASTCALL,
+     "launch_queued(batch) -> bool: a StatBatch's queue launched from C at the forward's end"},
     {"launch_taken", (PyCFunction)(void (*)(void))launch_taken, METH_FASTCALL,
      "launch_taken(plan, rows, tensor, head, wanted) -> stats or None: a device tensor's statistics launched from C"},
     {"stats_taken", (PyCFunction)(void (*)(void))stats_taken, METH_FASTCALL,

@@ -26,6 +26,11 @@ import torch
 
 from torchtrace._capture import device
 
+try:
+    from torchtrace._native import launch_queued as _launch_queued
+except ImportError:  # not built: the queue is Python's (batching needs the compiled launch anyway)
+    _launch_queued = None
+
 _logger = logging.getLogger(__name__)
 
 LEARNING_FORWARDS = 2  # whole forwards a kind is checked in before its tensors are queued
@@ -45,9 +50,9 @@ class StatBatch:
     a tensor only checked, batch kernel key, raw stream, address, values row address, counts row address, elements).
     ``_native.stats_taken`` appends to it and launches it as ``queue`` and ``launch`` do (one launch a kernel key and
     stream among the entries), in C where it can (every tensor unchanged, the kernels compiled), else by calling
-    ``launch``."""
+    ``launch``; ``finish`` launches what is left at the forward's end the same way (``_native.launch_queued``)."""
 
-    __slots__ = ("size", "bound", "limits", "entries", "bytes", "checked", "_failed")
+    __slots__ = ("size", "bound", "limits", "entries", "bytes", "checked", "plan", "_failed")
 
     def __init__(self, size: int, bound: int) -> None:
         self.size = size  # tensors a launch reduces (at most triton_stats.BATCH)
@@ -56,6 +61,7 @@ class StatBatch:
         self.entries: list[tuple] = []
         self.bytes = 0
         self.checked: list[list[int]] = []  # states of kinds found unchanged since the forward began
+        self.plan: tuple | None = None  # the C launch plan of the tensor that began the queue (set by C)
         self._failed = False
 
     def queue(self, entry: tuple, nbytes: int) -> None:
@@ -101,7 +107,8 @@ class StatBatch:
     def finish(self) -> None:
         """The forward ended: the queue reduced, and kinds found unchanged all through it one forward closer to
         being queued."""
-        self.launch()
+        if self.entries and not (_launch_queued is not None and _launch_queued(self)):
+            self.launch()
         seen: set[int] = set()
         for state in self.checked:
             if id(state) not in seen and state[0] > 0:

@@ -954,8 +954,9 @@ def resolve(stats: dict[str, Any]) -> dict[str, Any]:
 def device_table(summaries: Iterable[dict[str, Any]]) -> tuple[StatTable, bool] | None:
     """The statistics of a forward's tensors reduced on one device, finished together as one table (one compiled
     loop over the rows, or numpy a column without the module; not Python a call); each of their stats dicts then
-    names its row (``_row``) in place of its pending row. Also whether no statistic of ``summaries`` holds NaN or Inf. None, changing nothing, where they come from
-    several devices or sets of statistics (``resolve`` reads them one by one)."""
+    names its row (``_row``) in place of its pending row. Also whether no statistic of ``summaries`` holds NaN or
+    Inf. None, changing nothing, where they come from several devices or sets of statistics (``resolve`` reads them
+    one by one)."""
     found = _pending_rows(summaries) if _pending_rows is not None else pending_rows(summaries)
     if found is None:
         return None
