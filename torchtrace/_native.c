@@ -894,61 +894,6 @@ static PyObject *elapsed_ms(PyObject *module, PyObject *const *args, Py_ssize_t 
     return Py_BuildValue("(id)", result, (double)milliseconds);
 }
 
-/* elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime (its address) from one event to each of a
-   list (raw handles, all complete), as int nanoseconds: a traced CUDA forward's calls placed on the device's
-   timeline in one call on the worker, not two Python calls each. The reads (~3 us each on an H200 host, two per
-   traced call) run with the GIL released: the model's thread, which waits for the GIL after every torch op while
-   the worker holds it, goes on meanwhile. Raises RuntimeError on a driver error. */
-static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (!takes(nargs, 3, "elapsed_since(function, origin, events)")) return NULL;
-    elapsed_function function = (elapsed_function)PyLong_AsVoidPtr(args[0]);
-    void *origin = PyLong_AsVoidPtr(args[1]);
-    if (PyErr_Occurred()) return NULL;
-    if (function == NULL || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "elapsed_since(function, origin, events): a function and a list of events");
-        return NULL;
-    }
-    PyObject *events = args[2];
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
-    float *milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
-    PyObject *result = NULL;
-    if (handles == NULL || milliseconds == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        handles[i] = PyLong_AsVoidPtr(PyList_GET_ITEM(events, i));
-        if (PyErr_Occurred()) goto done;
-    }
-    int code = 0;
-    Py_ssize_t read = 0;
-    Py_BEGIN_ALLOW_THREADS
-    for (; read < n && code == 0; read++) {
-        milliseconds[read] = 0.0f;
-        code = function(&milliseconds[read], origin, handles[read]);
-    }
-    Py_END_ALLOW_THREADS
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
-        goto done;
-    }
-    if ((result = PyList_New(n)) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *ns = PyLong_FromLongLong((long long)((double)milliseconds[i] * 1e6)); /* as int(ms * 1_000_000) */
-        if (ns == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, ns);
-    }
-done:
-    PyMem_Free(handles);
-    PyMem_Free(milliseconds);
-    return result;
-}
-
 /* launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel (its
    address) of a one-dimensional grid, the GIL held. Triton's launcher takes a Python wrapper, a data_ptr() call and
    a pointer check per tensor argument, and lets the GIL go around the launch: with the dispatch worker busy, every
@@ -2092,6 +2037,119 @@ static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t
     return stats_of_taken(args[0], args[1]);
 }
 
+/* elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime (its address) from one event to each of a
+   list (raw handles or DriverEvents, all complete), as int nanoseconds: a traced CUDA forward's calls placed on the
+   device's timeline in one call on the worker, not two Python calls each. The reads (~3 us each on an H200 host, two per
+   traced call) run with the GIL released: the model's thread, which waits for the GIL after every torch op while
+   the worker holds it, goes on meanwhile. Raises RuntimeError on a driver error. */
+static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 3, "elapsed_since(function, origin, events)")) return NULL;
+    elapsed_function function = (elapsed_function)PyLong_AsVoidPtr(args[0]);
+    void *origin = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (function == NULL || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "elapsed_since(function, origin, events): a function and a list of events");
+        return NULL;
+    }
+    PyObject *events = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
+    float *milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
+    PyObject *result = NULL;
+    if (handles == NULL || milliseconds == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* a raw handle, or a DriverEvent (its handle) */
+        PyObject *event = PyList_GET_ITEM(events, i);
+        PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : PyObject_GetAttr(event, str_handle);
+        handles[i] = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
+        Py_XDECREF(handle);
+        if (PyErr_Occurred()) goto done;
+    }
+    int code = 0;
+    Py_ssize_t read = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; read < n && code == 0; read++) {
+        milliseconds[read] = 0.0f;
+        code = function(&milliseconds[read], origin, handles[read]);
+    }
+    Py_END_ALLOW_THREADS
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
+        goto done;
+    }
+    if ((result = PyList_New(n)) == NULL) goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *ns = PyLong_FromLongLong((long long)((double)milliseconds[i] * 1e6)); /* as int(ms * 1_000_000) */
+        if (ns == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, ns);
+    }
+done:
+    PyMem_Free(handles);
+    PyMem_Free(milliseconds);
+    return result;
+}
+
+/* place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends):
+   dispatcher._times's placement of a CUDA forward's calls on the device's timeline, one C loop rather than Python a
+   call. ``start_events`` / ``end_events``: position -> event (the keys read, in order), ``*_offsets``: elapsed_since
+   each, from the forward's first event; a call timed by a start event starts at ``origin_ns`` plus its offset and
+   keeps its host duration unless an end event gives its end. New lists; the host columns are left as they are. */
+static PyObject *place_times(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 7, "place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets)"))
+        return NULL;
+    long long origin = PyLong_AsLongLong(args[2]);
+    if (origin == -1 && PyErr_Occurred()) return NULL;
+    if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
+        !PyDict_Check(args[3]) || !PyList_Check(args[4]) || PyDict_GET_SIZE(args[3]) != PyList_GET_SIZE(args[4]) ||
+        !PyDict_Check(args[5]) || !PyList_Check(args[6]) || PyDict_GET_SIZE(args[5]) != PyList_GET_SIZE(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "place_times: columns of one length, and an offset an event");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    PyObject *starts = PyList_GetSlice(args[0], 0, n), *ends = PyList_GetSlice(args[1], 0, n), *placed = NULL;
+    if (starts == NULL || ends == NULL) goto done;
+    for (int kind = 0; kind < 2; kind++) { /* the start events, then the end events */
+        PyObject *events = args[3 + 2 * kind], *offsets = args[4 + 2 * kind], *key, *value;
+        Py_ssize_t at = 0, i = 0;
+        while (PyDict_Next(events, &at, &key, &value)) {
+            Py_ssize_t position = PyNumber_AsSsize_t(key, PyExc_IndexError);
+            long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i++));
+            if (PyErr_Occurred()) goto done;
+            if (position < 0 || position >= n) {
+                PyErr_SetString(PyExc_IndexError, "place_times: an event's position past the forward's calls");
+                goto done;
+            }
+            long long host_duration = 0;
+            if (kind == 0 && PyList_GET_ITEM(ends, position) != Py_None) {
+                host_duration = PyLong_AsLongLong(PyList_GET_ITEM(ends, position)) -
+                                PyLong_AsLongLong(PyList_GET_ITEM(starts, position));
+                if (PyErr_Occurred()) goto done;
+            }
+            PyObject *start = kind == 0 ? PyLong_FromLongLong(origin + offset) : NULL;
+            PyObject *end = PyLong_FromLongLong(origin + offset + host_duration);
+            if ((kind == 0 && start == NULL) || end == NULL) {
+                Py_XDECREF(start);
+                Py_XDECREF(end);
+                goto done;
+            }
+            if (kind == 0) PyList_SetItem(starts, position, start); /* steals; the index is checked */
+            PyList_SetItem(ends, position, end);
+        }
+    }
+    placed = PyTuple_Pack(2, starts, ends);
+done:
+    Py_XDECREF(starts);
+    Py_XDECREF(ends);
+    return placed;
+}
+
 /* Whether ``pointer`` was in ``set`` (an open-addressed table of ``mask + 1`` slots, NULL empty); added if not */
 static int seen_before(const void **set, size_t mask, const void *pointer) {
     size_t slot = ((uintptr_t)pointer >> 4) * 0x9E3779B97F4A7C15ull & mask;
@@ -2337,6 +2395,9 @@ static PyMethodDef methods[] = {
      "into its table"},
     {"name_rows", (PyCFunction)(void (*)(void))name_rows, METH_FASTCALL,
      "name_rows(stats) -> None: each dict's pending row replaced by its position"},
+    {"place_times", (PyCFunction)(void (*)(void))place_times, METH_FASTCALL,
+     "place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends): "
+     "a CUDA forward's calls on the device's timeline"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth, durations) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,

@@ -151,7 +151,7 @@ def elapsed_since(origin: Any, events: list) -> list[int]:
     """Nanoseconds from ``origin`` to each of ``events`` (all complete, of origin's device): the driver's events in
     one C call, others one by one."""
     if _elapsed_since is not None and type(origin) is DriverEvent:
-        return _elapsed_since(origin._driver.elapsed_address, origin.handle, [event.handle for event in events])
+        return _elapsed_since(origin._driver.elapsed_address, origin.handle, events)  # their handles read in C
     return [elapsed_ns(origin, event) for event in events]
 
 

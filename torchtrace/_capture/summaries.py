@@ -10,7 +10,7 @@ statistics alone, else a dict per call: ``set_attributes``, the one step the pip
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -145,13 +145,15 @@ def fill_table_rows(forward: RawForward) -> None:
         table.fill(stats)
 
 
-def _tensor_summaries(forward: RawForward) -> Iterable[dict]:
-    """Every stats dict of a forward's calls: bare tensor outputs', then the tensors of other outputs and inputs."""
-    yield from forward.output_stats.values()
+def _tensor_summaries(forward: RawForward) -> list[dict]:
+    """Every stats dict of a forward's calls: bare tensor outputs', then the tensors of other outputs and inputs (a
+    list: the compiled pass takes it as it is)."""
+    found = list(forward.output_stats.values())
     for extras in forward.extras.values():
         for summaries in (extras[OUTPUTS], extras[INPUTS]):
             if summaries:
-                yield from summaries.values()
+                found += summaries.values()
+    return found
 
 
 def _tabulate_device_rows(forward: RawForward) -> None:

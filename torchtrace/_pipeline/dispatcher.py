@@ -56,8 +56,9 @@ from torchtrace.attributes import (
 
 try:
     from torchtrace._native import call_columns as _call_columns
+    from torchtrace._native import place_times as _place_times
 except ImportError:  # not built (no C compiler at install): the Python loops make the same values
-    _call_columns = None
+    _call_columns = _place_times = None
 
 _logger = logging.getLogger(__name__)
 
@@ -137,14 +138,18 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     origin = forward.start_events.get(0) if timed else None
     if origin is None:
         return starts, ends
+    start_events, end_events = forward.start_events, forward.end_events
+    start_offsets = elapsed_since(origin, list(start_events.values()))
+    end_offsets = elapsed_since(origin, list(end_events.values()))
+    if _place_times is not None:
+        return _place_times(starts, ends, starts[0], start_events, start_offsets, end_events, end_offsets)
     starts, ends = list(starts), list(ends)
     origin_ns = starts[0]
-    start_events, end_events = forward.start_events, forward.end_events
-    for position, offset in zip(start_events, elapsed_since(origin, list(start_events.values()))):
+    for position, offset in zip(start_events, start_offsets):
         start, end = starts[position], ends[position]
         starts[position] = origin_ns + offset
         ends[position] = origin_ns + offset + (end if end is not None else start) - start  # host duration, unless:
-    for position, offset in zip(end_events, elapsed_since(origin, list(end_events.values()))):
+    for position, offset in zip(end_events, end_offsets):
         ends[position] = origin_ns + offset
     return starts, ends
 
