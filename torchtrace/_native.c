@@ -23,6 +23,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX, READONLY: a slot's member descriptor */
 #include <stdint.h>
 #include <float.h>
 #include <limits.h>
@@ -1142,9 +1143,99 @@ static const struct {
     PyObject **interned;
 } attributes_read[] = {ATTRIBUTES_READ(ATTRIBUTE_READ_OF)};
 
+/* The slots (``__slots__``) of the hot path's classes that it reads and writes (_ThreadState, StatComputer,
+   StatBatch, _Block), each by its offset in the instance: a read is a load, not an attribute look-up (~165
+   instructions; a traced call with statistics reads about twenty). bind_slots fills the table once per class from
+   the class's member descriptors; an instance of another class (a subclass, a test's stand-in) is read by name. */
+#define MAX_BOUND_SLOTS 48
+static struct {
+    PyTypeObject *type;
+    PyObject *name; /* interned: compared by identity */
+    Py_ssize_t offset;
+} bound_slots[MAX_BOUND_SLOTS];
+static int bound_count;
+
+/* The slot's address in ``owner``, or NULL where it is not one of the bound slots */
+static PyObject **slot_of(PyObject *owner, PyObject *name) {
+    PyTypeObject *type = Py_TYPE(owner);
+    for (int i = 0; i < bound_count; i++)
+        if (bound_slots[i].name == name && bound_slots[i].type == type)
+            return (PyObject **)((char *)owner + bound_slots[i].offset);
+    return NULL;
+}
+
+/* owner.name, a new reference (NULL with an exception set) */
+static PyObject *read_slot(PyObject *owner, PyObject *name) {
+    PyObject **slot = slot_of(owner, name);
+    if (slot != NULL && *slot != NULL) return Py_NewRef(*slot);
+    return PyObject_GetAttr(owner, name); /* not bound, or unset: AttributeError as Python says it */
+}
+
+/* owner.name = value; 0, or -1 with an exception set */
+static int write_slot(PyObject *owner, PyObject *name, PyObject *value) {
+    PyObject **slot = slot_of(owner, name);
+    if (slot == NULL) return PyObject_SetAttr(owner, name, value);
+    PyObject *old = *slot;
+    *slot = Py_NewRef(value);
+    Py_XDECREF(old); /* last: a decref may run Python */
+    return 0;
+}
+
+/* bound_slots() -> [(class, name), ...]: the slots read by offset, in the order bound */
+static PyObject *bound_slots_of(PyObject *module, PyObject *unused) {
+    (void)module;
+    (void)unused;
+    PyObject *found = PyList_New(bound_count);
+    for (int i = 0; found != NULL && i < bound_count; i++) {
+        PyObject *pair = PyTuple_Pack(2, (PyObject *)bound_slots[i].type, bound_slots[i].name);
+        if (pair == NULL) Py_CLEAR(found);
+        else PyList_SET_ITEM(found, i, pair);
+    }
+    return found;
+}
+
+/* bind_slots(cls, owner) -> count: the slots of ``cls`` that the hot path reads of ``owner`` (ATTRIBUTES_READ's name
+   for it) read by offset from now on (plain object slots of that very class; a name bound again keeps its first
+   offset; none past a full table) */
+static PyObject *bind_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 2, "bind_slots(cls, owner)")) return NULL;
+    const char *owner = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : NULL;
+    if (!PyType_Check(args[0]) || owner == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "bind_slots(cls, owner): a class and a name");
+        return NULL;
+    }
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    long bound = 0;
+    Py_ssize_t n_read = (Py_ssize_t)(sizeof(attributes_read) / sizeof(attributes_read[0]));
+    for (Py_ssize_t i = 0; i < n_read; i++) {
+        PyObject *name = *attributes_read[i].interned;
+        if (strcmp(attributes_read[i].where, owner) != 0) continue;
+        PyObject *descriptor = PyDict_GetItemWithError(type->tp_dict, name); /* borrowed; this class's own */
+        if (descriptor == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            continue;
+        }
+        if (!Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) continue;
+        PyMemberDef *member = ((PyMemberDescrObject *)descriptor)->d_member;
+        int known = 0;
+        for (int j = 0; j < bound_count; j++) known |= bound_slots[j].type == type && bound_slots[j].name == name;
+        if (member->type != T_OBJECT_EX || (member->flags & READONLY) || known) continue;
+        if (bound_count == MAX_BOUND_SLOTS) break; /* full (modules reloaded many times): the rest read by name */
+        bound_slots[bound_count].type = (PyTypeObject *)Py_NewRef(type); /* kept: its offsets are its */
+        bound_slots[bound_count].name = name;
+        bound_slots[bound_count].offset = member->offset;
+        bound_count++;
+        bound++;
+    }
+    return PyLong_FromLong(bound);
+}
+
 /* getattr(owner, name) as a new reference that must be a list (NULL without an exception: not one) */
+static PyObject *read_slot(PyObject *owner, PyObject *name);
+
 static PyObject *list_attribute(PyObject *owner, PyObject *name) {
-    PyObject *value = PyObject_GetAttr(owner, name);
+    PyObject *value = read_slot(owner, name);
     if (value != NULL && !PyList_CheckExact(value)) Py_CLEAR(value);
     return value;
 }
@@ -1233,8 +1324,8 @@ static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
         PyErr_Clear();  /* no state on this thread yet: the body makes it */
         return 0;
     }
-    PyObject *skip_depth = PyObject_GetAttr(*state, str_skip_depth);
-    *timer = skip_depth != NULL ? PyObject_GetAttr(*state, str_timer) : NULL;
+    PyObject *skip_depth = read_slot(*state, str_skip_depth);
+    *timer = skip_depth != NULL ? read_slot(*state, str_timer) : NULL;
     int here = *timer != NULL && PyLong_CheckExact(skip_depth) && PyLong_AsLong(skip_depth) == 0;
     Py_XDECREF(skip_depth);
     if (PyErr_Occurred()) here = -1;
@@ -1267,7 +1358,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *stack = list_attribute(state, str_stack), *forward = NULL, *columns = NULL, *module = NULL,
              *position = NULL, *output = NULL, *user_args = NULL;
     Py_ssize_t at = -1;
-    if (stack == NULL || PyList_GET_SIZE(stack) == 0 || (forward = PyObject_GetAttr(state, str_forward)) == NULL ||
+    if (stack == NULL || PyList_GET_SIZE(stack) == 0 || (forward = read_slot(state, str_forward)) == NULL ||
         (columns = forward_columns(forward)) == NULL) {
         if (!PyErr_Occurred()) output = hand_over(context, args, nargs, kwnames);
         goto done;
@@ -1332,7 +1423,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *end = PyObject_CallNoArgs(clock);
     if (end == NULL) goto failed;
     Py_ssize_t depth = PyList_GET_SIZE(stack);
-    PyObject *current = depth ? PyObject_GetAttr(state, str_forward) : NULL;
+    PyObject *current = depth ? read_slot(state, str_forward) : NULL;
     Py_XDECREF(current); /* only its identity is compared */
     if (depth && current == forward && PyList_GET_ITEM(stack, depth - 1) == position) {
         if (PyList_SetSlice(stack, depth - 1, depth, NULL) < 0) goto failed_end;
@@ -1354,7 +1445,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         int is_tensor = Py_TYPE(output) == (PyTypeObject *)tensor ? 1 : PyObject_IsInstance(output, tensor);
         if (is_tensor < 0) goto failed;
         if (is_tensor) {
-            PyObject *computer = PyObject_GetAttr(state, str_stats), *stats = NULL;
+            PyObject *computer = read_slot(state, str_stats), *stats = NULL;
             if (computer != NULL && Py_TYPE(output) == (PyTypeObject *)tensor) { /* a kind taken before: in C */
                 stats = stats_of_taken(computer, output);
                 if (stats == Py_None) Py_CLEAR(stats);
@@ -1556,10 +1647,10 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     PyObject *block = PyList_GET_ITEM(blocks, at / block_rows);
     long long row = at % block_rows;
     outcome = -1;
-    if ((base = PyObject_GetAttr(block, str_values_address)) == NULL) goto done;
+    if ((base = read_slot(block, str_values_address)) == NULL) goto done;
     *values = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * value_bytes);
     Py_CLEAR(base);
-    if ((base = PyObject_GetAttr(block, str_counts_address)) == NULL) goto done;
+    if ((base = read_slot(block, str_counts_address)) == NULL) goto done;
     *counts = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * count_bytes);
     if (PyErr_Occurred() || (next = PyLong_FromLongLong(at + 1)) == NULL ||
         PyObject_SetAttr(rows, str__used, next) < 0)
@@ -1677,7 +1768,7 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
             outcome = -1;
     }
     Py_DECREF(checked);
-    if (outcome == 1 && (PyList_SetSlice(entries, 0, count, NULL) < 0 || PyObject_SetAttr(batch, str_bytes, zero) < 0))
+    if (outcome == 1 && (PyList_SetSlice(entries, 0, count, NULL) < 0 || write_slot(batch, str_bytes, zero) < 0))
         outcome = -1;
     return outcome;
 }
@@ -1697,16 +1788,16 @@ static int queue_entry(PyObject *batch, PyObject *tensor, PyObject *version, PyO
     PyObject *nbytes = PyTuple_GET_ITEM(plan, PLAN_BYTES);
     int outcome = -1;
     if (PyErr_Occurred() || (entries = list_attribute(batch, str_entries)) == NULL ||
-        (limits = PyObject_GetAttr(batch, str_limits)) == NULL || (held = PyObject_GetAttr(batch, str_bytes)) == NULL)
+        (limits = read_slot(batch, str_limits)) == NULL || (held = read_slot(batch, str_bytes)) == NULL)
         goto done;
     if (!PyTuple_CheckExact(limits) || PyTuple_GET_SIZE(limits) != 2) {
         PyErr_SetString(PyExc_TypeError, "stats_taken: StatBatch.limits is (size, bound)");
         goto done;
     }
     /* the plan of a queue's first tensor launches what is left of it at the forward's end (launch_queued) */
-    if (PyList_GET_SIZE(entries) == 0 && PyObject_SetAttr(batch, str_plan, plan) < 0) goto done;
+    if (PyList_GET_SIZE(entries) == 0 && write_slot(batch, str_plan, plan) < 0) goto done;
     if (PyList_Append(entries, entry) < 0 || (now = PyNumber_Add(held, nbytes)) == NULL ||
-        PyObject_SetAttr(batch, str_bytes, now) < 0)
+        write_slot(batch, str_bytes, now) < 0)
         goto done;
     int full = PyList_GET_SIZE(entries) >= PyLong_AsSsize_t(PyTuple_GET_ITEM(limits, 0));
     if (!full) full = PyObject_RichCompareBool(now, PyTuple_GET_ITEM(limits, 1), Py_GE);
@@ -1737,7 +1828,7 @@ static PyObject *launch_queued(PyObject *module, PyObject *const *args, Py_ssize
     (void)module;
     if (!takes(nargs, 1, "launch_queued(batch)")) return NULL;
     PyObject *entries = list_attribute(args[0], str_entries), *plan = NULL, *current = NULL;
-    int launched = entries != NULL && (plan = PyObject_GetAttr(args[0], str_plan)) != NULL ? 0 : -1;
+    int launched = entries != NULL && (plan = read_slot(args[0], str_plan)) != NULL ? 0 : -1;
     if (launched == 0 && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == PLAN_SIZE) {
         current = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, PLAN_DEVICE));
         int here = current != NULL ? PyObject_RichCompareBool(current, PyTuple_GET_ITEM(plan, PLAN_INDEX), Py_EQ) : -1;
@@ -1835,6 +1926,8 @@ static PyObject *launch_taken(PyObject *module, PyObject *const *args, Py_ssize_
 
 /* A computer's attribute, a new reference (NULL with an exception set) */
 #define GET(owner, name) PyObject_GetAttr(owner, str_##name)
+/* A bound slot of the computer's, by offset (read_slot) */
+#define SLOT(owner, name) read_slot(owner, str_##name)
 /* StatComputer._recent: the last tensor summarised, its version, its stats, then the same of the one before */
 enum { RECENT_LAST = 0, RECENT_PREVIOUS = 3, RECENT_SIZE = 6 };
 
@@ -1850,12 +1943,12 @@ static PyObject *staged_row(PyObject *head, PyObject *staging, PyObject *tensor)
     Py_XDECREF(contiguous);
     Py_XDECREF(negative);
     if (!plain) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    PyObject *values = PyObject_GetAttr(staging, str_values), *count = NULL, *filled = NULL, *stats = NULL,
+    PyObject *values = read_slot(staging, str_values), *count = NULL, *filled = NULL, *stats = NULL,
              *pointer = NULL, *found = NULL;
     Py_ssize_t rows = values != NULL ? PyObject_Length(values) : -1;
-    long long at = rows >= 0 && (count = PyObject_GetAttr(staging, str_count)) != NULL ? PyLong_AsLongLong(count) : -1;
+    long long at = rows >= 0 && (count = read_slot(staging, str_count)) != NULL ? PyLong_AsLongLong(count) : -1;
     if (at < 0 || at >= rows || (filled = list_attribute(staging, str_filled)) == NULL) goto done; /* full: grown */
-    PyObject *address = PyObject_GetAttr(staging, str_address), *row_bytes = PyObject_GetAttr(staging, str_row_bytes);
+    PyObject *address = read_slot(staging, str_address), *row_bytes = read_slot(staging, str_row_bytes);
     char *base = address != NULL ? (char *)PyLong_AsVoidPtr(address) : NULL;
     Py_ssize_t width = row_bytes != NULL ? PyLong_AsSsize_t(row_bytes) : -1;
     Py_XDECREF(address);
@@ -1866,7 +1959,7 @@ static PyObject *staged_row(PyObject *head, PyObject *staging, PyObject *tensor)
     memcpy(base + at * width, source, (size_t)width);
     PyObject *row = PyLong_FromLongLong(at), *next = PyLong_FromLongLong(at + 1);
     int stored = row != NULL && next != NULL && PyDict_SetItem(stats, str__row, row) == 0 &&
-                 PyList_Append(filled, stats) == 0 && PyObject_SetAttr(staging, str_count, next) == 0;
+                 PyList_Append(filled, stats) == 0 && write_slot(staging, str_count, next) == 0;
     Py_XDECREF(row);
     Py_XDECREF(next);
     if (stored) found = Py_NewRef(stats);
@@ -1910,10 +2003,10 @@ static PyObject *staged_stats(PyObject *staged, PyObject *tensor, PyObject *dtyp
    Python path decides (no such kind, inside a functorch transform, anything staged_row or launch_taken declines,
    and any Exception, which the Python path meets again and reports). */
 static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
-    PyObject *kinds = GET(computer, _on_device), *staged = NULL, *found = NULL, *version = NULL, *recent = NULL,
+    PyObject *kinds = SLOT(computer, _on_device), *staged = NULL, *found = NULL, *version = NULL, *recent = NULL,
              *key = NULL, *entry = NULL, *rows = NULL, *wanted = NULL, *stats = NULL, *batch = NULL;
     int inference = -1;
-    if (kinds == NULL || !PyDict_CheckExact(kinds) || (staged = GET(computer, _staged)) == NULL ||
+    if (kinds == NULL || !PyDict_CheckExact(kinds) || (staged = SLOT(computer, _staged)) == NULL ||
         !PyDict_CheckExact(staged) || (PyDict_GET_SIZE(kinds) == 0 && PyDict_GET_SIZE(staged) == 0))
         goto done;
     PyObject *flag = PyObject_CallMethodNoArgs(tensor, str_is_inference);
@@ -1921,7 +2014,7 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     Py_XDECREF(flag);
     if (inference < 0) goto done;
     if (!inference) { /* an inference tensor has no version counter: the same object is never trusted twice */
-        if ((version = GET(tensor, _version)) == NULL || (recent = GET(computer, _recent)) == NULL) goto done;
+        if ((version = GET(tensor, _version)) == NULL || (recent = SLOT(computer, _recent)) == NULL) goto done;
         if (!PyList_CheckExact(recent) || PyList_GET_SIZE(recent) != RECENT_SIZE) goto done;
         Py_ssize_t seen = tensor == PyList_GET_ITEM(recent, RECENT_LAST)       ? RECENT_LAST
                           : tensor == PyList_GET_ITEM(recent, RECENT_PREVIOUS) ? RECENT_PREVIOUS
@@ -1968,14 +2061,14 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     int plain = transformed != NULL ? transformed == Py_False : -1;
     Py_XDECREF(transformed);
     if (plain <= 0) goto done;
-    PyObject *device = PyTuple_GET_ITEM(entry, 2), *rows_for = GET(computer, _rows_for), *in_step = NULL;
-    int stepping = rows_for == NULL ? -1 : rows_for == Py_None ? 0 : (in_step = GET(computer, in_step)) != NULL ?
+    PyObject *device = PyTuple_GET_ITEM(entry, 2), *rows_for = SLOT(computer, _rows_for), *in_step = NULL;
+    int stepping = rows_for == NULL ? -1 : rows_for == Py_None ? 0 : (in_step = SLOT(computer, in_step)) != NULL ?
         PyObject_IsTrue(in_step) : -1; /* as `rows_for is not None and in_step` */
     Py_XDECREF(in_step);
     if (stepping > 0) {
         rows = PyObject_CallOneArg(rows_for, device);
     } else if (stepping == 0) {
-        PyObject *forward_rows = GET(computer, _rows);
+        PyObject *forward_rows = SLOT(computer, _rows);
         rows = forward_rows != NULL && PyDict_CheckExact(forward_rows) ? PyDict_GetItemWithError(forward_rows, device)
                                                                          : NULL;
         Py_XINCREF(rows);
@@ -1984,9 +2077,9 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
             rows = PyObject_CallMethodOneArg(computer, str__device_rows, device);
     }
     Py_XDECREF(rows_for);
-    if (rows == NULL || (wanted = GET(computer, wanted)) == NULL) goto done;
+    if (rows == NULL || (wanted = SLOT(computer, wanted)) == NULL) goto done;
     PyObject *batching = PyTuple_GET_ITEM(entry, 4);
-    if (batching != Py_None && !inference && ((batch = GET(computer, batch)) == NULL || batch == Py_None)) {
+    if (batching != Py_None && !inference && ((batch = SLOT(computer, batch)) == NULL || batch == Py_None)) {
         if (batch == NULL) goto done;
         Py_CLEAR(batch);
     }
@@ -1994,7 +2087,7 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
                        version);
     if (stats == NULL || stats == Py_None) goto done;
     /* launched: the forward's rows are read on the host */
-    if (PyObject_SetAttr(computer, str__all_finite, Py_False) < 0) goto done;
+    if (write_slot(computer, str__all_finite, Py_False) < 0) goto done;
 summarised: /* the tensor is the latest one summarised */
     if (!inference && PyList_GET_SIZE(recent) == RECENT_SIZE) { /* (tensor, version, stats), then the last three */
         PyObject *dropped[3];
@@ -2039,9 +2132,9 @@ static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t
 
 /* elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime (its address) from one event to each of a
    list (raw handles or DriverEvents, all complete), as int nanoseconds: a traced CUDA forward's calls placed on the
-   device's timeline in one call on the worker, not two Python calls each. The reads (~3 us each on an H200 host, two per
-   traced call) run with the GIL released: the model's thread, which waits for the GIL after every torch op while
-   the worker holds it, goes on meanwhile. Raises RuntimeError on a driver error. */
+   device's timeline in one call on the worker, not two Python calls each. The reads (~3 us each on an H200 host, two
+   per traced call) run with the GIL released: the model's thread, which waits for the GIL after every torch op
+   while the worker holds it, goes on meanwhile. Raises RuntimeError on a driver error. */
 static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 3, "elapsed_since(function, origin, events)")) return NULL;
@@ -2398,6 +2491,9 @@ static PyMethodDef methods[] = {
     {"place_times", (PyCFunction)(void (*)(void))place_times, METH_FASTCALL,
      "place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends): "
      "a CUDA forward's calls on the device's timeline"},
+    {"bind_slots", (PyCFunction)(void (*)(void))bind_slots, METH_FASTCALL,
+     "bind_slots(cls, owner) -> count: the slots the hot path reads of owner, read by offset in cls"},
+    {"bound_slots", bound_slots_of, METH_NOARGS, "bound_slots() -> [(class, name), ...]: the slots read by offset"},
     {"call_columns", (PyCFunction)(void (*)(void))call_columns, METH_FASTCALL,
      "call_columns(starts, ends, parents, offset) -> (start_ns, end_ns, depth, durations) or None"},
     {"same_values", (PyCFunction)(void (*)(void))same_values, METH_FASTCALL,

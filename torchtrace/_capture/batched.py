@@ -27,9 +27,10 @@ import torch
 from torchtrace._capture import device
 
 try:
+    from torchtrace._native import bind_slots as _bind_slots
     from torchtrace._native import launch_queued as _launch_queued
 except ImportError:  # not built: the queue is Python's (batching needs the compiled launch anyway)
-    _launch_queued = None
+    _launch_queued = _bind_slots = None
 
 _logger = logging.getLogger(__name__)
 
@@ -115,6 +116,10 @@ class StatBatch:
                 seen.add(id(state))
                 state[0] -= 1
         self.checked = []
+
+
+if _bind_slots is not None:  # the compiled hot path reads and writes its slots by offset
+    _bind_slots(StatBatch, "batch")
 
 
 def queue_tensor(batch: StatBatch, tensor: torch.Tensor, version: int, state: list[int], stats: dict[str, Any],

@@ -28,10 +28,11 @@ from torchtrace._capture.cuda_driver import DriverEvent, current_raw_stream, dri
 from torchtrace._core import settings
 
 try:
+    from torchtrace._native import bind_slots as _bind_slots
     from torchtrace._native import elapsed_since as _elapsed_since
     from torchtrace._native import mark_event as _mark_event
 except ImportError:  # not built: DriverEvent's ctypes calls
-    _elapsed_since = _mark_event = None
+    _elapsed_since = _mark_event = _bind_slots = None
 
 _logger = logging.getLogger(__name__)
 
@@ -202,6 +203,10 @@ class _Block:
         """Two launches per block and forward: the Triton kernel adds into its row."""
         self.values.copy_(self.start)
         self.counts.zero_()
+
+
+if _bind_slots is not None:  # the compiled hot path reads and writes its slots by offset
+    _bind_slots(_Block, "block")
 
 
 class StatRows:

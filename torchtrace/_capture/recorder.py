@@ -41,9 +41,10 @@ _MODULE_CALL_CODES = frozenset((torch.nn.Module._call_impl.__code__, torch.nn.Mo
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # a plain `return False` that dynamo folds to True
 _compiler = torch.compiler
 try:
+    from torchtrace._native import bind_slots as _bind_slots
     from torchtrace._native import run_uncompiled as _run_uncompiled
 except ImportError:  # not built: torch.compiler.disable
-    _run_uncompiled = None
+    _run_uncompiled = _bind_slots = None
 _eval_frame = getattr(torch._C, "_dynamo", None) and getattr(torch._C._dynamo, "eval_frame", None)
 
 
@@ -179,6 +180,10 @@ class _ThreadState:
         self.skip_root = -1  # the outermost module of that forward
         self.root_frame: Any = None  # frame of the outermost call: tells recursion from an interrupted forward
         self.timer: Any = None  # the EventTimer of the current forward's device (CUDA), else None
+
+
+if _bind_slots is not None:  # the compiled hot path reads and writes its slots by offset
+    _bind_slots(_ThreadState, "state")
 
 
 class HookRecorder:

@@ -33,6 +33,7 @@ from torchtrace._core.calls import error_text
 from torchtrace._core.options import STAT_NAMES, StatFunction
 
 try:
+    from torchtrace._native import bind_slots as _bind_slots
     from torchtrace._native import copy as _copy
     from torchtrace._native import float_stats as _one_pass
     from torchtrace._native import launch_taken as _launch_taken
@@ -42,7 +43,7 @@ try:
     from torchtrace._native import stat_rows as _table_rows
     from torchtrace._native import stats_taken as _stats_taken
 except ImportError:  # not built (no C compiler at install): numpy's and torch's passes, ctypes: the same values
-    _one_pass = _table_rows = _launch_taken = _pending_rows = _name_rows = _rows_table = None
+    _one_pass = _table_rows = _launch_taken = _pending_rows = _name_rows = _rows_table = _bind_slots = None
 
     def _stats_taken(computer: StatComputer, tensor: torch.Tensor) -> None:
         return None  # the Python path below decides every tensor
@@ -368,6 +369,10 @@ class StatComputer:
         return stats
 
 
+if _bind_slots is not None:  # the compiled hot path reads and writes its slots by offset
+    _bind_slots(StatComputer, "computer")
+
+
 _functorch = getattr(torch._C, "_functorch", None)
 _in_transform: Callable[[torch.Tensor], bool] = (
     _functorch.is_functorch_wrapped_tensor if _functorch is not None else lambda tensor: False
@@ -537,6 +542,10 @@ class _Staging:
         stats["_row"] = count  # its row in the staging (the table's, once finish_forward placed it)
         self.count = count + 1
         self.filled.append(stats)
+
+
+if _bind_slots is not None:
+    _bind_slots(_Staging, "staging")
 
 
 class StatTable:
