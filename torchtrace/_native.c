@@ -1147,21 +1147,27 @@ static const struct {
    StatBatch, _Block), each by its offset in the instance: a read is a load, not an attribute look-up (~165
    instructions; a traced call with statistics reads about twenty). bind_slots fills the table once per class from
    the class's member descriptors; an instance of another class (a subclass, a test's stand-in) is read by name. */
-#define MAX_BOUND_SLOTS 48
+#define BOUND_SLOT_BITS 7
+#define BOUND_SLOTS (1 << BOUND_SLOT_BITS) /* an open-addressed table, kept at most half full */
 static struct {
     PyTypeObject *type;
     PyObject *name; /* interned: compared by identity */
     Py_ssize_t offset;
-} bound_slots[MAX_BOUND_SLOTS];
+} bound_slots[BOUND_SLOTS];
 static int bound_count;
+
+/* Where (type, name) is in the table, or the empty entry where it would go */
+static size_t slot_index(PyTypeObject *type, PyObject *name) {
+    size_t at = (size_t)(((uintptr_t)name ^ ((uintptr_t)type >> 3)) * 0x9E3779B97F4A7C15ull >> (64 - BOUND_SLOT_BITS));
+    while (bound_slots[at].name != NULL && (bound_slots[at].name != name || bound_slots[at].type != type))
+        at = (at + 1) & (BOUND_SLOTS - 1);
+    return at;
+}
 
 /* The slot's address in ``owner``, or NULL where it is not one of the bound slots */
 static PyObject **slot_of(PyObject *owner, PyObject *name) {
-    PyTypeObject *type = Py_TYPE(owner);
-    for (int i = 0; i < bound_count; i++)
-        if (bound_slots[i].name == name && bound_slots[i].type == type)
-            return (PyObject **)((char *)owner + bound_slots[i].offset);
-    return NULL;
+    size_t at = slot_index(Py_TYPE(owner), name);
+    return bound_slots[at].name != NULL ? (PyObject **)((char *)owner + bound_slots[at].offset) : NULL;
 }
 
 /* owner.name, a new reference (NULL with an exception set) */
@@ -1181,15 +1187,16 @@ static int write_slot(PyObject *owner, PyObject *name, PyObject *value) {
     return 0;
 }
 
-/* bound_slots() -> [(class, name), ...]: the slots read by offset, in the order bound */
+/* bound_slots() -> [(class, name), ...]: the slots read by offset */
 static PyObject *bound_slots_of(PyObject *module, PyObject *unused) {
     (void)module;
     (void)unused;
-    PyObject *found = PyList_New(bound_count);
-    for (int i = 0; found != NULL && i < bound_count; i++) {
+    PyObject *found = PyList_New(0);
+    for (int i = 0; found != NULL && i < BOUND_SLOTS; i++) {
+        if (bound_slots[i].name == NULL) continue;
         PyObject *pair = PyTuple_Pack(2, (PyObject *)bound_slots[i].type, bound_slots[i].name);
-        if (pair == NULL) Py_CLEAR(found);
-        else PyList_SET_ITEM(found, i, pair);
+        if (pair == NULL || PyList_Append(found, pair) < 0) Py_CLEAR(found);
+        Py_XDECREF(pair);
     }
     return found;
 }
@@ -1218,13 +1225,12 @@ static PyObject *bind_slots(PyObject *module, PyObject *const *args, Py_ssize_t 
         }
         if (!Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) continue;
         PyMemberDef *member = ((PyMemberDescrObject *)descriptor)->d_member;
-        int known = 0;
-        for (int j = 0; j < bound_count; j++) known |= bound_slots[j].type == type && bound_slots[j].name == name;
-        if (member->type != T_OBJECT_EX || (member->flags & READONLY) || known) continue;
-        if (bound_count == MAX_BOUND_SLOTS) break; /* full (modules reloaded many times): the rest read by name */
-        bound_slots[bound_count].type = (PyTypeObject *)Py_NewRef(type); /* kept: its offsets are its */
-        bound_slots[bound_count].name = name;
-        bound_slots[bound_count].offset = member->offset;
+        size_t at = slot_index(type, name);
+        if (member->type != T_OBJECT_EX || (member->flags & READONLY) || bound_slots[at].name != NULL) continue;
+        if (2 * (bound_count + 1) > BOUND_SLOTS) break; /* full (modules reloaded many times): the rest by name */
+        bound_slots[at].type = (PyTypeObject *)Py_NewRef(type); /* kept: its offsets are its */
+        bound_slots[at].name = name;
+        bound_slots[at].offset = member->offset;
         bound_count++;
         bound++;
     }
@@ -1625,7 +1631,7 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     long long value_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 2));
     long long count_bytes = PyLong_AsLongLong(PyTuple_GET_ITEM(geometry, 3));
     if (PyErr_Occurred()) return -1;
-    PyObject *lock = PyObject_GetAttr(rows, str__lock);
+    PyObject *lock = read_slot(rows, str__lock);
     PyObject *held = lock != NULL ? PyObject_CallMethodNoArgs(lock, str_locked) : NULL;
     Py_XDECREF(lock);
     if (held != Py_False) {
@@ -1634,7 +1640,7 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     }
     Py_DECREF(held);
     int outcome = -1;
-    PyObject *used = PyObject_GetAttr(rows, str__used), *blocks = NULL, *next = NULL, *base = NULL;
+    PyObject *used = read_slot(rows, str__used), *blocks = NULL, *next = NULL, *base = NULL;
     long long at = used != NULL ? PyLong_AsLongLong(used) : -1;
     if (at < 0 || PyErr_Occurred() || (blocks = list_attribute(rows, str__blocks)) == NULL) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "launch_taken: StatRows._used, _blocks unreadable");
@@ -1653,7 +1659,7 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     if ((base = read_slot(block, str_counts_address)) == NULL) goto done;
     *counts = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * count_bytes);
     if (PyErr_Occurred() || (next = PyLong_FromLongLong(at + 1)) == NULL ||
-        PyObject_SetAttr(rows, str__used, next) < 0)
+        write_slot(rows, str__used, next) < 0)
         goto done;
     *index = at;
     outcome = 1;

@@ -215,6 +215,8 @@ class StatRows:
     ``reserve`` may be called from several threads (autograd runs backward on one thread per device).
     """
 
+    __slots__ = ("device", "_pool", "_blocks", "_used", "_lock", "done", "sealed", "_host")
+
     def __init__(self, device: torch.device, pool: RowPool) -> None:
         self.device = device
         self._pool = pool
@@ -290,6 +292,10 @@ class StatRows:
         """Gives the buffers back once every row was read."""
         blocks, self._blocks = self._blocks, []
         self._pool.give_back(self.device, blocks)
+
+
+if _bind_slots is not None:
+    _bind_slots(StatRows, "rows")
 
 
 @dataclass(slots=True)
