@@ -306,16 +306,18 @@ def test_every_attribute_the_compiled_body_reads_is_there_and_of_the_kind_it_rea
 
 
 def test_every_slot_the_compiled_hot_path_reads_of_its_own_classes_is_read_by_offset():
-    """The per-thread state, the statistics computer, its staging, its batch queue, its rows and their blocks are
-    read many times a call: each of their slots that ``_native`` reads (ATTRIBUTES_READ) is bound, read by its
-    offset in the instance rather than looked up by name; nothing else is bound."""
+    """The per-thread state, the statistics computer, its staging, its batch queue, its rows and their blocks, the
+    CUDA timer and its events are read many times a call: each of their slots that ``_native`` reads
+    (ATTRIBUTES_READ) is bound, read by its offset in the instance rather than looked up by name; nothing else."""
     native = _native_module()
-    from torchtrace._capture import batched, device, recorder, stats
+    from torchtrace._capture import batched, cuda_driver, device, recorder, stats
 
     owners = {"state": recorder._ThreadState, "computer": stats.StatComputer, "staging": stats._Staging,
-              "batch": batched.StatBatch, "rows": device.StatRows, "block": device._Block}  # fmt: skip
+              "batch": batched.StatBatch, "rows": device.StatRows, "block": device._Block,
+              "timer": device.DriverEventTimer, "event": cuda_driver.DriverEvent}  # fmt: skip
     read = {(owners[where], name) for where, name in native.ATTRIBUTES_READ if where in owners}
-    read = {(cls, name) for cls, name in read if name in cls.__slots__}  # a method (StatComputer._device_rows) is not
+    slots = {cls: {name for base in cls.__mro__ for name in getattr(base, "__slots__", ())} for cls in owners.values()}
+    read = {(cls, name) for cls, name in read if name in slots[cls]}  # a method (StatComputer._device_rows) is not
     assert len(read) > 20
     assert set(native.bound_slots()) == read
 

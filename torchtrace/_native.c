@@ -1202,8 +1202,8 @@ static PyObject *bound_slots_of(PyObject *module, PyObject *unused) {
 }
 
 /* bind_slots(cls, owner) -> count: the slots of ``cls`` that the hot path reads of ``owner`` (ATTRIBUTES_READ's name
-   for it) read by offset from now on (plain object slots of that very class; a name bound again keeps its first
-   offset; none past a full table) */
+   for it) read by offset from now on in instances of that very class (plain object slots, its own or its bases';
+   a name bound again keeps its first offset; none past a full table) */
 static PyObject *bind_slots(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 2, "bind_slots(cls, owner)")) return NULL;
@@ -1218,12 +1218,8 @@ static PyObject *bind_slots(PyObject *module, PyObject *const *args, Py_ssize_t 
     for (Py_ssize_t i = 0; i < n_read; i++) {
         PyObject *name = *attributes_read[i].interned;
         if (strcmp(attributes_read[i].where, owner) != 0) continue;
-        PyObject *descriptor = PyDict_GetItemWithError(type->tp_dict, name); /* borrowed; this class's own */
-        if (descriptor == NULL) {
-            if (PyErr_Occurred()) return NULL;
-            continue;
-        }
-        if (!Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) continue;
+        PyObject *descriptor = _PyType_Lookup(type, name); /* borrowed: what type(owner).name finds first */
+        if (descriptor == NULL || !Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) continue;
         PyMemberDef *member = ((PyMemberDescrObject *)descriptor)->d_member;
         size_t at = slot_index(type, name);
         if (member->type != T_OBJECT_EX || (member->flags & READONLY) || bound_slots[at].name != NULL) continue;
@@ -1518,7 +1514,7 @@ static PyObject *mark_with(PyObject *marking) {
     Py_XDECREF(current);
     if (marked > 0) {
         stream = PyObject_CallOneArg(PyTuple_GET_ITEM(marking, 4), index);
-        handle = stream != NULL ? PyObject_GetAttr(event, str_handle) : NULL;
+        handle = stream != NULL ? read_slot(event, str_handle) : NULL;
         void *record = PyLong_AsVoidPtr(PyTuple_GET_ITEM(marking, 1));
         void *raw_handle = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
         void *raw_stream = stream != NULL && stream != Py_None ? PyLong_AsVoidPtr(stream) : NULL;
@@ -1553,7 +1549,7 @@ static PyObject *mark_event(PyObject *module, PyObject *const *args, Py_ssize_t 
 /* The timer marks now (a DriverEventTimer in C, any other through its mark()), into events[position] (``events``:
    the forward's start_events or end_events dict) where it could mark. 0, or -1 with an exception set. */
 static int mark_into(PyObject *timer, PyObject *events, PyObject *position) {
-    PyObject *marking = PyObject_GetAttr(timer, str_marking), *event;
+    PyObject *marking = read_slot(timer, str_marking), *event;
     if (marking == NULL) { /* another kind of timer (torch's events) */
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
         PyErr_Clear();
@@ -1596,7 +1592,7 @@ static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, 
     }
     if (tensor != Py_None) {
         Py_INCREF(tensor); /* the dict's entry may be replaced by another thread's look-up meanwhile */
-        PyObject *device = PyObject_GetAttr(tensor, str_device), *timer_device = PyObject_GetAttr(timer, str_device);
+        PyObject *device = PyObject_GetAttr(tensor, str_device), *timer_device = read_slot(timer, str_device);
         int here = device != NULL && timer_device != NULL ? PyObject_RichCompareBool(device, timer_device, Py_EQ) : -1;
         Py_XDECREF(device);
         Py_XDECREF(timer_device);
@@ -2162,7 +2158,7 @@ static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize
     }
     for (Py_ssize_t i = 0; i < n; i++) { /* a raw handle, or a DriverEvent (its handle) */
         PyObject *event = PyList_GET_ITEM(events, i);
-        PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : PyObject_GetAttr(event, str_handle);
+        PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : read_slot(event, str_handle);
         handles[i] = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
         Py_XDECREF(handle);
         if (PyErr_Occurred()) goto done;

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 try:
+    from torchtrace._native import bind_slots as _bind_slots
     from torchtrace._native import driver_call as _driver_call
     from torchtrace._native import elapsed_ms as _elapsed_ms
 except ImportError:  # not built (no C compiler at install): ctypes makes the same calls, slower
-    _driver_call = _elapsed_ms = None
+    _driver_call = _elapsed_ms = _bind_slots = None
 
 _logger = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ class DriverEvent:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter shutdown the library may be gone already
             self._driver.destroy(self.handle)
+
+
+if _bind_slots is not None:  # the compiled hot path reads its handle by offset
+    _bind_slots(DriverEvent, "event")
 
 
 def current_raw_stream(device: torch.device) -> Any:

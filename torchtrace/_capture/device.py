@@ -106,6 +106,10 @@ class DriverEventTimer(EventTimer):
         return event if event is not None else EventTimer.mark(self)
 
 
+if _bind_slots is not None:
+    _bind_slots(DriverEventTimer, "timer")
+
+
 _current_device = getattr(torch._C, "_cuda_getDevice", None)  # CUDA builds of torch only, as the driver's events
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _timers: dict[torch.device, EventTimer] = {}
