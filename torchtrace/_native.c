@@ -2059,7 +2059,9 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     if (key == NULL || (entry = PyDict_GetItemWithError(kinds, key)) == NULL) goto done;
     Py_INCREF(entry); /* (head, stride, device, plan, batching) */
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 || PyTuple_GET_ITEM(entry, 3) == Py_None) goto done;
-    PyObject *transformed = PyObject_CallMethodOneArg(computer, str_in_transform, tensor);
+    PyObject *in_transform = SLOT(computer, in_transform);
+    PyObject *transformed = in_transform != NULL ? PyObject_CallOneArg(in_transform, tensor) : NULL;
+    Py_XDECREF(in_transform);
     int plain = transformed != NULL ? transformed == Py_False : -1;
     Py_XDECREF(transformed);
     if (plain <= 0) goto done;
