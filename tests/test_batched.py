@@ -177,6 +177,16 @@ def test_a_batched_forward_on_the_short_path_runs_no_python_launch(simulated_cud
     assert counts[LEARNING_FORWARDS:] == [(2, 10)] * 2 and python_launches == []
 
 
+def test_the_compiled_end_of_forward_launch_leaves_anything_unusual_to_python():
+    """``_native.launch_queued`` launches nothing and says so (False: ``StatBatch.launch`` then runs) for a queue with
+    no plan yet, or whose entries are not a plain list."""
+    native = pytest.importorskip("torchtrace._native")
+    batch = StatBatch(8, 1 << 20)
+    assert native.launch_queued(batch) is False  # nothing queued from C: no plan
+    batch.entries = type("Entries", (list,), {})([("tensor",)])
+    assert native.launch_queued(batch) is False and len(batch.entries) == 1
+
+
 def test_the_batch_launch_from_c_passes_each_tensors_memory_and_row(simulated_cuda):  # noqa: F811
     """The queued tensors' addresses, rows and sizes reach the driver as the batch kernel's parameters."""
     native = importlib.import_module("torchtrace._native")

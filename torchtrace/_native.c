@@ -1830,8 +1830,9 @@ static PyObject *launch_queued(PyObject *module, PyObject *const *args, Py_ssize
     (void)module;
     if (!takes(nargs, 1, "launch_queued(batch)")) return NULL;
     PyObject *entries = list_attribute(args[0], str_entries), *plan = NULL, *current = NULL;
-    int launched = entries != NULL && (plan = read_slot(args[0], str_plan)) != NULL ? 0 : -1;
-    if (launched == 0 && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == PLAN_SIZE) {
+    if (entries != NULL) plan = read_slot(args[0], str_plan);
+    int launched = PyErr_Occurred() ? -1 : 0; /* entries not an exact list: Python's launch */
+    if (plan != NULL && PyTuple_CheckExact(plan) && PyTuple_GET_SIZE(plan) == PLAN_SIZE) {
         current = PyObject_CallNoArgs(PyTuple_GET_ITEM(plan, PLAN_DEVICE));
         int here = current != NULL ? PyObject_RichCompareBool(current, PyTuple_GET_ITEM(plan, PLAN_INDEX), Py_EQ) : -1;
         launched = here > 0 ? launch_queue(args[0], entries, plan) : here;
