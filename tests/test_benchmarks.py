@@ -366,7 +366,7 @@ def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:
 def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None:
     """instructions.py under callgrind (three variants, 1 and 2 counted forwards: 60-90 s on 2 cores): every variant
     costs instructions, tracing with spans costs more than the untraced model, and the simulated CUDA host path
-    with statistics more than spans on the CPU."""
+    with statistics more than spans on the CPU, part of it on the dispatch thread rather than the model's."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         pytest.skip("valgrind (callgrind) is not installed")
     simulation = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
@@ -388,3 +388,7 @@ def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None
     assert all(values["per_call"] > 0 for values in variants.values()), variants
     assert variants["cuda_stats"]["per_call"] > variants["spans"]["per_call"] > variants["untraced"]["per_call"]
     assert variants["spans"]["added_per_call"] > 0 and "spans" in result.stdout
+    # each thread counted on its own: the simulated CUDA path's dispatch thread does part of the work
+    cuda = variants["cuda_stats"]
+    assert 0 < cuda["model_thread_added_per_call"] < cuda["added_per_call"], cuda
+    assert "model thread added" in result.stdout
