@@ -1157,9 +1157,13 @@ static struct {
 } bound_slots[BOUND_SLOTS];
 static int bound_count;
 
+/* Where probing an open-addressed table of 2^bits entries for ``key`` (pointers, mixed) begins: the high bits of
+   Fibonacci hashing (the slot table here, pending_rows' set of dicts seen) */
+static size_t first_slot(uintptr_t key, int bits) { return (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - bits)); }
+
 /* Where (type, name) is in the table, or the empty entry where it would go */
 static size_t slot_index(PyTypeObject *type, PyObject *name) {
-    size_t at = (size_t)(((uintptr_t)name ^ ((uintptr_t)type >> 3)) * 0x9E3779B97F4A7C15ull >> (64 - BOUND_SLOT_BITS));
+    size_t at = first_slot((uintptr_t)name ^ ((uintptr_t)type >> 3), BOUND_SLOT_BITS);
     while (bound_slots[at].name != NULL && (bound_slots[at].name != name || bound_slots[at].type != type))
         at = (at + 1) & (BOUND_SLOTS - 1);
     return at;
@@ -2249,9 +2253,9 @@ done:
     return placed;
 }
 
-/* Whether ``pointer`` was in ``set`` (an open-addressed table of ``mask + 1`` slots, NULL empty); added if not */
-static int seen_before(const void **set, size_t mask, const void *pointer) {
-    size_t slot = ((uintptr_t)pointer >> 4) * 0x9E3779B97F4A7C15ull & mask;
+/* Whether ``pointer`` was in ``set`` (an open-addressed table of 2^bits slots, NULL empty); added if not */
+static int seen_before(const void **set, int bits, const void *pointer) {
+    size_t mask = ((size_t)1 << bits) - 1, slot = first_slot((uintptr_t)pointer, bits);
     for (; set[slot] != NULL; slot = (slot + 1) & mask)
         if (set[slot] == pointer) return 1;
     set[slot] = pointer;
@@ -2367,9 +2371,9 @@ static PyObject *pending_rows(PyObject *module, PyObject *const *args, Py_ssize_
     PyObject *all = PySequence_Fast(args[0], "pending_rows(summaries): an iterable of stats dicts");
     if (all == NULL) return NULL;
     Py_ssize_t total = PySequence_Fast_GET_SIZE(all), count = 0;
-    size_t mask = 15;
-    while (mask + 1 < (size_t)total * 2) mask = mask * 2 + 1;
-    const void **set = PyMem_Calloc(mask + 1, sizeof(void *));
+    int bits = 4; /* a set of the dicts seen, at most half full */
+    while (((size_t)1 << bits) < (size_t)total * 2) bits++;
+    const void **set = PyMem_Calloc((size_t)1 << bits, sizeof(void *));
     PyObject **entries = PyMem_Malloc(sizeof(PyObject *) * (size_t)(total ? total : 1)), *found = NULL;
     PyObject *filled = PyList_New(0), *index = NULL, *n = NULL, *raw = NULL;
     int others_finite = 1;
@@ -2395,7 +2399,7 @@ static PyObject *pending_rows(PyObject *module, PyObject *const *args, Py_ssize_
             int nonfinite = entry != NULL ? 1 : others_finite ? counts_nonfinite(stats) : 0;
             if (nonfinite < 0) goto done;
             others_finite = others_finite && !nonfinite;
-        } else if (!seen_before(set, mask, stats)) {
+        } else if (!seen_before(set, bits, stats)) {
             if (PyList_Append(filled, stats) < 0) goto done;
             entries[count++] = entry;
         }
