@@ -29,7 +29,8 @@ Four questions, answered on one CUDA device in one run:
 
 With --split, three more variants say where a traced forward's host time goes (compare their host ms per forward
 with torchtrace's): `torchtrace_worker_at_flush` (the dispatch worker held off while the forwards run: the model's
-thread alone, the worker's work at the flush), `torchtrace_driver_stubbed` (the CUDA driver's event records,
+thread alone, which reads each forward's device work at a later forward's end, as it does with the worker live; the
+exports at the flush), `torchtrace_driver_stubbed` (the CUDA driver's event records,
 elapsed-time reads and statistics launches replaced by C stubs that return at once, benchmarks/simulated_cuda.py:
 everything but the driver; the rows then hold no statistics) and `torchtrace_driver_stubbed_worker_at_flush` (both:
 the Python and compiled code of the model's thread alone).
@@ -96,7 +97,7 @@ class Variant:
     close: Callable[[], Any] = lambda: None
     before: Callable[[], Any] = lambda: None  # set-up around each timed repetition (e.g. the stats path)
     after: Callable[[], Any] = lambda: None
-    worker_at_flush: bool = False  # the dispatch worker is held off while the forwards run: all its work is at flush
+    worker_at_flush: bool = False  # the dispatch worker is held off while the forwards run: its exports are at flush
 
 
 def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:

@@ -25,9 +25,10 @@ Variants:
 
 Reported per variant: instructions per module call, those added over untraced, and that added count as a multiple of
 the empty hooks' added count ("x empty hook"), and the instructions added on the model's thread alone (each thread is
-counted on its own; the rest is torchtrace's dispatch thread, which on a GPU host shares the model's GIL). Before the
-flush that ends the counted window, the child waits for the dispatch thread to resolve every forward, so that the
-model's thread counts the hooks and the forwards' ends, not the resolving a flush would otherwise do in its place. The
+counted on its own; the rest is torchtrace's dispatch thread, which on a GPU host shares the model's GIL). A CUDA
+forward is read on the model's thread at the next forward's end (its count includes that), the window's last one by
+the dispatch thread once the model is idle: before the flush that ends the counted window, the child waits for it,
+so that the flush does not do that reading in its place. The
 untraced and empty-hook counts repeat exactly from run to run; the traced ones move by up to ~1-2%: the dispatch
 thread resolves records on wall-clock ticks, so how many forwards it takes at a time (and what its pools hold)
 differs from run to run. Compare counts of the same script version only: a change to the child itself (even an

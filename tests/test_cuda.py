@@ -352,6 +352,61 @@ def test_the_workers_event_queries_do_not_break_a_graph_capture_on_another_threa
         assert torch.allclose(static_output, other(x))
 
 
+def test_the_capture_mode_exchange_gives_the_threads_mode_back():
+    modes = []
+
+    def exchange() -> None:  # a fresh thread: CUDA's default (global) mode
+        modes.append(_cuda_driver.exchange_capture_mode(_cuda_driver.THREAD_LOCAL_CAPTURE))
+        modes.append(_cuda_driver.exchange_capture_mode(modes[0]))
+
+    thread = threading.Thread(target=exchange)
+    thread.start()
+    thread.join()
+    assert modes == [0, _cuda_driver.THREAD_LOCAL_CAPTURE]  # CU_STREAM_CAPTURE_MODE_GLOBAL, then ours
+
+
+def test_reading_device_work_at_a_forwards_end_does_not_break_a_graph_capture_on_another_thread():
+    """A serving thread reads its earlier forwards' device work at a forward's end, in thread-local capture mode:
+    in the default (global) mode its event queries would invalidate the graph another thread is capturing."""
+    from torchtrace._pipeline.worker import WORKER
+
+    model = nn.Sequential(nn.Linear(16, 16)).cuda()
+    other = nn.Linear(16, 16).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    stream = torch.cuda.Stream()
+    ready, capturing, served = threading.Event(), threading.Event(), threading.Event()
+    buffered = []
+
+    def serve() -> None:
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # on this stream: its memory cached, kinds learnt, before the capture starts
+                model(x)
+            stream.synchronize()
+            ready.set()
+            capturing.wait()
+            model(x)  # at its end: the forwards before it read, their events queried during the capture
+            buffered.append(len(handle.buffer))
+        served.set()
+
+    with torchtrace.instrument(model, exporter="none") as handle, WORKER._condition:  # the worker holds still
+        other(x)
+        torch.cuda.synchronize()
+        server = threading.Thread(target=serve)
+        server.start()
+        assert ready.wait(60)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_output = other(x)
+            capturing.set()
+            assert served.wait(60)
+        server.join()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert buffered == [1]  # only the forward that had just ended waits
+        assert torch.allclose(static_output, other(x))
+    assert len(handle.records) == 8
+
+
 ONE_RANK_NCCL_JOB = """
 import json, os, sys
 import torch

@@ -485,6 +485,167 @@ def test_a_forward_interrupted_on_the_device_is_read_once_its_events_completed(d
         assert (interrupted.end_ns - interrupted.start_ns) / 1e6 == pytest.approx(2.0)  # until it was closed
 
 
+# -- who reads a forward's device work: the model's thread while it runs forwards, the worker once it is idle ------
+
+
+@pytest.fixture
+def readers(monkeypatch):
+    """The thread that resolves each forward with device work, in order: (thread name, the forward's root index)."""
+    from torchtrace._pipeline import dispatcher
+
+    resolved = []
+    original = dispatcher.resolve_forward
+
+    def recording(forward, modules, release=True):
+        resolved.append(threading.current_thread().name)
+        return original(forward, modules, release)
+
+    monkeypatch.setattr(dispatcher, "resolve_forward", recording)
+    return resolved
+
+
+def test_forwards_whose_device_work_is_done_are_read_on_the_models_thread_at_the_next_forwards_end(
+    device_clock, readers
+):
+    """On one GIL, a worker reading device work beside a host-bound forward stalls the model's thread at every torch
+    op: the model's thread reads them itself, between its own forwards, never adding a forward's reading to its own
+    call."""
+    from torchtrace._pipeline.worker import WORKER
+
+    model = nn.Sequential(Kernel(device_clock, 2.0), Kernel(device_clock, 3.0))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with WORKER._condition:  # the worker holds still: only the model's thread can read anything
+            model(torch.zeros(2))
+            assert readers == [] and len(handle.buffer) == 1  # its own reading is never added to its own call
+            model(torch.zeros(2))
+            model(torch.zeros(2))
+            assert readers == ["MainThread", "MainThread"] and len(handle.buffer) == 1
+        durations = [(record.path, (record.end_ns - record.start_ns) / 1e6) for record in handle.records]
+    assert durations == [("", 5.0), ("0", 2.0), ("1", 3.0)] * 3
+
+
+def test_a_forward_still_running_on_the_device_is_read_at_the_first_forwards_end_after_it_completed(
+    device_clock, readers
+):
+    from torchtrace._pipeline.worker import WORKER
+
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle, WORKER._condition:
+        device_clock.complete = False
+        for _ in range(3):
+            model(torch.zeros(2))
+        assert readers == [] and handle._dispatcher.has_unresolved()  # nothing read before its events complete
+        device_clock.complete = True
+        model(torch.zeros(2))
+        assert readers == ["MainThread"] * 3  # the three before it, in one go; the fourth waits
+        assert handle._dispatcher.drain(wait=False) == 8
+        assert [record.path for record in handle.records] == ["", "0"] * 4
+
+
+def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs_and_reads_it_once_idle(
+    device_clock, readers
+):
+    class Slow(nn.Module):
+        def forward(self, x):
+            time.sleep(0.3)  # many of the worker's ticks
+            return x
+
+    model = nn.Sequential(Kernel(device_clock, 1.0), Slow())
+    with torchtrace.instrument(model, exporter="none") as handle:
+        model(torch.zeros(2))
+        model(torch.zeros(2))  # the worker does not read the first one while this runs: this thread does, at its end
+        assert readers == ["MainThread"]
+        deadline = time.monotonic() + 10
+        while handle._dispatcher.has_unresolved() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert readers == ["MainThread", "torchtrace-dispatch"]  # the last one: the worker's, the model idle
+
+
+def test_device_work_is_left_to_the_worker_where_on_nonfinite_is_to_be_called(device_clock, readers):
+    """The user's callback is never called on the model's thread: forwards that may call it are the worker's."""
+    from torchtrace._pipeline.worker import WORKER
+
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    stats = torchtrace.Stats(on_nonfinite=lambda error: None)
+    with torchtrace.instrument(model, exporter="none", stats=stats) as handle:
+        with WORKER._condition:
+            for _ in range(3):
+                model(torch.zeros(2))
+            assert readers == [] and len(handle.buffer) == 3
+        handle.flush()
+        assert readers == ["MainThread"] * 3 and len(handle.records) == 6  # the flush, on this thread
+
+
+def test_the_models_thread_reads_device_work_in_thread_local_capture_mode_and_restores_its_own(
+    device_clock, readers, monkeypatch
+):
+    """An event query in CUDA's default (global) capture mode would invalidate a graph another thread captures."""
+    from torchtrace._pipeline.worker import WORKER
+
+    modes = []
+
+    def exchange(pointer):  # cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+        mode = pointer._obj
+        modes.append(mode.value)
+        mode.value, exchange.current = exchange.current, mode.value
+        return 0
+
+    exchange.current = 0  # CU_STREAM_CAPTURE_MODE_GLOBAL, the thread's own
+    monkeypatch.setattr(_cuda_driver, "_driver", types.SimpleNamespace(exchange_capture_mode=exchange))
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none"), WORKER._condition:
+        model(torch.zeros(2))
+        assert modes == []  # nothing to read: nothing exchanged
+        model(torch.zeros(2))
+        assert readers == ["MainThread"]
+        assert modes == [_cuda_driver.THREAD_LOCAL_CAPTURE, 0] and exchange.current == 0
+
+
+def test_a_failing_event_query_at_a_forwards_end_never_reaches_the_model_and_loses_nothing_readable(
+    device_clock, monkeypatch
+):
+    from torchtrace._pipeline.worker import WORKER
+
+    def query(event: ClockEvent) -> bool:
+        if device_clock.failing:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return device_clock.complete
+
+    device_clock.failing = False
+    monkeypatch.setattr(ClockEvent, "query", query)
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle, WORKER._condition:
+        model(torch.zeros(2))
+        device_clock.failing = True
+        assert torch.equal(model(torch.zeros(2)), torch.ones(2))  # the first one read anyway: its times still are
+        device_clock.failing = False
+        records = handle.records
+    assert [(record.path, (record.end_ns - record.start_ns) / 1e6) for record in records] == [("", 1.0), ("0", 1.0)] * 2
+    assert handle.sink_errors == 0
+
+
+def test_anything_failing_while_the_models_thread_reads_device_work_is_logged_never_raised_into_the_model(
+    device_clock, monkeypatch, caplog
+):
+    from torchtrace._pipeline.dispatcher import Dispatcher
+    from torchtrace._pipeline.worker import WORKER
+
+    resolve_taken, failures = Dispatcher._resolve_taken, [MemoryError("no room for the columns")]
+
+    def failing_once(self, items, wait):
+        if failures:
+            raise failures.pop()
+        resolve_taken(self, items, wait)
+
+    monkeypatch.setattr(Dispatcher, "_resolve_taken", failing_once)
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none"), WORKER._condition:
+        model(torch.zeros(2))
+        assert torch.equal(model(torch.zeros(2)), torch.ones(2))
+        assert not failures
+    assert "could not read the device work of a forward at a later one's end" in caplog.text
+
+
 def test_the_worker_enters_thread_local_capture_mode_once_cuda_is_in_use(monkeypatch):
     threads = []
     monkeypatch.setattr("torchtrace._pipeline.worker.cuda_initialized", lambda: True)

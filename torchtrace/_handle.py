@@ -131,6 +131,7 @@ class TraceHandle:
             (self._records, self._summary),
         )
         self._recorder.deliver = self._dispatcher.deliver_at_forward_end
+        self._dispatcher.forward_running = self._recorder.forward_running
         self._dispatcher.step_bounds = self._step_bounds
         if callable(options.stats.on_nonfinite):
             self._dispatcher.on_nonfinite = options.stats.on_nonfinite

@@ -49,7 +49,7 @@ class _Driver:
         self.elapsed = getattr(holding, "cuEventElapsedTime", None) or holding.cuEventElapsedTime_v2
         self.destroy = getattr(holding, "cuEventDestroy_v2", None) or holding.cuEventDestroy
         self.synchronize = releasing.cuEventSynchronize  # blocks until the device gets there: the GIL goes
-        self.exchange_capture_mode = releasing.cuThreadExchangeStreamCaptureMode
+        self.exchange_capture_mode = holding.cuThreadExchangeStreamCaptureMode  # never blocks
         self.record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]  # event, stream
         for function in (self.query, self.destroy, self.synchronize):
             function.argtypes = [ctypes.c_void_p]
@@ -168,14 +168,25 @@ def current_raw_stream(device: torch.device) -> Any:
     return lambda: current(index)
 
 
+THREAD_LOCAL_CAPTURE = 1  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+
+
+def exchange_capture_mode(mode: int) -> int | None:
+    """Sets the calling thread's CUDA stream-capture mode; returns the mode it had, or None where there is no driver
+    (or it refused: logged)."""
+    cuda = driver()
+    if cuda is None:
+        return None
+    exchanged = ctypes.c_int(mode)
+    result = cuda.exchange_capture_mode(ctypes.byref(exchanged))
+    if result:
+        _logger.debug("torchtrace: cuThreadExchangeStreamCaptureMode returned %d", result)
+        return None
+    return exchanged.value
+
+
 def tolerate_graph_captures() -> None:
     """Puts the calling thread in CUDA's thread-local stream-capture mode, as torch's NCCL watchdog does: in the
     default (global) mode, an event query from any thread invalidates a CUDA graph that another thread is
     capturing. The worker only queries events recorded before, and outside, any capture."""
-    cuda = driver()
-    if cuda is None:
-        return
-    mode = ctypes.c_int(1)  # CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    result = cuda.exchange_capture_mode(ctypes.byref(mode))
-    if result:
-        _logger.debug("torchtrace: cuThreadExchangeStreamCaptureMode returned %d", result)
+    exchange_capture_mode(THREAD_LOCAL_CAPTURE)

@@ -562,6 +562,10 @@ class HookRecorder:
             return None  # the caller's trace is not sampled: neither are we (ParentBased)
         return parent if self.sampler.should_trace() else None
 
+    def forward_running(self) -> bool:
+        """Whether a traced forward is open on any thread now."""
+        return bool(self._open)
+
     def running_elsewhere(self) -> int:
         """How many traced forwards other live threads have open now (one interrupted there, rare, counts until that
         thread calls the model again)."""

@@ -12,14 +12,17 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._capture import replaced as _replaced
 from torchtrace._capture.buffer import FULL, RecordBuffer
+from torchtrace._capture.cuda_driver import THREAD_LOCAL_CAPTURE, exchange_capture_mode
 from torchtrace._capture.device import elapsed_ns, elapsed_since
 from torchtrace._capture.recorder import (
     ATTRIBUTES,
@@ -61,6 +64,13 @@ except ImportError:  # not built (no C compiler at install): the Python loops ma
     _call_columns = _place_times = None
 
 _logger = logging.getLogger(__name__)
+
+# While the model's thread runs forwards with device work, it resolves the earlier ones whose work is done itself,
+# at each forward's end, and the worker leaves them (``resolves_on_model_thread``): on one GIL, a worker resolving
+# beside a host-bound forward cost the model's thread about three times the worker's own work (the two threads hand
+# the GIL over at every torch op). The worker takes them once no forward runs and none ended for this long (the
+# model idle between requests: resolving then costs the model nothing).
+MODEL_THREAD_WINDOW_S = 0.005
 
 
 class CallInterrupted(BaseException):
@@ -582,6 +592,8 @@ class Dispatcher:
         self._behind = False  # the worker holds forwards taken from the buffer that it has not delivered yet
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
+        self.device_forward_ended = float("-inf")  # monotonic time a forward with device work last ended
+        self.forward_running: Callable[[], bool] = lambda: False  # whether a traced forward runs (the handle's)
         self.step_bounds: StepBounds | None = None  # in a job: the ranks' step bounds, for rank 0's step roots
 
     def start(self) -> None:
@@ -625,8 +637,14 @@ class Dispatcher:
         """Called by the hooks on the model's thread when a forward ends, with what it became: a forward resolved
         to its columns, with nothing but spans and statistics (no error, user value or capture: those take the
         worker, where ``on_nonfinite`` is called), goes to the in-process sinks now and waits for the exporters'
-        next drain; True then. False: the hooks buffer it for the worker."""
-        if not self._at_forward_end or type(item) is not CallBatch or item.sparse:
+        next drain; True then. A forward with device work still running is buffered, and the buffered forwards
+        whose device work is done are resolved now (``_resolve_device_forwards``); True then too. False: the hooks
+        buffer it for the worker."""
+        if not self._at_forward_end:
+            return False
+        if type(item) is RawForward:
+            return item.device is not None and self._resolve_device_forwards(item)
+        if type(item) is not CallBatch or item.sparse:
             return False
         calls = len(item)
         with self.deliver_lock:  # guarded: a SIGTERM landing meanwhile (its flush needs the lock) is handled after
@@ -643,6 +661,41 @@ class Dispatcher:
             else:  # the exporters fall behind (an endpoint that stalls): bounded as the buffer is
                 self.buffer.drop(calls, FULL)
         return True
+
+    def _resolve_device_forwards(self, forward: RawForward) -> bool:
+        """At the end of ``forward`` (with device work), on the model's thread: the buffered forwards whose device
+        work is done are resolved and delivered to the in-process sinks here, before the worker would take them
+        beside this thread's next forward (see MODEL_THREAD_WINDOW_S); then ``forward`` is buffered, for a later
+        forward's end or, once the model is idle, the worker (it never adds its own reading to its own call).
+
+        Not where ``on_nonfinite`` (the user's callback stays off the model's thread) or a job's step bounds (rank
+        0's step roots) are to be handled: False, the worker's then. Nothing is resolved where this thread captures
+        a CUDA graph, or a drain holds the lock (it resolves them itself); the event queries are made in
+        thread-local capture mode, so that they cannot invalidate a graph another thread captures (see
+        ``tolerate_graph_captures``)."""
+        if self.on_nonfinite is not None or self.step_bounds is not None:
+            return False
+        self.device_forward_ended = time.monotonic()
+        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+        if (self._waiting or len(self.buffer)) and not capturing and self._lock.acquire(blocking=False):
+            mode = exchange_capture_mode(THREAD_LOCAL_CAPTURE)
+            try:
+                self._resolve(wait=False)
+            except Exception:  # never the user's forward's error: the worker tries again, and logs what fails
+                _logger.exception("torchtrace: could not read the device work of a forward at a later one's end")
+            finally:
+                if mode is not None:
+                    exchange_capture_mode(mode)
+                self._lock.release()
+        self.buffer.put(forward, len(forward))
+        return True
+
+    def resolves_on_model_thread(self, now: float) -> bool:
+        """Whether the model's thread resolves this dispatcher's device forwards itself (see MODEL_THREAD_WINDOW_S):
+        it has ended one, and a traced forward runs now or one ended within the window of ``now`` (a
+        ``time.monotonic()``). The worker leaves them to it."""
+        ended = self.device_forward_ended
+        return ended > float("-inf") and (self.forward_running() or now - ended < MODEL_THREAD_WINDOW_S)
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the
@@ -691,11 +744,14 @@ class Dispatcher:
     def _resolve_taken(self, items: list, wait: bool) -> None:
         ready = len(items)
         for position, item in enumerate(items):
-            if _unsent(item) or not wait and not _ready(item):
-                ready = position
-                break
-            if wait:
-                _wait_for_device(item)
+            try:
+                if _unsent(item) or not wait and not _ready(item):
+                    ready = position
+                    break
+                if wait:
+                    _wait_for_device(item)
+            except Exception:  # the driver fails (a device fault): read below what can be, the rest logged, counted
+                continue
         forwards, self._waiting = items[:ready], items[ready:]
         with self.deliver_lock:
             self._waiting_calls = sum(map(_calls_held, self._waiting))

@@ -13,7 +13,10 @@ left (a few tracked objects each: their columns, and a summaries dict where an o
 young. Left for a whole export interval they would outlive the collector's young generations, be promoted, and
 trigger full collections of the whole heap, each a long pause in a torch process (benchmarks/latency.py counts
 them and their pauses, traced against untraced). The backlog bound keeps a model of small, fast forwards
-(thousands a second) below the young generation's threshold (700 allocations) between ticks.
+(thousands a second) below the young generation's threshold (700 allocations) between ticks. Forwards with device
+work are the exception while the model runs: its thread resolves them itself at later forwards' ends, and the
+worker leaves them while a forward runs (``Dispatcher.resolves_on_model_thread``), so as not to take the GIL beside
+a host-bound forward; between forwards (a server between requests) it takes them.
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
@@ -43,7 +46,7 @@ _MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's 
 
 class DispatchWorker:
     """The process's dispatch thread and the dispatchers it serves (each with ``interval_s``, ``next_drain``,
-    ``drain(wait=False)``)."""
+    ``drain(wait=False)``, ``resolve()``, ``has_unresolved()`` and ``resolves_on_model_thread(now)``)."""
 
     def __init__(self) -> None:
         self.after_fork()
@@ -129,6 +132,8 @@ class DispatchWorker:
                         RESOLVE_INTERVAL_S if busy else min(2 * resolve_interval, _IDLE_RESOLVE_INTERVAL_S)
                     )
                     next_resolve = now + resolve_interval
+                    # those whose model's thread resolves its device forwards itself, until it stops ending them
+                    young = [d for d in young if not d.resolves_on_model_thread(now)]
                 if not due and not young:
                     wake = min(next_resolve, *(dispatcher.next_drain for dispatcher in live))
                     del live  # hold no member while asleep: a dropped handle must be collectable
