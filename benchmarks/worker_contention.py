@@ -6,7 +6,7 @@ second Python thread that takes it then (the worker reading device work) holds i
 thread waits. CPU torch ops let the GIL go the same way while they compute, so the cost shows here too. torchtrace
 reads a CUDA forward's device work on the model's thread at a later forward's end while forwards keep coming, and
 leaves the worker the rest once the model is idle: with that, the live worker costs the model nothing more than the
-worker held off (``x_held`` near 1.0); a worker reading beside the forwards showed as ``x_held`` well above 1.
+worker held off (``x_held`` near 1.0); a worker reading beside the forwards showed as ``x_held`` above 1.2 here.
 
 Variants, timed round-robin in one process (the starting one rotating every round), each repetition N forwards:
   untraced             a copy of the model made before instrumenting

@@ -67,9 +67,9 @@ _logger = logging.getLogger(__name__)
 
 # While the model's thread runs forwards with device work, it resolves the earlier ones whose work is done itself,
 # at each forward's end, and the worker leaves them (``resolves_on_model_thread``): on one GIL, a worker resolving
-# beside a host-bound forward cost the model's thread about three times the worker's own work (the two threads hand
-# the GIL over at every torch op). The worker takes them once no forward runs and none ended for this long (the
-# model idle between requests: resolving then costs the model nothing).
+# beside a host-bound forward cost the model's thread more than the resolving itself does there (the two threads hand
+# the GIL over at every torch op; benchmarks/worker_contention.py). The worker takes them once no forward runs and
+# none ended for this long (the model idle between requests: resolving then costs the model nothing).
 MODEL_THREAD_WINDOW_S = 0.005
 
 
