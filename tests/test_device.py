@@ -545,20 +545,54 @@ def test_a_forward_still_running_on_the_device_is_read_at_the_first_forwards_end
 def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs_and_reads_it_once_idle(
     device_clock, readers
 ):
+    from torchtrace._pipeline.worker import WORKER
+
+    held = []
+
     class Slow(nn.Module):
         def forward(self, x):
-            time.sleep(0.3)  # many of the worker's ticks
+            if held:  # the worker let go while this forward runs, for many of its ticks
+                held.pop().release()
+            time.sleep(0.3)
             return x
 
     model = nn.Sequential(Kernel(device_clock, 1.0), Slow())
     with torchtrace.instrument(model, exporter="none") as handle:
+        WORKER._condition.acquire()
         model(torch.zeros(2))
+        held.append(WORKER._condition)
         model(torch.zeros(2))  # the worker does not read the first one while this runs: this thread does, at its end
         assert readers == ["MainThread"]
         deadline = time.monotonic() + 10
         while handle._dispatcher.has_unresolved() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert readers == ["MainThread", "torchtrace-dispatch"]  # the last one: the worker's, the model idle
+
+
+def test_forwards_of_several_serving_threads_are_each_read_once(device_clock, readers):
+    """A thread pool serving one model: each thread reads, at its forwards' ends, whatever is done, its own or
+    another's; every forward is read exactly once, wherever, and none is lost."""
+    model = nn.Sequential(Kernel(device_clock, 1.0), Kernel(device_clock, 1.0))
+    start = threading.Barrier(4)
+
+    def serve() -> None:
+        start.wait()
+        for _ in range(25):
+            model(torch.zeros(2))
+
+    with torchtrace.instrument(model, exporter="none", records=torchtrace.Records(max_records=1000)) as handle:
+        threads = [threading.Thread(target=serve, name=f"server-{n}") for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        records = handle.records
+    assert len(readers) == 100 and set(readers) - {"torchtrace-dispatch", "MainThread"} <= {
+        f"server-{n}" for n in range(4)
+    }
+    assert sum(name.startswith("server-") for name in readers) > 0  # most read by the serving threads themselves
+    assert [record.path for record in records].count("") == 100 and len(records) == 300
+    assert handle.sink_errors == 0 and handle.buffer.dropped_calls == 0
 
 
 def test_device_work_is_left_to_the_worker_where_on_nonfinite_is_to_be_called(device_clock, readers):
