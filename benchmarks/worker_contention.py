@@ -4,8 +4,8 @@
 On a GPU host the model's thread is the bottleneck of a host-bound forward, and every torch op lets the GIL go: a
 second Python thread that takes it then (the worker reading device work) holds it until it is done, and the model's
 thread waits. CPU torch ops let the GIL go the same way while they compute, so the cost shows here too. torchtrace
-reads a CUDA forward's device work on the model's thread at a later forward's end while forwards keep coming, and
-leaves the worker the rest once the model is idle: with that, the live worker costs the model nothing more than the
+reads a CUDA forward's device work on the model's thread at a later forward's end while forwards come back to back,
+and leaves the worker the rest once the model is idle: with that, the live worker costs the model nothing more than the
 worker held off (``x_held`` near 1.0); a worker reading beside the forwards showed as ``x_held`` above 1.2 here.
 
 Variants, timed round-robin in one process (the starting one rotating every round), each repetition N forwards:

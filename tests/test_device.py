@@ -569,6 +569,23 @@ def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs
         assert readers == ["MainThread", "torchtrace-dispatch"]  # the last one: the worker's, the model idle
 
 
+def test_forwards_after_a_pause_are_read_by_the_worker_while_the_model_is_idle(device_clock, readers):
+    """A server between requests: the model's thread adds no reading to a request, even where an earlier forward's
+    device work is done by then; the worker, woken at the forward's end, reads it while the model is idle."""
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        device_clock.complete = False
+        model(torch.zeros(2))  # still running on the device at its end
+        time.sleep(0.02)  # the next request comes later
+        device_clock.complete = True
+        model(torch.zeros(2))
+        deadline = time.monotonic() + 10
+        while handle._dispatcher.has_unresolved() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert readers == ["torchtrace-dispatch"] * 2
+        assert [record.path for record in handle.records] == ["", "0"] * 2
+
+
 def test_forwards_of_several_serving_threads_are_each_read_once(device_clock, readers):
     """A thread pool serving one model: each thread reads, at its forwards' ends, whatever is done, its own or
     another's; every forward is read exactly once, wherever, and none is lost."""

@@ -65,11 +65,15 @@ except ImportError:  # not built (no C compiler at install): the Python loops ma
 
 _logger = logging.getLogger(__name__)
 
-# While the model's thread runs forwards with device work, it resolves the earlier ones whose work is done itself,
-# at each forward's end, and the worker leaves them (``resolves_on_model_thread``): on one GIL, a worker resolving
-# beside a host-bound forward cost the model's thread more than the resolving itself does there (the two threads hand
-# the GIL over at every torch op; benchmarks/worker_contention.py). The worker takes them once no forward runs and
-# none ended for this long (the model idle between requests: resolving then costs the model nothing).
+# Forwards with device work that come back to back (one starting within BACK_TO_BACK_S of the one before's end: a
+# loop, a busy server, generate) are read on the model's thread at each forward's end, and the worker leaves them
+# (``resolves_on_model_thread``): on one GIL, a worker reading beside a host-bound forward cost the model's thread more
+# than the reading itself does there (the two threads hand the GIL over at every torch op;
+# benchmarks/worker_contention.py). Forwards with a pause between them (a server between requests) are read by the
+# worker at its next tick, while the model is idle: the model's thread never adds reading to a request's latency
+# there. The worker never starts reading while a forward runs, nor within MODEL_THREAD_WINDOW_S of a
+# back-to-back forward's end.
+BACK_TO_BACK_NS = 2_000_000
 MODEL_THREAD_WINDOW_S = 0.005
 
 
@@ -593,6 +597,8 @@ class Dispatcher:
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
         self.device_forward_ended = float("-inf")  # monotonic time a forward with device work last ended
+        self._forward_end_ns = -BACK_TO_BACK_NS  # its end, perf_counter ns
+        self._back_to_back = False  # it started within BACK_TO_BACK_NS of the one before's end
         self.forward_running: Callable[[], bool] = lambda: False  # whether a traced forward runs (the handle's)
         self.step_bounds: StepBounds | None = None  # in a job: the ranks' step bounds, for rank 0's step roots
 
@@ -663,10 +669,12 @@ class Dispatcher:
         return True
 
     def _resolve_device_forwards(self, forward: RawForward) -> bool:
-        """At the end of ``forward`` (with device work), on the model's thread: the buffered forwards whose device
-        work is done are resolved and delivered to the in-process sinks here, before the worker would take them
-        beside this thread's next forward (see MODEL_THREAD_WINDOW_S); then ``forward`` is buffered, for a later
-        forward's end or, once the model is idle, the worker (it never adds its own reading to its own call).
+        """At the end of ``forward`` (with device work), on the model's thread: where it came back to back with the
+        one before (see BACK_TO_BACK_NS), the buffered forwards whose device work is done are resolved and delivered
+        to the in-process sinks here, before the worker would take them beside this thread's next forward; then
+        ``forward`` is buffered (read at a later forward's end or by the worker: a forward never pays for its own
+        reading). After a pause, ``forward`` is buffered for the worker, which reads what is done at its next tick,
+        the model idle by then.
 
         Not where ``on_nonfinite`` (the user's callback stays off the model's thread) or a job's step bounds (rank
         0's step roots) are to be handled: False, the worker's then. Nothing is resolved where this thread captures
@@ -675,7 +683,13 @@ class Dispatcher:
         ``tolerate_graph_captures``)."""
         if self.on_nonfinite is not None or self.step_bounds is not None:
             return False
+        ended = forward.end[0]
+        self._back_to_back = forward.start[0] - self._forward_end_ns < BACK_TO_BACK_NS  # other threads': negative
+        self._forward_end_ns = ended if ended is not None else time.perf_counter_ns()
         self.device_forward_ended = time.monotonic()
+        if not self._back_to_back:  # the worker's at its next tick, the model idle by then (woken now, it would
+            self.buffer.put(forward, len(forward))  # take the GIL from this forward's own way out)
+            return True
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         if (self._waiting or len(self.buffer)) and not capturing and self._lock.acquire(blocking=False):
             mode = exchange_capture_mode(THREAD_LOCAL_CAPTURE)
@@ -691,11 +705,12 @@ class Dispatcher:
         return True
 
     def resolves_on_model_thread(self, now: float) -> bool:
-        """Whether the model's thread resolves this dispatcher's device forwards itself (see MODEL_THREAD_WINDOW_S):
-        it has ended one, and a traced forward runs now or one ended within the window of ``now`` (a
-        ``time.monotonic()``). The worker leaves them to it."""
-        ended = self.device_forward_ended
-        return ended > float("-inf") and (self.forward_running() or now - ended < MODEL_THREAD_WINDOW_S)
+        """Whether the worker is to leave this dispatcher's buffered forwards alone now (``now``, a
+        ``time.monotonic()``): a traced forward runs, or forwards with device work come back to back and the last
+        one ended within MODEL_THREAD_WINDOW_S (the model's thread reads them itself)."""
+        if self.device_forward_ended == float("-inf"):
+            return False
+        return self.forward_running() or self._back_to_back and now - self.device_forward_ended < MODEL_THREAD_WINDOW_S
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the

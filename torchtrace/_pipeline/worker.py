@@ -14,9 +14,9 @@ young. Left for a whole export interval they would outlive the collector's young
 trigger full collections of the whole heap, each a long pause in a torch process (benchmarks/latency.py counts
 them and their pauses, traced against untraced). The backlog bound keeps a model of small, fast forwards
 (thousands a second) below the young generation's threshold (700 allocations) between ticks. Forwards with device
-work are the exception while the model runs: its thread resolves them itself at later forwards' ends, and the
-worker leaves them while a forward runs (``Dispatcher.resolves_on_model_thread``), so as not to take the GIL beside
-a host-bound forward; between forwards (a server between requests) it takes them.
+work are the exception when they come back to back: the model's thread resolves them itself at later forwards' ends;
+the worker never starts while a forward runs (``Dispatcher.resolves_on_model_thread``), so as not to take the GIL
+beside a host-bound forward, and takes them between forwards (a server between requests: woken at the forward's end).
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
