@@ -504,8 +504,15 @@ def readers(monkeypatch):
     return resolved
 
 
+@pytest.fixture
+def back_to_back(monkeypatch):
+    """Every forward counts as coming back to back with the one before, however loaded the machine (a test's own
+    steps between two forwards can take longer than the 2 ms that tell a pause)."""
+    monkeypatch.setattr("torchtrace._pipeline.dispatcher.BACK_TO_BACK_NS", 10**12)
+
+
 def test_forwards_whose_device_work_is_done_are_read_on_the_models_thread_at_the_next_forwards_end(
-    device_clock, readers
+    back_to_back, device_clock, readers
 ):
     """On one GIL, a worker reading device work beside a host-bound forward stalls the model's thread at every torch
     op: the model's thread reads them itself, between its own forwards, never adding a forward's reading to its own
@@ -525,7 +532,7 @@ def test_forwards_whose_device_work_is_done_are_read_on_the_models_thread_at_the
 
 
 def test_a_forward_still_running_on_the_device_is_read_at_the_first_forwards_end_after_it_completed(
-    device_clock, readers
+    back_to_back, device_clock, readers
 ):
     from torchtrace._pipeline.worker import WORKER
 
@@ -543,7 +550,7 @@ def test_a_forward_still_running_on_the_device_is_read_at_the_first_forwards_end
 
 
 def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs_and_reads_it_once_idle(
-    device_clock, readers
+    back_to_back, device_clock, readers
 ):
     from torchtrace._pipeline.worker import WORKER
 
@@ -586,7 +593,7 @@ def test_forwards_after_a_pause_are_read_by_the_worker_while_the_model_is_idle(d
         assert [record.path for record in handle.records] == ["", "0"] * 2
 
 
-def test_forwards_of_several_serving_threads_are_each_read_once(device_clock, readers):
+def test_forwards_of_several_serving_threads_are_each_read_once(back_to_back, device_clock, readers):
     """A thread pool serving one model: each thread reads, at its forwards' ends, whatever is done, its own or
     another's; every forward is read exactly once, wherever, and none is lost."""
     model = nn.Sequential(Kernel(device_clock, 1.0), Kernel(device_clock, 1.0))
@@ -628,7 +635,7 @@ def test_device_work_is_left_to_the_worker_where_on_nonfinite_is_to_be_called(de
 
 
 def test_the_models_thread_reads_device_work_in_thread_local_capture_mode_and_restores_its_own(
-    device_clock, readers, monkeypatch
+    back_to_back, device_clock, readers, monkeypatch
 ):
     """An event query in CUDA's default (global) capture mode would invalidate a graph another thread captures."""
     from torchtrace._pipeline.worker import WORKER
@@ -653,7 +660,7 @@ def test_the_models_thread_reads_device_work_in_thread_local_capture_mode_and_re
 
 
 def test_a_failing_event_query_at_a_forwards_end_never_reaches_the_model_and_loses_nothing_readable(
-    device_clock, monkeypatch
+    back_to_back, device_clock, monkeypatch
 ):
     from torchtrace._pipeline.worker import WORKER
 
@@ -676,7 +683,7 @@ def test_a_failing_event_query_at_a_forwards_end_never_reaches_the_model_and_los
 
 
 def test_anything_failing_while_the_models_thread_reads_device_work_is_logged_never_raised_into_the_model(
-    device_clock, monkeypatch, caplog
+    back_to_back, device_clock, monkeypatch, caplog
 ):
     from torchtrace._pipeline.dispatcher import Dispatcher
     from torchtrace._pipeline.worker import WORKER
