@@ -65,9 +65,9 @@ except ImportError:  # not built (no C compiler at install): the Python loops ma
 
 _logger = logging.getLogger(__name__)
 
-# Forwards with device work that come back to back (one starting within BACK_TO_BACK_S of the one before's end: a
+# Forwards with device work that come back to back (one starting within BACK_TO_BACK_NS of the one before's end: a
 # loop, a busy server, generate) are read on the model's thread at each forward's end, and the worker leaves them
-# (``resolves_on_model_thread``): on one GIL, a worker reading beside a host-bound forward cost the model's thread more
+# (``worker_defers``): on one GIL, a worker reading beside a host-bound forward cost the model's thread more
 # than the reading itself does there (the two threads hand the GIL over at every torch op;
 # benchmarks/worker_contention.py). Forwards with a pause between them (a server between requests) are read by the
 # worker at its next tick, while the model is idle: the model's thread never adds reading to a request's latency
@@ -643,9 +643,9 @@ class Dispatcher:
         """Called by the hooks on the model's thread when a forward ends, with what it became: a forward resolved
         to its columns, with nothing but spans and statistics (no error, user value or capture: those take the
         worker, where ``on_nonfinite`` is called), goes to the in-process sinks now and waits for the exporters'
-        next drain; True then. A forward with device work still running is buffered, and the buffered forwards
-        whose device work is done are resolved now (``_resolve_device_forwards``); True then too. False: the hooks
-        buffer it for the worker."""
+        next drain; True then. A forward with device work still running is buffered, after the buffered forwards
+        whose device work is done were resolved here where forwards come back to back (``_resolve_device_forwards``);
+        True then too. False: the hooks buffer it for the worker."""
         if not self._at_forward_end:
             return False
         if type(item) is RawForward:
@@ -704,7 +704,7 @@ class Dispatcher:
         self.buffer.put(forward, len(forward))
         return True
 
-    def resolves_on_model_thread(self, now: float) -> bool:
+    def worker_defers(self, now: float) -> bool:
         """Whether the worker is to leave this dispatcher's buffered forwards alone now (``now``, a
         ``time.monotonic()``): a traced forward runs, or forwards with device work come back to back and the last
         one ended within MODEL_THREAD_WINDOW_S (the model's thread reads them itself)."""

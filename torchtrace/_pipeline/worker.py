@@ -15,8 +15,8 @@ trigger full collections of the whole heap, each a long pause in a torch process
 them and their pauses, traced against untraced). The backlog bound keeps a model of small, fast forwards
 (thousands a second) below the young generation's threshold (700 allocations) between ticks. Forwards with device
 work are the exception when they come back to back: the model's thread resolves them itself at later forwards' ends;
-the worker never starts while a forward runs (``Dispatcher.resolves_on_model_thread``), so as not to take the GIL
-beside a host-bound forward, and takes them between forwards (a server between requests: woken at the forward's end).
+the worker never starts while a forward runs (``Dispatcher.worker_defers``), so as not to take the GIL beside a
+host-bound forward, and takes them between forwards (a server between requests), at its next tick.
 
 After ``os.fork()`` the child has no worker thread: ``_fork`` calls :meth:`DispatchWorker.after_fork`, then adds its
 live handles back, which starts the child's own worker.
@@ -46,7 +46,7 @@ _MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's 
 
 class DispatchWorker:
     """The process's dispatch thread and the dispatchers it serves (each with ``interval_s``, ``next_drain``,
-    ``drain(wait=False)``, ``resolve()``, ``has_unresolved()`` and ``resolves_on_model_thread(now)``)."""
+    ``drain(wait=False)``, ``resolve()``, ``has_unresolved()`` and ``worker_defers(now)``)."""
 
     def __init__(self) -> None:
         self.after_fork()
@@ -132,8 +132,8 @@ class DispatchWorker:
                         RESOLVE_INTERVAL_S if busy else min(2 * resolve_interval, _IDLE_RESOLVE_INTERVAL_S)
                     )
                     next_resolve = now + resolve_interval
-                    # those whose model's thread resolves its device forwards itself, until it stops ending them
-                    young = [d for d in young if not d.resolves_on_model_thread(now)]
+                    # not while a forward runs, nor just after a back-to-back one (the model's thread reads those)
+                    young = [d for d in young if not d.worker_defers(now)]
                 if not due and not young:
                     wake = min(next_resolve, *(dispatcher.next_drain for dispatcher in live))
                     del live  # hold no member while asleep: a dropped handle must be collectable
