@@ -485,12 +485,12 @@ def test_a_forward_interrupted_on_the_device_is_read_once_its_events_completed(d
         assert (interrupted.end_ns - interrupted.start_ns) / 1e6 == pytest.approx(2.0)  # until it was closed
 
 
-# -- who reads a forward's device work: the model's thread while it runs forwards, the worker once it is idle ------
+# -- who reads a forward's device work: the model's thread where forwards come back to back, else the worker -------
 
 
 @pytest.fixture
 def readers(monkeypatch):
-    """The thread that resolves each forward with device work, in order: (thread name, the forward's root index)."""
+    """The name of the thread that resolves each forward with device work, in order."""
     from torchtrace._pipeline import dispatcher
 
     resolved = []
@@ -578,7 +578,7 @@ def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs
 
 def test_forwards_after_a_pause_are_read_by_the_worker_while_the_model_is_idle(device_clock, readers):
     """A server between requests: the model's thread adds no reading to a request, even where an earlier forward's
-    device work is done by then; the worker, woken at the forward's end, reads it while the model is idle."""
+    device work is done by then; the worker reads it at its next tick, while the model is idle."""
     model = nn.Sequential(Kernel(device_clock, 1.0))
     with torchtrace.instrument(model, exporter="none") as handle:
         device_clock.complete = False
