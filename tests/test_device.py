@@ -564,7 +564,9 @@ def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs
             return x
 
     model = nn.Sequential(Kernel(device_clock, 1.0), Slow())
-    with torchtrace.instrument(model, exporter="none") as handle:
+    # no export drain during the test: a drain reads whatever is ready, a forward running or not
+    limits = torchtrace.Limits(export_interval_ms=10**6)
+    with torchtrace.instrument(model, exporter="none", limits=limits) as handle:
         WORKER._condition.acquire()
         model(torch.zeros(2))
         held.append(WORKER._condition)
