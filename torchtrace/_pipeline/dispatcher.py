@@ -71,10 +71,10 @@ _logger = logging.getLogger(__name__)
 # than the reading itself does there (the two threads hand the GIL over at every torch op;
 # benchmarks/worker_contention.py). Forwards with a pause between them (a server between requests) are read by the
 # worker at its next tick, while the model is idle: the model's thread never adds reading to a request's latency
-# there. The worker never starts reading while a forward runs, nor within MODEL_THREAD_WINDOW_S of a
+# there. The worker never starts reading while a forward runs, nor within MODEL_THREAD_WINDOW_NS of a
 # back-to-back forward's end.
 BACK_TO_BACK_NS = 2_000_000
-MODEL_THREAD_WINDOW_S = 0.005
+MODEL_THREAD_WINDOW_NS = 5_000_000
 
 
 class CallInterrupted(BaseException):
@@ -596,8 +596,7 @@ class Dispatcher:
         self._behind = False  # the worker holds forwards taken from the buffer that it has not delivered yet
         self._resolved = 0  # calls resolved since the last drain
         self.next_drain = 0.0  # monotonic time of the next background drain (the shared worker sets it)
-        self.device_forward_ended = float("-inf")  # monotonic time a forward with device work last ended
-        self._forward_end_ns = -BACK_TO_BACK_NS  # its end, perf_counter ns
+        self._forward_end_ns: int | None = None  # perf_counter ns a forward with device work last ended (that path)
         self._back_to_back = False  # it started within BACK_TO_BACK_NS of the one before's end
         self.forward_running: Callable[[], bool] = lambda: False  # whether a traced forward runs (the handle's)
         self.step_bounds: StepBounds | None = None  # in a job: the ranks' step bounds, for rank 0's step roots
@@ -684,11 +683,13 @@ class Dispatcher:
         if self.on_nonfinite is not None or self.step_bounds is not None:
             return False
         ended = forward.end[0]
-        self._back_to_back = forward.start[0] - self._forward_end_ns < BACK_TO_BACK_NS  # other threads': negative
+        previous = self._forward_end_ns  # another thread's forward may have ended after this one started: negative
+        self._back_to_back = previous is not None and forward.start[0] - previous < BACK_TO_BACK_NS
         self._forward_end_ns = ended if ended is not None else time.perf_counter_ns()
-        self.device_forward_ended = time.monotonic()
-        if not self._back_to_back:  # the worker's at its next tick, the model idle by then (woken now, it would
-            self.buffer.put(forward, len(forward))  # take the GIL from this forward's own way out)
+        if not self._back_to_back:
+            # the worker's, at its next tick, the model idle by then (woken now, it would take the GIL from this
+            # forward's own way out)
+            self.buffer.put(forward, len(forward))
             return True
         capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
         if (self._waiting or len(self.buffer)) and not capturing and self._lock.acquire(blocking=False):
@@ -704,13 +705,14 @@ class Dispatcher:
         self.buffer.put(forward, len(forward))
         return True
 
-    def worker_defers(self, now: float) -> bool:
-        """Whether the worker is to leave this dispatcher's buffered forwards alone now (``now``, a
-        ``time.monotonic()``): a traced forward runs, or forwards with device work come back to back and the last
-        one ended within MODEL_THREAD_WINDOW_S (the model's thread reads them itself)."""
-        if self.device_forward_ended == float("-inf"):
+    def worker_defers(self) -> bool:
+        """Whether the worker is to leave this dispatcher's buffered forwards alone now: forwards with device work
+        took ``_resolve_device_forwards``, and a traced forward runs, or they come back to back and the last one
+        ended within MODEL_THREAD_WINDOW_NS (the model's thread reads them itself)."""
+        end = self._forward_end_ns
+        if end is None:
             return False
-        return self.forward_running() or self._back_to_back and now - self.device_forward_ended < MODEL_THREAD_WINDOW_S
+        return self.forward_running() or self._back_to_back and time.perf_counter_ns() - end < MODEL_THREAD_WINDOW_NS
 
     def resolve(self) -> None:
         """Resolves what is buffered and ready (device work complete) and hands it to the in-process sinks; the

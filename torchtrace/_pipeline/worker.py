@@ -46,7 +46,7 @@ _MAX_SLEEP_S = 3600.0  # any interval, however long, is a valid sleep (a lock's 
 
 class DispatchWorker:
     """The process's dispatch thread and the dispatchers it serves (each with ``interval_s``, ``next_drain``,
-    ``drain(wait=False)``, ``resolve()``, ``has_unresolved()`` and ``worker_defers(now)``)."""
+    ``drain(wait=False)``, ``resolve()``, ``has_unresolved()`` and ``worker_defers()``)."""
 
     def __init__(self) -> None:
         self.after_fork()
@@ -133,7 +133,7 @@ class DispatchWorker:
                     )
                     next_resolve = now + resolve_interval
                     # not while a forward runs, nor just after a back-to-back one (the model's thread reads those)
-                    young = [d for d in young if not d.worker_defers(now)]
+                    young = [d for d in young if not d.worker_defers()]
                 if not due and not young:
                     wake = min(next_resolve, *(dispatcher.next_drain for dispatcher in live))
                     del live  # hold no member while asleep: a dropped handle must be collectable
