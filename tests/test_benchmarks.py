@@ -363,12 +363,17 @@ def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:
     assert report["series_projection"]["1000"]["auto"] < report["series_projection"]["1000"]["all"] / 5
 
 
-def test_worker_contention_times_the_traced_forward_with_the_worker_live_and_held_off() -> None:
+def skip_without_the_simulated_device() -> None:
+    """Skips where benchmarks/simulated_cuda.py cannot run (no C compiler, Triton or compiled module), saying why."""
     simulation = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
     module = importlib.util.module_from_spec(simulation)
     simulation.loader.exec_module(module)
     if module.available() is not None:
         pytest.skip(module.available())
+
+
+def test_worker_contention_times_the_traced_forward_with_the_worker_live_and_held_off() -> None:
+    skip_without_the_simulated_device()
     report, stdout = run_benchmark("worker_contention.py", "--repeats", "3", "--forwards", "2", "--layers", "4")
     assert report["model"] == "4 x (Linear(32) + ReLU), batch 4, no_grad, 9 calls" and report["repeats"] == 3
     variants = report["variants"]
@@ -388,11 +393,7 @@ def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None
     last forward, the model's thread the ones before it)."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         pytest.skip("valgrind (callgrind) is not installed")
-    simulation = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
-    module = importlib.util.module_from_spec(simulation)
-    simulation.loader.exec_module(module)
-    if module.available() is not None:
-        pytest.skip(module.available())
+    skip_without_the_simulated_device()
     out = tmp_path / "instructions.json"
     script = ROOT / "benchmarks" / "instructions.py"
     args = ["--variants", "untraced,spans,cuda_stats", "--calls", "1,2", "--json", str(out)]
