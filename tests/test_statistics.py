@@ -944,11 +944,14 @@ def table_row_forward(layouts: list[tuple[str, ...] | dict[str, tuple[str, ...]]
          {"": ("shape",), "0": ("dtype",)}, {"1": ("shape",)}, ("shape",)],
         [("shape",), ["shape", "mean", "nan_count"], ["shape", "mean", "nan_count"], {"0": ["shape", "std"]},
          {"": ("shape",), "1": ["mean"]}, {"": ["mean"], "1": ("shape",)}, ("shape",)],
+        [("shape", "dtype"), ("dtype", "shape"), ("dtype", "device"), {"0": ("shape",)}, {"1": ("shape",)},
+         {"1": ("dtype",)}, ["shape", "mean"], ("shape",), ["mean", "shape"]],
     ],
-    ids=["one-layout", "runs-of-layouts", "row-only", "tuples-and-nothing", "large-tensors"],
+    ids=["one-layout", "runs-of-layouts", "row-only", "tuples-and-nothing", "large-tensors", "same-sizes-other-keys"],
 )  # fmt: skip
 def test_table_row_calls_resolve_to_the_same_flat_attributes_compiled_and_in_python(layouts, monkeypatch):
-    """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row), whose
+    """Calls whose stats dicts differ in keys (runs of one layout, keys in another order, only the row; next to a call
+    with as many keys), whose
     outputs are tuples of tensors (named summaries, with or without a bare one) or no tensor, or large tensors (a
     dict of values, no row), get the same counts,
     keys and values from the compiled loop as from the Python one (``_flat_output_attributes``, what an install

@@ -376,6 +376,18 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
     return t;
 }
 
+/* The names the compiled code looks up or reads, interned once at import (PyInit__native) */
+#define INTERNED(X)                                                                                                   \
+    X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
+    X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
+    X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
+    X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
+    X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
+    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)            \
+    X(plan)
+#define DECLARE_STRING(name) static PyObject *str_##name;
+INTERNED(DECLARE_STRING)
+
 /* output_call_values(module_of, output_stats, extras, outputs_slot, paths, types, table, counts): the flat attribute
    values of a forward whose calls hold nothing but their outputs' statistics, in call order: per call its module's
    path and type, then for each of its summaries (its bare tensor output's stats dict from ``output_stats``, then
@@ -394,6 +406,7 @@ typedef struct {
     PyObject *stats; /* held */
     Py_ssize_t row;  /* -1: a dict of values, no row */
     Py_ssize_t size; /* the dict's, as counted (a finalizer run meanwhile could change the dict) */
+    Py_ssize_t keys; /* where its keys begin in the keys met while its values were copied (the row's key left out) */
 } OutputSummary;
 
 typedef struct {
@@ -401,28 +414,28 @@ typedef struct {
     Py_ssize_t count, capacity;
 } OutputSummaries;
 
-/* Appends a summary: a table row (a non-empty dict whose last item is "_row": an int index into the table) or a
-   dict of values (a large tensor's, summarised in the hook; not one still on a device: "_pending"): 1; 0 if it is
-   neither; -1 on an error. */
+static int is_row_key(PyObject *key) {
+    return key == str__row || (PyUnicode_CheckExact(key) && PyUnicode_GET_LENGTH(key) == 4 &&
+                               PyUnicode_CompareWithASCIIString(key, "_row") == 0);
+}
+
+/* Appends a summary: a table row (a non-empty dict holding "_row": an int index into the table; the copy of its
+   values checks that it is the last key) or a dict of values (a large tensor's, summarised in the hook; not one still
+   on a device: "_pending"): 1; 0 if it is neither; -1 on an error. Looked up by key: a walk through the dict to its
+   last key cost several times as much. */
 static int add_summary(OutputSummaries *summaries, PyObject *name, PyObject *stats, Py_ssize_t rows_in_table) {
     if (!PyDict_Check(stats) || PyDict_GET_SIZE(stats) == 0) return 0;
-    Py_ssize_t i = 0, row = -1;
-    PyObject *last_key = NULL, *last = NULL;
-    while (PyDict_Next(stats, &i, &last_key, &last)) {
-    }
-    if (PyUnicode_Check(last_key) && PyUnicode_CompareWithASCIIString(last_key, "_row") == 0) {
-        row = PyLong_CheckExact(last) ? PyLong_AsSsize_t(last) : -1;
+    Py_ssize_t row = -1;
+    PyObject *found = PyDict_GetItemWithError(stats, str__row); /* borrowed */
+    if (found != NULL) {
+        row = PyLong_CheckExact(found) ? PyLong_AsSsize_t(found) : -1;
         if (row < 0 || row >= rows_in_table) {
             PyErr_Clear();
             return 0;
         }
-    } else {
-        /* borrowed; a "_row" anywhere but last is no form of ours */
-        if (PyDict_GetItemString(stats, "_pending") != NULL || PyDict_GetItemString(stats, "_row") != NULL ||
-            PyErr_Occurred()) {
-            PyErr_Clear();
-            return 0;
-        }
+    } else if (PyErr_Occurred() || PyDict_GetItemWithError(stats, str__pending) != NULL || PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
     }
     if (summaries->count == summaries->capacity) {
         Py_ssize_t capacity = summaries->capacity * 2 + 16;
@@ -436,24 +449,18 @@ static int add_summary(OutputSummaries *summaries, PyObject *name, PyObject *sta
     }
     /* held: a collection while the values are made may run finalizers */
     summaries->items[summaries->count++] = (OutputSummary){Py_XNewRef(name), Py_NewRef(stats), row,
-                                                        PyDict_GET_SIZE(stats)};
+                                                        PyDict_GET_SIZE(stats), 0};
     return 1;
 }
 
-static int same_keys(PyObject *a, PyObject *b) {
-    if (PyDict_GET_SIZE(a) != PyDict_GET_SIZE(b)) return 0;
-    Py_ssize_t i = 0, j = 0;
-    PyObject *key_a, *key_b, *value;
-    while (PyDict_Next(a, &i, &key_a, &value)) {
-        if (!PyDict_Next(b, &j, &key_b, &value) || key_a != key_b) return 0;
-    }
-    return 1;
-}
-
-/* Whether two calls' summaries (``count`` each) have the same names and the same stats keys: 1, 0, or -1. */
-static int same_layout(const OutputSummary *a, const OutputSummary *b, Py_ssize_t count) {
+/* Whether two calls' summaries (``count`` each) have the same names and the same stats keys (``keys``: those met
+   while their values were copied, in order; a row's "_row" is the last key of its dict): 1, 0, or -1. */
+static int same_layout(const OutputSummary *a, const OutputSummary *b, Py_ssize_t count, PyObject *const *keys) {
     for (Py_ssize_t k = 0; k < count; k++) {
-        if ((a[k].name == NULL) != (b[k].name == NULL) || !same_keys(a[k].stats, b[k].stats)) return 0;
+        if ((a[k].name == NULL) != (b[k].name == NULL) || (a[k].row < 0) != (b[k].row < 0) || a[k].size != b[k].size)
+            return 0;
+        for (Py_ssize_t i = 0, copied = a[k].size - (a[k].row >= 0); i < copied; i++)
+            if (keys[a[k].keys + i] != keys[b[k].keys + i]) return 0;
         if (a[k].name != NULL && a[k].name != b[k].name) {
             int equal = PyObject_RichCompareBool(a[k].name, b[k].name, Py_EQ);
             if (equal <= 0) return equal;
@@ -513,7 +520,7 @@ static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_
     Py_ssize_t n = PyList_GET_SIZE(module_of), n_modules = PyList_GET_SIZE(paths), total = 0;
     OutputSummaries summaries = {NULL, 0, 0};
     Py_ssize_t *first_of = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(n + 1)); /* call -> its first summary */
-    PyObject *values = NULL, *runs = NULL, *result = NULL;
+    PyObject *values = NULL, *runs = NULL, *result = NULL, **keys = NULL;
     if (first_of == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -558,7 +565,13 @@ static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_
     first_of[n] = summaries.count;
     values = PyTuple_New(total);
     runs = PyList_New(0);
+    keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)(total ? total : 1)); /* borrowed: their dicts are held */
     if (values == NULL || runs == NULL) goto done;
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t keys_met = 0;
     Py_ssize_t at = 0, run = 0;
     for (Py_ssize_t position = 0; position < n; position++) {
         Py_ssize_t module_index = PyLong_AsSsize_t(PyList_GET_ITEM(module_of, position));
@@ -568,11 +581,14 @@ static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_
         for (Py_ssize_t k = first; k < first + count; k++) {
             PyObject *stats = summaries.items[k].stats, *key, *value;
             Py_ssize_t i = 0, row = summaries.items[k].row, left = summaries.items[k].size - (row >= 0);
+            summaries.items[k].keys = keys_met;
             while (left > 0 && PyDict_Next(stats, &i, &key, &value)) {
+                if (row >= 0 && is_row_key(key)) goto not_rows; /* "_row" anywhere but last is no form of ours */
+                keys[keys_met++] = key;
                 PyTuple_SET_ITEM(values, at++, Py_NewRef(value));
                 left--;
             }
-            if (left) goto not_rows; /* the dict shrank meanwhile */
+            if (left || PyDict_GET_SIZE(stats) != summaries.items[k].size) goto not_rows; /* changed meanwhile */
             for (Py_ssize_t j = 0, cell_at = row * width; row >= 0 && j < width; j++) {
                 double cell_value = cells[cell_at + j];
                 PyObject *cell = counts[j] ? PyLong_FromDouble(cell_value) : PyFloat_FromDouble(cell_value);
@@ -582,8 +598,9 @@ static PyObject *output_call_values(PyObject *module, PyObject *const *args, Py_
         }
         if (position) {
             Py_ssize_t previous = first_of[position - 1], previous_count = first - previous;
-            int same = previous_count == count ? same_layout(summaries.items + previous, summaries.items + first, count)
-                                               : 0;
+            int same = previous_count == count
+                           ? same_layout(summaries.items + previous, summaries.items + first, count, keys)
+                           : 0;
             if (same < 0) goto done;
             if (!same) {
                 if (add_run(runs, run, summaries.items + previous, previous_count) < 0) goto done;
@@ -608,6 +625,7 @@ done:
     }
     PyMem_Free(summaries.items);
     PyMem_Free(first_of);
+    PyMem_Free(keys);
     PyBuffer_Release(&table);
     return result;
 }
@@ -1125,16 +1143,6 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
     X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch) X(launch, batch) X(entries, batch)  \
     X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch)
-#define INTERNED(X)                                                                                                   \
-    X(state) X(stack) X(skip_depth) X(timer) X(forward) X(columns) X(stats) X(_is_compiling_flag) X(_lock) X(_used)  \
-    X(_blocks) X(grow) X(locked) X(values_address) X(counts_address) X(data_ptr) X(_pending) X(marking) X(handle)    \
-    X(pop) X(append) X(mark) X(device) X(_on_device) X(_staged) X(_recent) X(in_transform) X(_rows_for) X(in_step)   \
-    X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
-    X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
-    X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)            \
-    X(plan)
-#define DECLARE_STRING(name) static PyObject *str_##name;
-INTERNED(DECLARE_STRING)
 static PyObject *zero, *one;
 /* each read names its interned string: a read without one does not compile */
 #define ATTRIBUTE_READ_OF(name, where) {#where, #name, &str_##name},
