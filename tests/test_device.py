@@ -549,6 +549,29 @@ def test_a_forward_still_running_on_the_device_is_read_at_the_first_forwards_end
         assert [record.path for record in handle.records] == ["", "0"] * 4
 
 
+def test_the_models_thread_reads_no_device_work_while_its_stream_is_captured_into_a_cuda_graph(
+    back_to_back, device_clock, readers, monkeypatch
+):
+    """Reading queries events: inside a graph capture on this thread (a forward traced as a whole around a captured
+    region) that would break the capture. The reading waits for the first forward's end outside it."""
+    from torchtrace._pipeline.worker import WORKER
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    model = nn.Sequential(Kernel(device_clock, 1.0))
+    with torchtrace.instrument(model, exporter="none") as handle, WORKER._condition:
+        model(torch.zeros(2))
+        capturing[0] = True
+        model(torch.zeros(2))
+        assert readers == []
+        capturing[0] = False
+        model(torch.zeros(2))
+        assert readers == ["MainThread"] * 2
+        assert handle._dispatcher.drain(wait=False) == 6
+        assert [record.path for record in handle.records] == ["", "0"] * 3
+
+
 def test_the_worker_leaves_device_work_to_the_models_thread_while_a_forward_runs_and_reads_it_once_idle(
     back_to_back, device_clock, readers
 ):

@@ -122,6 +122,12 @@ def recycle(events: Iterable[Any]) -> None:
             _timers[event.device]._free.append(event)
 
 
+def capturing_cuda_graph() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a graph (False where CUDA was never used:
+    asking would initialise it). Timing events are not allowed there, and work queued there runs only at replay."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def event_timer(device: torch.device | None) -> EventTimer | None:
     """The timer of a CUDA device (None elsewhere: the host clock is the device's clock there)."""
     if device is None or device.type != "cuda":

@@ -26,7 +26,7 @@ from opentelemetry import trace
 
 from torchtrace._capture.batched import StatBatch
 from torchtrace._capture.buffer import RecordBuffer
-from torchtrace._capture.device import DeviceWork, event_timer
+from torchtrace._capture.device import DeviceWork, capturing_cuda_graph, event_timer
 from torchtrace._capture.stats import StatComputer, StatTable, find_tensors
 from torchtrace._capture.traced_forward import FORWARD_COLUMNS, TracedCallContext, class_forward, native_traced_call
 from torchtrace._core import settings
@@ -521,7 +521,7 @@ class HookRecorder:
             self.warned_compiled = True
             warn_region_level(root.type_name)
         device = _device_of(module, args) if parent is not None else None
-        if parent is None or (device is not None and device.type == "cuda" and _capturing_graph()):
+        if parent is None or (device is not None and device.type == "cuda" and capturing_cuda_graph()):
             # Not traced; or being captured into a CUDA graph, where timing events are not allowed and statistics
             # kernels would be replayed into rows long since read: graph capture and replay are not traced.
             state.skip_depth = 1
@@ -852,10 +852,6 @@ def _inside_tracer_or_backward() -> bool:
     """torch.jit.trace recording the model (the statistics' ops would enter its graph), or autograd re-running a
     checkpointed forward inside backward (not a forward of the user's: its time is the backward span's)."""
     return torch.jit.is_tracing() or torch._C._current_graph_task_id() != -1
-
-
-def _capturing_graph() -> bool:
-    return torch.cuda.is_current_stream_capturing()
 
 
 def _device_of(module: torch.nn.Module, args: tuple) -> torch.device | None:

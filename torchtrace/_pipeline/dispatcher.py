@@ -17,13 +17,12 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
 from opentelemetry.trace import INVALID_SPAN_CONTEXT
 
 from torchtrace._capture import replaced as _replaced
 from torchtrace._capture.buffer import FULL, RecordBuffer
 from torchtrace._capture.cuda_driver import THREAD_LOCAL_CAPTURE, exchange_capture_mode
-from torchtrace._capture.device import elapsed_ns, elapsed_since
+from torchtrace._capture.device import capturing_cuda_graph, elapsed_ns, elapsed_since
 from torchtrace._capture.recorder import (
     ATTRIBUTES,
     ERROR,
@@ -691,8 +690,7 @@ class Dispatcher:
             # forward's own way out)
             self.buffer.put(forward, len(forward))
             return True
-        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-        if (self._waiting or len(self.buffer)) and not capturing and self._lock.acquire(blocking=False):
+        if (self._waiting or len(self.buffer)) and not capturing_cuda_graph() and self._lock.acquire(blocking=False):
             mode = exchange_capture_mode(THREAD_LOCAL_CAPTURE)
             try:
                 self._resolve(wait=False)
