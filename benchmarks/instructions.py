@@ -9,8 +9,9 @@ fixed part of the flush cancelling out. Children run with PYTHONHASHSEED=0, torc
 torch.manual_seed(0), random.seed(0) (span ids), without the caller's OTEL_* and TORCHTRACE_* variables and with
 TORCHTRACE_PRINT_SUMMARY=false.
 
-Model: "cheap" = 64 x (Linear(32, 32) + ReLU) in nn.Sequential at batch 4, default grad mode: 129 module calls per
-forward (the root included), so the tracer's work dominates.
+Model: "cheap" = 64 x (Linear(32, 32) + ReLU) in nn.Sequential at batch 4, default grad mode (``--grad-mode
+no_grad`` or ``inference``: every forward, warm-up included, under torch.no_grad() or torch.inference_mode()): 129
+module calls per forward (the root included), so the tracer's work dominates.
 
 Variants:
   untraced     the model as it is
@@ -35,6 +36,7 @@ differs from run to run. Compare counts of the same script version only: a chang
 added call before the window) shifts every count a little.
 
 Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
+     [--grad-mode default|no_grad|inference]
 Needs valgrind and callgrind_control on PATH, and for the cuda_* variants a C compiler and Triton (exits with status 2
 without them); about 30-45 s per variant on 2 cores (two valgrind runs at once, --jobs).
 """
@@ -42,6 +44,7 @@ without them); about 30-45 s per variant on 2 cores (two valgrind runs at once, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -71,7 +74,10 @@ def callgrind_instrumentation(state: str) -> None:
     subprocess.run(["callgrind_control", "-i", state, str(os.getpid())], check=True, stdout=subprocess.DEVNULL)
 
 
-def run_child(variant: str, forwards: int) -> None:
+GRAD_MODES = ("default", "no_grad", "inference")
+
+
+def run_child(variant: str, forwards: int, grad_mode: str) -> None:
     """Builds the model and the variant, warms up, counts ``forwards`` forwards and the flush. Prints one JSON line."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
     import torch
@@ -119,15 +125,17 @@ def run_child(variant: str, forwards: int) -> None:
                 time.sleep(0.05)  # few wake-ups: the model's thread adds next to nothing while it waits
             handle.flush()
 
-    for _ in range(WARMUP_FORWARDS):  # first calls, lazy imports, caches
-        model(x)
-    flush()
-    gc.collect()  # both runs start counting from the same collector state
-    callgrind_instrumentation("on")
-    for _ in range(forwards):
-        model(x)
-    flush()
-    callgrind_instrumentation("off")
+    mode = {"no_grad": torch.no_grad, "inference": torch.inference_mode}.get(grad_mode, contextlib.nullcontext)
+    with mode():
+        for _ in range(WARMUP_FORWARDS):  # first calls, lazy imports, caches
+            model(x)
+        flush()
+        gc.collect()  # both runs start counting from the same collector state
+        callgrind_instrumentation("on")
+        for _ in range(forwards):
+            model(x)
+        flush()
+        callgrind_instrumentation("off")
     print(json.dumps({"calls_per_forward": calls_per_forward, "torch": torch.__version__}))
 
 
@@ -140,7 +148,7 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int, int, dict]:
+def count_instructions(variant: str, forwards: int, directory: str, grad_mode: str) -> tuple[int, int, dict]:
     """(callgrind's total instructions while counting was on, those of the model's thread, the child's JSON line)
     for one child run. Each thread is counted on its own (``--separate-threads=yes``: one file a thread, the main
     thread's first): the model's thread and torchtrace's dispatch thread share one GIL, so on a host-bound GPU
@@ -157,6 +165,8 @@ def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int
         "--child",
         variant,
         str(forwards),
+        "--grad-mode",
+        grad_mode,
     ]
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True)
     if result.returncode != 0:
@@ -173,10 +183,10 @@ def count_instructions(variant: str, forwards: int, directory: str) -> tuple[int
     return sum(totals), totals[0], json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int) -> dict:
+def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int, grad_mode: str = "default") -> dict:
     runs = [(variant, forwards) for variant in variants for forwards in calls]
     with tempfile.TemporaryDirectory(prefix="torchtrace-callgrind-") as directory, ThreadPoolExecutor(jobs) as pool:
-        counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory), runs)))
+        counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory, grad_mode), runs)))
     child_lines = [line for _, _, line in counted.values()]
     calls_per_forward = child_lines[0]["calls_per_forward"]
     extra_calls = (calls[1] - calls[0]) * calls_per_forward
@@ -202,6 +212,7 @@ def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int) -> dict:
         values["x_empty_hook"] = None if added is None or not floor else round(added / floor, 3)
     return {
         "model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}",
+        "grad_mode": grad_mode,
         "calls_per_forward": calls_per_forward,
         "forwards": list(calls),
         "torch": child_lines[0]["torch"],
@@ -214,8 +225,8 @@ def print_table(report: dict) -> None:
     forwards = report["forwards"]
     extra = (forwards[1] - forwards[0]) * report["calls_per_forward"]
     print(
-        f"{report['model']}: {report['calls_per_forward']} module calls per forward; {forwards[0]} and {forwards[1]} "
-        f"counted forwards, the difference over {extra} module calls"
+        f"{report['model']}, grad mode {report['grad_mode']}: {report['calls_per_forward']} module calls per forward; "
+        f"{forwards[0]} and {forwards[1]} counted forwards, the difference over {extra} module calls"
     )
     header = f"{'variant':<12} {'instr/call':>11} {'added/call':>11} {'x empty hook':>13} {'model thread added':>19}"
     print(header)
@@ -243,10 +254,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="valgrind runs at once (counts do not change)"
     )
+    parser.add_argument(
+        "--grad-mode", choices=GRAD_MODES, default="default", help="the forwards' mode: torch's default, no_grad, or "
+        "inference (torch.inference_mode)"
+    )  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "FORWARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child[0], int(args.child[1]))
+        run_child(args.child[0], int(args.child[1]), args.grad_mode)
         return 0
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
@@ -267,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"{version}, python {platform.python_version()}, PYTHONHASHSEED=0, 1 torch thread")
     start = time.monotonic()
-    report = measure(variants, args.calls, max(1, args.jobs))
+    report = measure(variants, args.calls, max(1, args.jobs), args.grad_mode)
     report["valgrind"] = version
     print(f"torch {report['torch']}; {len(variants) * 2} valgrind runs in {time.monotonic() - start:.0f} s\n")
     print_table(report)

@@ -390,19 +390,20 @@ def test_instructions_counts_what_tracing_adds_per_module_call(tmp_path) -> None
     """instructions.py under callgrind (three variants, 1 and 2 counted forwards: 60-90 s on 2 cores): every variant
     costs instructions, tracing with spans costs more than the untraced model, and the simulated CUDA host path
     with statistics more than spans on the CPU, each thread counted on its own (the dispatch thread reads each run's
-    last forward, the model's thread the ones before it)."""
+    last forward, the model's thread the ones before it); here every forward under torch.inference_mode()."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         pytest.skip("valgrind (callgrind) is not installed")
     skip_without_the_simulated_device()
     out = tmp_path / "instructions.json"
     script = ROOT / "benchmarks" / "instructions.py"
-    args = ["--variants", "untraced,spans,cuda_stats", "--calls", "1,2", "--json", str(out)]
+    args = ["--variants", "untraced,spans,cuda_stats", "--calls", "1,2", "--json", str(out), "--grad-mode", "inference"]
     result = subprocess.run(
         [sys.executable, str(script), *args], cwd=ROOT, env=checkout_env(), capture_output=True, text=True, timeout=240
     )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["calls_per_forward"] == 129 and report["forwards"] == [1, 2]
+    assert report["grad_mode"] == "inference" and "grad mode inference" in result.stdout
     variants = report["variants"]
     assert set(variants) == {"untraced", "spans", "cuda_stats"}
     assert all(values["per_call"] > 0 for values in variants.values()), variants

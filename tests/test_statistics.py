@@ -1150,6 +1150,44 @@ def test_a_tensor_returned_again_unchanged_is_summarised_once_and_one_changed_in
         }
 
 
+class ReturnsItsWeight(nn.Module):
+    """Returns a parameter: made outside inference_mode, so no inference tensor even in a forward under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight
+
+
+def test_a_forward_under_inference_mode_asks_no_tensor_whether_it_is_an_inference_tensor(monkeypatch):
+    """Under torch.inference_mode() every tensor a forward makes is an inference tensor: the forward's start says
+    so once, not each output's binding. A tensor that is not one there (a parameter) is summarised as one: nothing
+    recognised again by its version, its statistics still torch's."""
+    asked = []
+    is_inference = torch.Tensor.is_inference
+    monkeypatch.setattr(torch.Tensor, "is_inference", lambda tensor: asked.append(1) or is_inference(tensor))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), ReturnsItsWeight(), nn.Identity())
+    x = torch.randn(3, 4)
+    with capture_spans(model) as captured, torch.inference_mode():
+        for _ in range(3):  # kinds seen, then taken by the compiled path where it is built
+            model(x)
+        asked.clear()
+        model(x)
+        assert asked == []
+        weight = captured.spans_named("2")[-1].attributes
+        passed_on = captured.spans_named("3")[-1].attributes
+    assert_stats_match(weight, model[2].weight.detach(), prefix="torchtrace.output.")
+    assert {k: v for k, v in passed_on.items() if k.startswith("torchtrace.output.")} == {
+        k: v for k, v in weight.items() if k.startswith("torchtrace.output.")
+    }
+    with capture_spans(model), torch.no_grad():
+        asked.clear()
+        model(x)
+        assert asked  # outside inference_mode each output is asked: one made earlier under it may come in
+
+
 def test_the_last_two_tensors_are_recognised_and_a_third_is_summarised_anew():
     summarise = StatComputer(torchtrace.STAT_NAMES, {})
     first, second, third = torch.randn(8), torch.randn(8), torch.randn(8)

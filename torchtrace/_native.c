@@ -384,7 +384,7 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
     X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)            \
-    X(plan)
+    X(plan) X(inference_mode)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 
@@ -1142,7 +1142,7 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
     X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch) X(launch, batch) X(entries, batch)  \
-    X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch)
+    X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch) X(inference_mode, computer)
 static PyObject *zero, *one;
 /* each read names its interned string: a read without one does not compile */
 #define ATTRIBUTE_READ_OF(name, where) {#where, #name, &str_##name},
@@ -2025,9 +2025,13 @@ static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor) {
     if (kinds == NULL || !PyDict_CheckExact(kinds) || (staged = SLOT(computer, _staged)) == NULL ||
         !PyDict_CheckExact(staged) || (PyDict_GET_SIZE(kinds) == 0 && PyDict_GET_SIZE(staged) == 0))
         goto done;
-    PyObject *flag = PyObject_CallMethodNoArgs(tensor, str_is_inference);
+    PyObject *mode = SLOT(computer, inference_mode); /* the forward began under inference_mode: not asked */
+    PyObject *flag = mode == Py_True ? Py_NewRef(Py_True)
+                     : mode != NULL  ? PyObject_CallMethodNoArgs(tensor, str_is_inference)
+                                     : NULL;
     inference = flag != NULL ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
+    Py_XDECREF(mode);
     if (inference < 0) goto done;
     if (!inference) { /* an inference tensor has no version counter: the same object is never trusted twice */
         if ((version = GET(tensor, _version)) == NULL || (recent = SLOT(computer, _recent)) == NULL) goto done;

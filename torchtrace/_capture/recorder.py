@@ -531,6 +531,7 @@ class HookRecorder:
         state.forward = RawForward(parent, thread, time.time_ns() - time.perf_counter_ns())
         self._open[thread] = state
         state.forward.in_step = state.stats.in_step = in_step
+        state.stats.inference_mode = torch.is_inference_mode_enabled()
         state.timer = event_timer(device) if self.cuda_events else None
         return True
 
