@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from unittest import mock
 
 import pytest
@@ -190,6 +191,26 @@ class DropsItsLayer(nn.Module):
         kept = self.layer.forward
         del self.layer  # its last reference: a traced forward holds its module weakly
         return kept(x)
+
+
+def test_both_bodies_time_calls_on_the_clock_the_forwards_hooks_use(body):
+    """The compiled body reads perf_counter_ns's clock itself (no Python call): each call starts and ends between
+    time.perf_counter_ns() read before and after the forward, nested inside the root's times (the root is timed by
+    the Python hooks), in call order."""
+    from torchtrace._pipeline.worker import WORKER
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Identity()), nn.Linear(4, 4))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        handle._recorder._resolve = None  # the forward waits unresolved, its raw times for this test to read
+        with WORKER._condition:
+            before = time.perf_counter_ns()
+            model(torch.randn(2, 4))
+            after = time.perf_counter_ns()
+            (forward,) = handle._dispatcher.buffer.take_all()
+    starts, ends = forward.start, forward.end
+    assert len(starts) == 6 and before <= starts[0] and ends[0] <= after  # "", 0, 1, 1.0, 1.1, 2
+    assert all(starts[0] <= start <= end <= ends[0] for start, end in zip(starts[1:], ends[1:]))
+    assert ends[1] <= starts[2] <= starts[3] <= ends[3] <= starts[4] <= ends[4] <= ends[2] <= starts[5]
 
 
 def test_a_forward_kept_after_its_module_is_freed_says_so(body):

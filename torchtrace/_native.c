@@ -29,6 +29,9 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
+#if defined(__linux__)
+#include <time.h> /* clock_gettime: time.perf_counter_ns's clock there */
+#endif
 
 #define LANES 16
 #define BLOCK_LANES 32
@@ -1351,6 +1354,33 @@ static int traced_here(PyObject *context, PyObject **state, PyObject **timer) {
     return here;
 }
 
+/* time.perf_counter_ns, as imported at load (PyInit__native): a traced call's clock (``context.clock``) */
+static PyObject *perf_counter_ns;
+
+/* ``clock()``, a new reference: where it is time.perf_counter_ns on Linux, its value read here (CLOCK_MONOTONIC, as
+   CPython reads it there, in the same nanoseconds): a Python call and its frame cost several times the read */
+static PyObject *clock_now(PyObject *clock) {
+#if defined(__linux__)
+    struct timespec now;
+    if (clock == perf_counter_ns && clock_gettime(CLOCK_MONOTONIC, &now) == 0)
+        return PyLong_FromLongLong((long long)now.tv_sec * 1000000000LL + now.tv_nsec);
+#endif
+    return PyObject_CallNoArgs(clock);
+}
+
+/* The object a weak reference (``module_ref``) refers to, a new reference, None where it is gone: read directly from
+   a plain weakref.ref, else called */
+static PyObject *referent(PyObject *ref) {
+    if (!PyWeakref_CheckRefExact(ref)) return PyObject_CallNoArgs(ref);
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *object;
+    int alive = PyWeakref_GetRef(ref, &object);
+    return alive < 0 ? NULL : alive ? object : Py_NewRef(Py_None);
+#else
+    return Py_NewRef(PyWeakref_GetObject(ref));
+#endif
+}
+
 /* the whole call to the Python body, which takes every case this file does not */
 static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     return PyObject_Vectorcall(PyTuple_GET_ITEM(context, CONTEXT_SLOW), args, (size_t)nargs, kwnames);
@@ -1380,7 +1410,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     PyObject *modules = PyTuple_GET_ITEM(columns, COLUMN_MODULE), *parents = PyTuple_GET_ITEM(columns, COLUMN_PARENT),
              *starts = PyTuple_GET_ITEM(columns, COLUMN_START), *ends = PyTuple_GET_ITEM(columns, COLUMN_END);
-    if ((module = PyObject_CallNoArgs(args[1])) == NULL) goto done;
+    if ((module = referent(args[1])) == NULL) goto done;
     /* the module was freed (its forward kept): the body says so; its class's forward replaced since it was traced
        (a library patching the class, mock.patch.object): the body calls that one */
     if (module == Py_None || _PyType_Lookup(Py_TYPE(module), str_forward) != function) {
@@ -1406,7 +1436,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
             goto done;
         }
     }
-    PyObject *clock = PyTuple_GET_ITEM(context, CONTEXT_CLOCK), *start = PyObject_CallNoArgs(clock);
+    PyObject *clock = PyTuple_GET_ITEM(context, CONTEXT_CLOCK), *start = clock_now(clock);
     if (start == NULL || PyList_SetItem(starts, at, start) < 0) goto done; /* last: the span times the module */
 
     /* the module's forward: (module, *args, **kwargs) */
@@ -1424,7 +1454,7 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (output == NULL) { /* the call raised: ended now, then the body's own handling (call_failed), re-raised */
         Raised raised;
         take_raised(&raised);
-        PyObject *end = PyObject_CallNoArgs(clock);
+        PyObject *end = clock_now(clock);
         int ready = end != NULL && (user_args != NULL || (user_args = user_arguments(args, nargs)) != NULL);
         PyObject *handled = ready ? PyObject_CallFunctionObjArgs(
             PyTuple_GET_ITEM(context, CONTEXT_CALL_FAILED), state, forward, position, end, raised.value, module,
@@ -1435,13 +1465,16 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         restore_raised(&raised);
         goto done;
     }
-    PyObject *end = PyObject_CallNoArgs(clock);
+    PyObject *end = clock_now(clock);
     if (end == NULL) goto failed;
     Py_ssize_t depth = PyList_GET_SIZE(stack);
     PyObject *current = depth ? read_slot(state, str_forward) : NULL;
     Py_XDECREF(current); /* only its identity is compared */
     if (depth && current == forward && PyList_GET_ITEM(stack, depth - 1) == position) {
-        if (PyList_SetSlice(stack, depth - 1, depth, NULL) < 0) goto failed_end;
+        /* popped as list.pop() does, without its call (a slice deletion cost ~350 instructions); the position
+           stays held by this call */
+        Py_SET_SIZE(stack, depth - 1);
+        Py_DECREF(position);
     } else {
         if (PyErr_Occurred()) goto failed_end;
         PyObject *popped = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(context, CONTEXT_POP_TO), state, forward,
@@ -2566,6 +2599,10 @@ PyMODINIT_FUNC PyInit__native(void) {
     if ((str_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL;
     INTERNED(INTERN)
     if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
+    PyObject *time_module = PyImport_ImportModule("time");
+    perf_counter_ns = time_module != NULL ? PyObject_GetAttrString(time_module, "perf_counter_ns") : NULL;
+    Py_XDECREF(time_module);
+    if (perf_counter_ns == NULL) return NULL;
     PyObject *created = PyModule_Create(&module);
     if (created == NULL) return NULL;
     Py_ssize_t n_read = (Py_ssize_t)(sizeof(attributes_read) / sizeof(attributes_read[0]));
