@@ -35,8 +35,17 @@ thread resolves records on wall-clock ticks, so how many forwards it takes at a 
 differs from run to run. Compare counts of the same script version only: a change to the child itself (even an
 added call before the window) shifts every count a little.
 
+``--hot-path``: only the instructions inside the compiled traced call (``callgrind --toggle-collect=traced_call``:
+the start mark, the module's own forward, the end mark, the statistics), torchtrace's dispatch thread held still and
+the garbage collector off while the counted forwards run (a collection falls in whichever call allocates when it is
+due), per traced call (the root's call is timed by its hooks, not the compiled call). Runs of one build agree within
+~0.1% (what is left of the threads' timing: the GIL handed over when another thread wakes), where the whole process's
+count moves by ~1k a call; between two builds whose compiled call is the same code it still moves by up to ~0.6k a
+call (the allocators' state, shaped by the rest of the process). For comparing two versions of the hot path; the
+traced variants only, where ``torchtrace._native`` is built.
+
 Run: python benchmarks/instructions.py [--variants untraced,empty_hooks,spans,stats] [--calls 2,8] [--json PATH]
-     [--grad-mode default|no_grad|inference]
+     [--grad-mode default|no_grad|inference] [--hot-path]
 Needs valgrind and callgrind_control on PATH, and for the cuda_* variants a C compiler and Triton (exits with status 2
 without them); about 30-45 s per variant on 2 cores (two valgrind runs at once, --jobs).
 """
@@ -58,6 +67,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 VARIANTS = ("untraced", "empty_hooks", "spans", "stats", "cuda_spans", "cuda_stats", "cuda_batched")
 WARMUP_FORWARDS = 5
@@ -77,7 +87,7 @@ def callgrind_instrumentation(state: str) -> None:
 GRAD_MODES = ("default", "no_grad", "inference")
 
 
-def run_child(variant: str, forwards: int, grad_mode: str) -> None:
+def run_child(variant: str, forwards: int, grad_mode: str, hot_path: bool = False) -> None:
     """Builds the model and the variant, warms up, counts ``forwards`` forwards and the flush. Prints one JSON line."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
     import torch
@@ -132,11 +142,23 @@ def run_child(variant: str, forwards: int, grad_mode: str) -> None:
         flush()
         gc.collect()  # both runs start counting from the same collector state
         callgrind_instrumentation("on")
-        for _ in range(forwards):
-            model(x)
+        with held_worker() if hot_path else contextlib.nullcontext():
+            if hot_path:  # a young collection lands in whichever call allocates when it is due: not this call's cost
+                gc.disable()
+            for _ in range(forwards):
+                model(x)
+            gc.enable()
         flush()
         callgrind_instrumentation("off")
     print(json.dumps({"calls_per_forward": calls_per_forward, "torch": torch.__version__}))
+
+
+def held_worker() -> Any:
+    """torchtrace's dispatch thread held still (its condition's lock taken): nothing it does interleaves with the
+    counted calls."""
+    from torchtrace._pipeline.worker import WORKER
+
+    return WORKER._condition
 
 
 # -- the parent: valgrind runs, the difference, the report -------------------------------------------------------------
@@ -148,7 +170,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def count_instructions(variant: str, forwards: int, directory: str, grad_mode: str) -> tuple[int, int, dict]:
+def count_instructions(
+    variant: str, forwards: int, directory: str, grad_mode: str, hot_path: bool = False
+) -> tuple[int, int, dict]:
     """(callgrind's total instructions while counting was on, those of the model's thread, the child's JSON line)
     for one child run. Each thread is counted on its own (``--separate-threads=yes``: one file a thread, the main
     thread's first): the model's thread and torchtrace's dispatch thread share one GIL, so on a host-bound GPU
@@ -158,6 +182,7 @@ def count_instructions(variant: str, forwards: int, directory: str, grad_mode: s
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
+        *(["--toggle-collect=traced_call", "--collect-atstart=no"] if hot_path else []),
         "--separate-threads=yes",
         f"--callgrind-out-file={out_file}",
         sys.executable,
@@ -167,6 +192,7 @@ def count_instructions(variant: str, forwards: int, directory: str, grad_mode: s
         str(forwards),
         "--grad-mode",
         grad_mode,
+        *(["--hot-path"] if hot_path else []),
     ]
     result = subprocess.run(command, env=child_env(), capture_output=True, text=True)
     if result.returncode != 0:
@@ -183,13 +209,16 @@ def count_instructions(variant: str, forwards: int, directory: str, grad_mode: s
     return sum(totals), totals[0], json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int, grad_mode: str = "default") -> dict:
+def measure(
+    variants: Sequence[str], calls: tuple[int, int], jobs: int, grad_mode: str = "default", hot_path: bool = False
+) -> dict:
     runs = [(variant, forwards) for variant in variants for forwards in calls]
     with tempfile.TemporaryDirectory(prefix="torchtrace-callgrind-") as directory, ThreadPoolExecutor(jobs) as pool:
-        counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory, grad_mode), runs)))
+        counted = dict(zip(runs, pool.map(lambda run: count_instructions(*run, directory, grad_mode, hot_path), runs)))
     child_lines = [line for _, _, line in counted.values()]
     calls_per_forward = child_lines[0]["calls_per_forward"]
-    extra_calls = (calls[1] - calls[0]) * calls_per_forward
+    # with --hot-path, the compiled calls: every call but the root's
+    extra_calls = (calls[1] - calls[0]) * (calls_per_forward - 1 if hot_path else calls_per_forward)
     results: dict[str, dict] = {}
     for variant in variants:
         totals = [counted[(variant, forwards)][0] for forwards in calls]
@@ -213,6 +242,7 @@ def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int, grad_mod
     return {
         "model": f"{LAYERS} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}",
         "grad_mode": grad_mode,
+        "hot_path": hot_path,
         "calls_per_forward": calls_per_forward,
         "forwards": list(calls),
         "torch": child_lines[0]["torch"],
@@ -223,11 +253,14 @@ def measure(variants: Sequence[str], calls: tuple[int, int], jobs: int, grad_mod
 
 def print_table(report: dict) -> None:
     forwards = report["forwards"]
-    extra = (forwards[1] - forwards[0]) * report["calls_per_forward"]
+    counted = report["calls_per_forward"] - 1 if report["hot_path"] else report["calls_per_forward"]
+    extra = (forwards[1] - forwards[0]) * counted
     print(
         f"{report['model']}, grad mode {report['grad_mode']}: {report['calls_per_forward']} module calls per forward; "
         f"{forwards[0]} and {forwards[1]} counted forwards, the difference over {extra} module calls"
     )
+    if report["hot_path"]:
+        print("only inside the compiled traced call (the module's own forward included), the dispatch thread held")
     header = f"{'variant':<12} {'instr/call':>11} {'added/call':>11} {'x empty hook':>13} {'model thread added':>19}"
     print(header)
     print("-" * len(header))
@@ -258,15 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--grad-mode", choices=GRAD_MODES, default="default", help="the forwards' mode: torch's default, no_grad, or "
         "inference (torch.inference_mode)"
     )  # fmt: skip
+    parser.add_argument(
+        "--hot-path", action="store_true", help="only the instructions inside the compiled traced call, the dispatch "
+        "thread held (traced variants)"
+    )  # fmt: skip
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "FORWARDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        run_child(args.child[0], int(args.child[1]), args.grad_mode)
+        run_child(args.child[0], int(args.child[1]), args.grad_mode, args.hot_path)
         return 0
     variants = [name.strip() for name in args.variants.split(",") if name.strip()]
     unknown = [name for name in variants if name not in VARIANTS]
     if unknown or not variants:
         parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    if args.hot_path and {"untraced", "empty_hooks"} & set(variants):
+        parser.error("--hot-path counts the compiled traced call: the traced variants only")
     missing = [tool for tool in ("valgrind", "callgrind_control") if shutil.which(tool) is None]
     if missing:
         print(f"instructions.py needs {' and '.join(missing)} on PATH (valgrind's callgrind)", file=sys.stderr)
@@ -282,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     print(f"{version}, python {platform.python_version()}, PYTHONHASHSEED=0, 1 torch thread")
     start = time.monotonic()
-    report = measure(variants, args.calls, max(1, args.jobs), args.grad_mode)
+    report = measure(variants, args.calls, max(1, args.jobs), args.grad_mode, args.hot_path)
     report["valgrind"] = version
     print(f"torch {report['torch']}; {len(variants) * 2} valgrind runs in {time.monotonic() - start:.0f} s\n")
     print_table(report)
