@@ -685,12 +685,10 @@ class Dispatcher:
         previous = self._forward_end_ns  # another thread's forward may have ended after this one started: negative
         self._back_to_back = previous is not None and forward.start[0] - previous < BACK_TO_BACK_NS
         self._forward_end_ns = ended if ended is not None else time.perf_counter_ns()
-        if not self._back_to_back:
-            # the worker's, at its next tick, the model idle by then (woken now, it would take the GIL from this
-            # forward's own way out)
-            self.buffer.put(forward, len(forward))
-            return True
-        if (self._waiting or len(self.buffer)) and not capturing_cuda_graph() and self._lock.acquire(blocking=False):
+        # after a pause nothing is read here: the worker's, at its next tick, the model idle by then (woken now, it
+        # would take the GIL from this forward's own way out)
+        readable = self._back_to_back and (self._waiting or len(self.buffer))
+        if readable and not capturing_cuda_graph() and self._lock.acquire(blocking=False):
             mode = exchange_capture_mode(THREAD_LOCAL_CAPTURE)
             try:
                 self._resolve(wait=False)
