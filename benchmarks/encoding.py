@@ -6,7 +6,13 @@
 
 ~6,000 spans shaped like a transformer forward (paths "layers.3.linear1", 14 attributes: an int-array shape, a
 dtype string, 10 float stats, 2 more ints), repetitions interleaved so machine noise hits both alike.
-Run: python benchmarks/encoding.py [--spans N] [--reps R]
+
+Then the spans of real forwards as the exporters get them (the columns of 64 x (Linear(32) + ReLU) traced with every
+statistic, 129 calls a forward): OTLP protobuf (the OTLP exporters), OTLP/JSON (the file exporter) with its
+templates filled in C (``torchtrace._otlp._json_text``) and by Python's ``%`` (an install without a C compiler),
+interleaved in the same way. The worker spends this per span; on one GIL, beside a host-bound model, the model's
+thread waits for it.
+Run: python benchmarks/encoding.py [--spans N] [--reps R] [--forwards F]
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from torchtrace._core.calls import ModuleCall  # noqa: E402
+import torch  # noqa: E402
+
+import torchtrace  # noqa: E402
+from torchtrace._core.calls import Calls, ModuleCall  # noqa: E402
+from torchtrace._otlp import json_lines  # noqa: E402
 from torchtrace._otlp.protobuf import encode_export_request  # noqa: E402
 
 SUBMODULES = ["self_attn", "self_attn.out_proj", "linear1", "dropout", "linear2", "norm1", "norm2", "dropout1"]
@@ -82,10 +92,60 @@ def make_sdk_spans(calls: list[ModuleCall], resource: Resource) -> list:
     return list(exporter.get_finished_spans())
 
 
+def forward_segments(forwards: int) -> list:
+    """What the exporters get for ``forwards`` forwards of the cheap model with every statistic: columns, one
+    segment a forward, no ModuleCall made."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(64) for m in (torch.nn.Linear(32, 32), torch.nn.ReLU())])
+    x = torch.randn(1, 32)
+    delivered: list = []
+    with torchtrace.instrument(model, exporter="none", sinks=[delivered.append]) as handle, torch.no_grad():
+        for _ in range(forwards):
+            model(x)
+        handle.flush()
+    return [segment for calls in delivered for segment in calls.segments]
+
+
+def encode_forwards(resource: Resource, forwards: int, reps: int) -> dict[str, float]:
+    """Median us a span of each encoder over the same forwards, interleaved."""
+    calls = Calls(forward_segments(forwards))
+    compiled_text = json_lines._percent_format
+
+    def protobuf() -> None:
+        encode_export_request(calls, resource, "torchtrace", "0")
+
+    def json_text(writer: object) -> None:
+        json_lines._percent_format = writer
+        try:
+            json_lines.encode_otlp_json(calls, resource, "torchtrace", "0")
+        finally:
+            json_lines._percent_format = compiled_text
+
+    encoders = {"protobuf": protobuf, "json_python_text": lambda: json_text(None)}
+    if compiled_text is not None:
+        encoders["json"] = lambda: json_text(compiled_text)
+    timings: dict[str, list[float]] = {name: [] for name in encoders}
+    for encode in encoders.values():
+        encode()  # the templates made once, as a running job has them
+    for _ in range(reps):
+        for name, encode in encoders.items():
+            t0 = time.perf_counter()
+            encode()
+            timings[name].append((time.perf_counter() - t0) / len(calls) * 1e6)
+    print(f"{len(calls)} spans of {forwards} forwards (columns), every statistic, {reps} interleaved reps")
+    print(f"{'encoder':<18}{'median us/span':>16}{'min':>10}")
+    for name, ts in timings.items():
+        print(f"{name:<18}{statistics.median(ts):>16.2f}{min(ts):>10.2f}")
+    if compiled_text is None:
+        print("torchtrace._otlp._json_text is not built: the JSON text is filled by Python's % only")
+    return {f"{name}_us_per_span": round(statistics.median(ts), 3) for name, ts in timings.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spans", type=int, default=6000)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--forwards", type=int, default=50, help="real forwards for the second part")
     args = parser.parse_args()
 
     resource = Resource.create({"service.name": "bench"})
@@ -113,7 +173,9 @@ def main() -> None:
     for name, ts in timings.items():
         print(f"{name:<12}{statistics.median(ts):>16.2f}{min(ts):>10.2f}{sizes[name]:>12}")
     result = {name: round(statistics.median(ts), 3) for name, ts in timings.items()}
-    print(json.dumps({"encoding": {"sdk_us_per_span": result["sdk"], "torchtrace_us_per_span": result["torchtrace"]}}))
+    forwards = encode_forwards(resource, args.forwards, args.reps)
+    report = {"sdk_us_per_span": result["sdk"], "torchtrace_us_per_span": result["torchtrace"], "forwards": forwards}
+    print(json.dumps({"encoding": report}))
 
 
 if __name__ == "__main__":

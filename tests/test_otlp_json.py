@@ -1,5 +1,6 @@
 """The file exporter's OTLP/JSON, written straight from the calls, equals protobuf's own JSON mapping of the bytes
-the OTLP exporters send (``json_format`` on ``encode_export_request``'s output, ids in hex), value for value."""
+the OTLP exporters send (``json_format`` on ``encode_export_request``'s output, ids in hex), value for value; its
+templates filled in C (``torchtrace._otlp._json_text``) or by Python's ``%``, the same text."""
 
 from __future__ import annotations
 
@@ -27,9 +28,21 @@ from test_otlp_encoding import (
 
 import torchtrace
 from torchtrace._core.calls import Calls, ModuleCall
+from torchtrace._otlp import json_lines
 from torchtrace._otlp.exporters import request_to_otlp_json
 from torchtrace._otlp.json_lines import encode_otlp_json
 from torchtrace._otlp.protobuf import encode_export_request
+
+
+@pytest.fixture(autouse=True, params=["compiled-text", "python-text"])
+def text_writer(request, monkeypatch):
+    """Every test runs with the templates filled by ``torchtrace._otlp._json_text`` and by Python's ``%`` (an
+    install without a C compiler)."""
+    if request.param == "compiled-text" and json_lines._percent_format is None:
+        pytest.skip("torchtrace._otlp._json_text is not built here")
+    if request.param == "python-text":
+        monkeypatch.setattr(json_lines, "_percent_format", None)
+    return request.param
 
 
 def through_protobuf(calls: list[ModuleCall]) -> dict:
@@ -98,6 +111,26 @@ def test_forwards_with_statistics_share_a_text_and_keep_their_own_values(odd):
     assert from_blocks == through_protobuf(calls)
     spans = from_blocks["resourceSpans"][0]["scopeSpans"][0]["spans"]
     assert {"key": "torchtrace.output.mean", "value": {"doubleValue": 1.5 * 3}} in spans[8]["attributes"]
+
+
+def test_the_compiled_and_the_python_writer_write_the_same_text(monkeypatch):
+    """Not only the same values once parsed: the same characters (a float as ``repr`` writes it, ids and times as
+    ``%`` does), for forwards written as blocks, per-call templates and dicts."""
+    compiled_writer = pytest.importorskip("torchtrace._otlp._json_text").percent_format
+    batches = [with_statistics(batch, scale) for batch, scale in zip(three_forwards(), (1e-7, 1 / 3, 2.5e17))]
+    for batch in batches[1:]:
+        batch.modules = batches[0].modules
+    timing = timing_batch(root_parent_id=0x77, remote=True)
+    one_by_one = [*sample_calls(), remote_child(), call("m", 2, 0, 0, 1, {"tiny": 5e-324, "whole": 1e16, "neg": -0.0})]
+
+    def texts() -> list[str]:
+        return [encode_otlp_json(calls, RESOURCE, *SCOPE) for calls in (Calls([*batches, timing]), one_by_one)]
+
+    monkeypatch.setattr(json_lines, "_percent_format", compiled_writer)
+    compiled = texts()
+    monkeypatch.setattr(json_lines, "_percent_format", None)
+    assert texts() == compiled
+    assert "2.5e+17" in compiled[0] and "5e-324" in compiled[1]
 
 
 def test_cached_templates_never_carry_values_from_one_call_to_the_next():

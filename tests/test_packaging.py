@@ -1,5 +1,6 @@
 """What `pip install torchtrace` gets: the wheel built from this checkout holds the package, its data files and the
-compiled one-pass statistics module (where a C compiler is; the build keeps going without one)."""
+compiled modules (the hot path's helpers, the trace file's text writer) where a C compiler is; the build keeps going
+without one."""
 
 from __future__ import annotations
 
@@ -38,23 +39,28 @@ def wheel_files(work: Path, **environment: str) -> list[str]:
     return zipfile.ZipFile(wheel).namelist()
 
 
-def is_compiled_module(name: str) -> bool:
-    return name.startswith("torchtrace/_native.") and name.endswith((".so", ".pyd"))
+COMPILED = ("torchtrace/_native.", "torchtrace/_otlp/_json_text.")
+
+
+def compiled_modules(names: list[str]) -> set[str]:
+    built = [name for name in names if name.endswith((".so", ".pyd"))]
+    return {prefix for prefix in COMPILED for name in built if name.startswith(prefix)}
 
 
 def test_the_wheel_holds_the_package_its_data_and_the_compiled_pass(tmp_path):
     if not has_c_compiler():
         pytest.skip("no C compiler: the wheel is pure Python, statistics take numpy's passes")
     names = wheel_files(tmp_path)
-    assert any(map(is_compiled_module, names)), names
+    assert compiled_modules(names) == set(COMPILED), names
     for expected in ("torchtrace/__init__.py", "torchtrace/_capture/stats.py", "torchtrace/_offline/report_page.html"):
         assert expected in names
     assert not any(name.startswith("tests/") for name in names)
 
 
-def test_without_a_c_compiler_the_wheel_still_builds_without_the_compiled_module(tmp_path):
-    """The compiled module is optional: a machine that cannot build it installs torchtrace all the same (its
-    statistics then take numpy's passes, tested with the module switched off in test_statistics.py)."""
+def test_without_a_c_compiler_the_wheel_still_builds_without_the_compiled_modules(tmp_path):
+    """The compiled modules are optional: a machine that cannot build them installs torchtrace all the same (its
+    statistics then take numpy's passes, its trace file Python's ``%``: tested with the modules switched off in
+    test_statistics.py and test_otlp_json.py)."""
     names = wheel_files(tmp_path, CC="false", LDSHARED="false")
     assert "torchtrace/_capture/stats.py" in names
-    assert not any(map(is_compiled_module, names)), names
+    assert not compiled_modules(names), names

@@ -54,6 +54,11 @@ from torchtrace._otlp.protobuf import (
 )
 from torchtrace.attributes import MODULE_PATH, MODULE_TYPE
 
+try:
+    from torchtrace._otlp._json_text import percent_format as _percent_format
+except ImportError:  # not built (no C compiler at install): Python's % writes the same text
+    _percent_format = None
+
 __all__ = ["encode_otlp_json"]
 
 _SPAN_KIND_INTERNAL = 1
@@ -166,6 +171,16 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+def _filled(template: str, values: tuple) -> str:
+    """``template % values``: in C where built (a float's repr there is Ryu's shortest digits, several times faster than
+    CPython's; the same text), Python's ``%`` for what the C writer does not take."""
+    if _percent_format is not None:
+        text = _percent_format(template, values)
+        if text is not None:
+            return text
+    return template % values
+
+
 class _Template:
     """A span's JSON text as a ``%`` format: slots for ids, times and float attribute values, in that order."""
 
@@ -244,8 +259,8 @@ def _templated_text(
     if not _fits(floats):
         return _dumps(_span(make_call(), trace_state, limits))
     if template.has_parent:
-        return template.text % (ids + floats)
-    return template.text % ((ids[0], ids[1], ids[3], ids[4]) + floats)
+        return _filled(template.text, ids + floats)
+    return _filled(template.text, (ids[0], ids[1], ids[3], ids[4]) + floats)
 
 
 def _fits(floats: tuple) -> bool:
@@ -282,7 +297,7 @@ def _json_template(
 def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
     """The spans of a whole forward whose every call has attributes (statistics), from one ``%`` format shared by
     the forwards of its kind (``protobuf.shared_stats_block``): its ids, times and floats picked from one flat
-    tuple by one itemgetter, formatted in one C-level call. None: the per-call templates then write it."""
+    tuple by one itemgetter, formatted in one C call. None: the per-call templates then write it."""
     if not _from_columns(batch):
         return None
     trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
@@ -291,12 +306,14 @@ def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
     if found is None:
         return None
     block, values = found
-    if not _fits(block.floats(values)):
-        return None
     text, gather = block.payload
     ids = batch.span_id
     parent_ids = map(ids.__getitem__, batch.parent[1:])
     source = (batch.trace_id, *ids, batch.root_parent_id, *parent_ids, *batch.start_ns, *batch.end_ns, *values)
+    if _percent_format is not None:  # None where a float slot holds NaN, an infinity or no float, as _fits checks
+        return _percent_format(text, gather(source))
+    if not _fits(block.floats(values)):
+        return None
     return text % gather(source)
 
 
@@ -360,7 +377,9 @@ def _block_text(batch: CallBatch, limits: _Limits) -> str | None:
     else:
         head = (trace_id, ids[0], batch.root_parent_id, starts[0], ends[0])
     parent_ids = map(ids.__getitem__, batch.parent[1:])
-    return block % (*head, *chain.from_iterable(zip(repeat(trace_id), ids[1:], parent_ids, starts[1:], ends[1:])))
+    return _filled(
+        block, (*head, *chain.from_iterable(zip(repeat(trace_id), ids[1:], parent_ids, starts[1:], ends[1:])))
+    )
 
 
 def _column_texts(batch: CallBatch, limits: _Limits, max_attributes: int) -> list[str]:
@@ -428,4 +447,10 @@ def encode_otlp_json(calls: Sequence[ModuleCall], resource: Resource, scope_name
     tail = "]}]"
     if resource.schema_url:
         tail += ',"schemaUrl":' + _dumps(resource.schema_url)
-    return "".join((head, ",".join(spans), tail, "}]}"))  # one copy of the spans, not one per "+"
+    parts = [head]
+    for text in spans:
+        parts += (text, ",")
+    if spans:
+        parts.pop()  # no comma after the last span
+    parts += (tail, "}]}")
+    return "".join(parts)  # one copy of the spans' text (a forward's block is one of them), not one per join
