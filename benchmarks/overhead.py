@@ -19,6 +19,10 @@ do not: with it on, a layer is one call), so every encoder variant runs with tor
 same math and the same calls for all); the extra `none_fastpath` variant (encoder only) shows
 what the fast path alone is worth.
 
+torchtrace's variants by where spans go: `torchtrace_spans` / `torchtrace_stats` through an SDK TracerProvider,
+`*_file` to the file exporter (the embedded default: OTLP/JSON lines in a temporary directory), `*_otlp` to a local
+OTLP discard receiver (a separate process).
+
 Layer drift (docs/drift.md): the `*_baseline` variants score every forward against a baseline of the same model,
 made by the script first (BASELINE_FORWARDS traced forwards of the same inputs, records kept, `handle.baseline()`).
 A baseline, like metrics, sends CPU forwards to the worker instead of delivering them at the forward's end, so each
@@ -45,9 +49,11 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -304,6 +310,20 @@ def _make_torchtrace_otlp(
     return variant
 
 
+def _make_torchtrace_file(model: nn.Module, stats: bool) -> Variant:
+    """The embedded default (no endpoint configured): OTLP/JSON lines appended to a trace file, here in a temporary
+    directory removed at the end."""
+    directory = tempfile.mkdtemp(prefix="torchtrace-overhead-")
+    handle = torchtrace.instrument(model, stats=stats, exporter="file", trace_file=os.path.join(directory, "t.jsonl"))
+
+    def close() -> None:
+        handle.remove()
+        shutil.rmtree(directory, ignore_errors=True)
+
+    name = "torchtrace_stats_file" if stats else "torchtrace_spans_file"
+    return Variant(name, model, flush=handle.flush, close=close)
+
+
 def make_none_fastpath(model: nn.Module) -> Variant:
     @contextlib.contextmanager
     def window():
@@ -324,6 +344,8 @@ BASE_VARIANTS: list[Callable[[nn.Module], Variant]] = [
     make_torch_profiler,
     partial(_make_torchtrace, stats=False),
     partial(_make_torchtrace, stats=True),
+    partial(_make_torchtrace_file, stats=False),
+    partial(_make_torchtrace_file, stats=True),
 ]
 OTLP_VARIANTS = [partial(_make_torchtrace_otlp, stats=False), partial(_make_torchtrace_otlp, stats=True)]
 
