@@ -24,6 +24,8 @@ BASE_VARIANTS = {
     "torch_profiler",
     "torchtrace_spans",
     "torchtrace_stats",
+    "torchtrace_spans_file",
+    "torchtrace_stats_file",
 }
 OTLP_VARIANTS = {"torchtrace_spans_otlp", "torchtrace_stats_otlp"}
 DRIFT_VARIANTS = {
@@ -79,6 +81,16 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
     }
     for name, pair in drift["pairs"].items():
         assert len(pair["round_ratios"]) == 5 and math.isfinite(pair["ratio"]) and pair["ratio"] > 0, (name, pair)
+
+
+def test_encoding_times_each_encoder_on_the_spans_of_real_forwards() -> None:
+    report, stdout = run_benchmark("encoding.py", "--spans", "300", "--reps", "1", "--forwards", "2")
+    forwards = report["encoding"]["forwards"]
+    assert "258 spans of 2 forwards (columns)" in stdout  # 129 calls a forward
+    expected = {"protobuf_us_per_span", "json_python_text_us_per_span"}
+    if importlib.util.find_spec("torchtrace._otlp._json_text") is not None:
+        expected.add("json_us_per_span")
+    assert set(forwards) == expected and all(value > 0 for value in forwards.values())
 
 
 def test_overhead_variants_option_keeps_the_named_variants_and_the_references() -> None:

@@ -74,7 +74,7 @@ def _imported(path: Path, modules: set[str]) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     """Module -> the torchtrace modules it imports, for every ``torchtrace/**/*.py``; a compiled module
-    (``torchtrace/*.c``) imports none."""
+    (``torchtrace/**/*.c``) imports none."""
     paths = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
     compiled = {_module_name(path) for path in PACKAGE.rglob("*.c")}
     graph = {name: _imported(path, set(paths) | compiled) for name, path in paths.items()}
