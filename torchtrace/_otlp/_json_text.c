@@ -164,6 +164,7 @@ static Py_ssize_t spec_length_at(const char *text, Py_ssize_t at, Py_ssize_t len
 }
 
 static PyObject *percent_format(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
     if (nargs != 2 || !PyUnicode_Check(args[0]) || !PyTuple_Check(args[1])) Py_RETURN_NONE;
 #if PY_VERSION_HEX < 0x030C0000
     if (PyUnicode_READY(args[0]) < 0) return NULL;
@@ -204,7 +205,10 @@ static PyObject *percent_format(PyObject *module, PyObject *const *args, Py_ssiz
         Py_DECREF(result);
         Py_RETURN_NONE;
     }
-    if (PyUnicode_Resize(&result, out - buffer) < 0) return NULL;
+    if (PyUnicode_Resize(&result, out - buffer) < 0) { /* no memory: the str is left as it was, or NULL */
+        Py_XDECREF(result);
+        return NULL;
+    }
     return result;
 }
 
