@@ -177,6 +177,16 @@ static void reduce_values(const void *address, int64_t first, int64_t n, int is_
     }
 }
 
+/* PyLong_AsLongLong by PyLong_AsLongLongAndOverflow's digit loop: CPython 3.11-3.13 convert an int of more than one
+   30-bit digit (a nanosecond time, a device address) through _PyLong_AsByteArray, several times the work. -1 with
+   OverflowError past 64 bits, as PyLong_AsLongLong. */
+static long long as_long_long(PyObject *value) {
+    int overflow;
+    long long result = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow) PyErr_SetString(PyExc_OverflowError, "Python int too large to convert to C long long");
+    return result;
+}
+
 /* A call's argument count, or a TypeError naming its signature. */
 static int takes(Py_ssize_t nargs, Py_ssize_t expected, const char *signature) {
     if (nargs == expected) return 1;
@@ -981,7 +991,7 @@ static PyObject *launch_kernel(PyObject *module, PyObject *const *args, Py_ssize
         }
     }
     int64_t values[MAX_KERNEL_PARAMS];
-    for (Py_ssize_t i = 0; i < given; i++) values[i] = PyLong_AsLongLong(args[i + 7]);
+    for (Py_ssize_t i = 0; i < given; i++) values[i] = as_long_long(args[i + 7]);
     if (PyErr_Occurred()) return NULL;
     if (launch == NULL || function == NULL || programs == 0 || threads == 0) {
         PyErr_Format(PyExc_ValueError, "%s: no function, or an empty grid", signature);
@@ -1049,7 +1059,7 @@ static PyObject *launch_batch(PyObject *module, PyObject *const *args, Py_ssize_
     }
     int64_t values[ENTRY_PARAMS * BATCH_ENTRIES];
     for (Py_ssize_t i = 0; i < ENTRY_PARAMS * BATCH_ENTRIES; i++)
-        values[i] = PyLong_AsLongLong(PyList_GET_ITEM(args[4], i));
+        values[i] = as_long_long(PyList_GET_ITEM(args[4], i));
     unsigned long programs = PyLong_AsUnsignedLong(args[1]), count = PyLong_AsUnsignedLong(args[2]);
     void *stream = args[3] == Py_None ? NULL : PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred()) return NULL;
@@ -1696,10 +1706,10 @@ static int reserve_row(PyObject *rows, PyObject *geometry, long long *index, voi
     long long row = at % block_rows;
     outcome = -1;
     if ((base = read_slot(block, str_values_address)) == NULL) goto done;
-    *values = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * value_bytes);
+    *values = (void *)(intptr_t)(as_long_long(base) + row * value_bytes);
     Py_CLEAR(base);
     if ((base = read_slot(block, str_counts_address)) == NULL) goto done;
-    *counts = (void *)(intptr_t)(PyLong_AsLongLong(base) + row * count_bytes);
+    *counts = (void *)(intptr_t)(as_long_long(base) + row * count_bytes);
     if (PyErr_Occurred() || (next = PyLong_FromLongLong(at + 1)) == NULL ||
         write_slot(rows, str__used, next) < 0)
         goto done;
@@ -1780,7 +1790,7 @@ static int launch_queue(PyObject *batch, PyObject *entries, PyObject *plan) {
             }
             grouped[i] = (char)(first + 1); /* the group it is launched in */
             for (int j = 0; j < 4; j++)
-                values[ENTRY_PARAMS * members + j] = PyLong_AsLongLong(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
+                values[ENTRY_PARAMS * members + j] = as_long_long(PyTuple_GET_ITEM(entry, ENTRY_ADDRESS + j));
             total += values[ENTRY_PARAMS * members + 3];
             members++;
         }
@@ -2252,7 +2262,7 @@ static PyObject *place_times(PyObject *module, PyObject *const *args, Py_ssize_t
     (void)module;
     if (!takes(nargs, 7, "place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets)"))
         return NULL;
-    long long origin = PyLong_AsLongLong(args[2]);
+    long long origin = as_long_long(args[2]);
     if (origin == -1 && PyErr_Occurred()) return NULL;
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1]) ||
         !PyDict_Check(args[3]) || !PyList_Check(args[4]) || PyDict_GET_SIZE(args[3]) != PyList_GET_SIZE(args[4]) ||
@@ -2268,7 +2278,7 @@ static PyObject *place_times(PyObject *module, PyObject *const *args, Py_ssize_t
         Py_ssize_t at = 0, i = 0;
         while (PyDict_Next(events, &at, &key, &value)) {
             Py_ssize_t position = PyNumber_AsSsize_t(key, PyExc_IndexError);
-            long long offset = PyLong_AsLongLong(PyList_GET_ITEM(offsets, i++));
+            long long offset = as_long_long(PyList_GET_ITEM(offsets, i++));
             if (PyErr_Occurred()) goto done;
             if (position < 0 || position >= n) {
                 PyErr_SetString(PyExc_IndexError, "place_times: an event's position past the forward's calls");
@@ -2276,8 +2286,8 @@ static PyObject *place_times(PyObject *module, PyObject *const *args, Py_ssize_t
             }
             long long host_duration = 0;
             if (kind == 0 && PyList_GET_ITEM(ends, position) != Py_None) {
-                host_duration = PyLong_AsLongLong(PyList_GET_ITEM(ends, position)) -
-                                PyLong_AsLongLong(PyList_GET_ITEM(starts, position));
+                host_duration = as_long_long(PyList_GET_ITEM(ends, position)) -
+                                as_long_long(PyList_GET_ITEM(starts, position));
                 if (PyErr_Occurred()) goto done;
             }
             PyObject *start = kind == 0 ? PyLong_FromLongLong(origin + offset) : NULL;
