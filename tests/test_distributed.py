@@ -829,7 +829,8 @@ def module_series(text: str) -> set[str]:
 def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_each_step():
     """8 gloo ranks, a straggler at step 1 (rank 3) and a NaN starting on rank 5 at step 2: every rank sends its step
     spans every step, one trace a step; module spans come from rank 0, rank 3 at step 1, rank 5 at step 2, and no
-    other (at step 3 every rank holds the NaN, through the all-reduce: none is where it started).
+    other (at step 3 every rank holds the NaN, through the all-reduce: none is where it started), but for the rank
+    that arrives last at step 0, which may be singled out too (the ranks' start-up is in that step).
 
     Metrics, scraped from every rank's endpoint: per-module series from rank 0 (the detail rank) only; ranks 3 and
     5 sent module spans in a step but keep their model-level series (the model root's row, step and comm wait) and
@@ -860,9 +861,14 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
         for rank, span in spans
         if attributes_dict(span.attributes).get("torchtrace.module.path", "") != ""
     }
-    expected = {(0, step) for step in range(steps)} | {(3, 1), (5, 2)}
+    # step 0's all-reduce also carries the ranks' start-up (eight processes on this host's two cores): the rank that
+    # arrives last there may be singled out as a straggler, as at any step, and then sends its module spans of it
+    start_up = {rank for rank in range(ranks) if "straggler" in detail[rank, 0].split(",")}
+    assert len(start_up) <= 1, sorted(detail.items())
+    expected = {(0, step) for step in range(steps)} | {(3, 1), (5, 2)} | {(rank, 0) for rank in start_up}
     assert with_modules == expected, sorted(detail.items())
-    assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite" and detail[0, 0] == "rank"
+    assert detail[3, 1] == "straggler" and detail[5, 2] == "nonfinite"
+    assert detail[0, 0] == ("rank,straggler" if 0 in start_up else "rank")
     assert all(detail[rank, step] == "none" for rank in range(1, ranks) for step in range(steps)
                if (rank, step) not in expected)  # fmt: skip
     # the shared root holds every rank's step span (a rank that ends a step first also begins the next one first)
@@ -892,8 +898,8 @@ def test_rank_detail_auto_sends_module_spans_only_from_the_ranks_that_explain_ea
     def reason(rank: int, why: str) -> float:
         return value(rank, "torchtrace_rank_detail_steps_total", reason=why)
 
-    assert reason(3, "straggler") == 1 and reason(5, "nonfinite") == 1 and reason(0, "rank") == steps
-    assert reason(1, "straggler") == reason(1, "nonfinite") == reason(3, "nonfinite") == 0
+    assert reason(3, "straggler") == 1 + (3 in start_up) and reason(5, "nonfinite") == 1 and reason(0, "rank") == steps
+    assert reason(1, "straggler") == (1 in start_up) and reason(1, "nonfinite") == reason(3, "nonfinite") == 0
     root = {"module": "Sequential", "module_type": "Sequential"}  # the model root's own row: its forward, every step
     for rank in range(ranks):
         assert value(rank, "torchtrace_module_calls_total", **root) == steps, rank
