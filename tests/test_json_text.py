@@ -1,6 +1,7 @@
 """``torchtrace._otlp._json_text.percent_format``: ``text % values`` in C for the conversions the OTLP/JSON
-templates hold, a float written as ``repr`` writes it (Ryu's shortest digits in CPython's layout), and None for
-anything else, so that the caller's ``%`` writes it (the same text, or the same error)."""
+templates hold (ids, times, floats, shapes' text), a float written as ``repr`` writes it (Ryu's shortest digits in
+CPython's layout), and None for anything else, so that the caller's ``%`` writes it (the same text, or the same
+error)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,9 @@ def test_ids_and_times_are_written_as_percent_writes_them():
     for conversion, value in cases:
         assert percent_format(conversion, (value,)) == conversion % value
     trace_id = 0xFEDCBA9876543210_0123456789ABCDEF  # the same object in many slots (a forward's spans)
-    text = '{"traceId":"%032x","spanId":"%016x","start":"%d","mean":%r,"note":"100%%"},' * 3
-    values = (trace_id, 1, 10, 0.5, trace_id, 2, 20, -1.25, 0x5EED << 64, 3, 30, 1e-7)
+    text = '{"traceId":"%032x","spanId":"%016x","start":"%d","mean":%r,"shape":%s,"note":"100%%"},' * 3
+    shape = '{"arrayValue":{"values":[{"intValue":"8"},{"intValue":"512"}]}}'
+    values = (trace_id, 1, 10, 0.5, shape, trace_id, 2, 20, -1.25, shape * 40, 0x5EED << 64, 3, 30, 1e-7, "")
     assert percent_format(text, values) == text % values
 
 
@@ -95,7 +97,8 @@ def test_ids_and_times_are_written_as_percent_writes_them():
         ("%r", (1,)),
         ("%r", (3.0, 4.0)),  # too many values: % raises
         ("%r %r", (3.0,)),  # too few
-        ("%s", ("x",)),
+        ("%s", (7,)),  # text only: % writes str(7)
+        ("%s", ("caf\u00e9",)),  # ASCII text only
         ("%5d", (7,)),
         ("%(key)s", ({"key": 1},)),
         ("caf\u00e9 %r", (1.0,)),  # not ASCII (the templates are: json.dumps escapes)

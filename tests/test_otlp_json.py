@@ -31,7 +31,8 @@ from torchtrace._core.calls import Calls, ModuleCall
 from torchtrace._otlp import json_lines
 from torchtrace._otlp.exporters import request_to_otlp_json
 from torchtrace._otlp.json_lines import encode_otlp_json
-from torchtrace._otlp.protobuf import encode_export_request
+from torchtrace._otlp.protobuf import encode_export_request, timing_templates_of
+from torchtrace.attributes import OUTPUT_PREFIX
 
 
 @pytest.fixture(autouse=True, params=["compiled-text", "python-text"])
@@ -111,6 +112,27 @@ def test_forwards_with_statistics_share_a_text_and_keep_their_own_values(odd):
     assert from_blocks == through_protobuf(calls)
     spans = from_blocks["resourceSpans"][0]["scopeSpans"][0]["spans"]
     assert {"key": "torchtrace.output.mean", "value": {"doubleValue": 1.5 * 3}} in spans[8]["attributes"]
+
+
+def test_forwards_of_other_shapes_share_one_text_and_keep_their_own_shapes():
+    """A shape is a slot of the text, its rank part of the key (as in protobuf, where shapes are data): forwards
+    whose outputs change shape (a new sequence length every request) share the forward's block and its calls'
+    templates instead of each making their own, and each span writes its own shape."""
+    first, _, third = three_forwards()
+    batches = [with_statistics(first, 0.5, rows=1), with_statistics(third, 1.5, rows=300)]
+    batches[1].modules = batches[0].modules
+    result = direct(Calls(batches))
+    assert result == through_protobuf([call for batch in batches for call in batch.calls()])
+    blocks = timing_templates_of(batches[0].modules, None).json_stats_blocks
+    assert [len(candidates) for candidates in blocks.values()] == [1]  # one block for both forwards
+    spans = result["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    shapes = [
+        [int(dim["intValue"]) for dim in attribute["value"]["arrayValue"]["values"]]
+        for span in spans
+        for attribute in span["attributes"]
+        if attribute["key"] == f"{OUTPUT_PREFIX}.shape"
+    ]
+    assert shapes == [[rows + position, 32] for rows in (1, 300) for position in range(len(first))]
 
 
 def test_the_compiled_and_the_python_writer_write_the_same_text(monkeypatch):

@@ -2,8 +2,8 @@
    templates are filled by Python's ``%`` operator, the same text, slower).
 
    percent_format(text, values): ``text % values`` for the conversions json_lines' templates hold (``%%``, ``%032x``
-   and ``%016x`` of ids, ``%d`` of times, ``%r`` of finite floats), or None where anything else is met (the caller
-   then takes ``%``). A float's text is the one ``repr`` gives: the shortest digits that read back to the same double
+   and ``%016x`` of ids, ``%d`` of times, ``%r`` of finite floats, ``%s`` of ASCII text: a shape's JSON), or None
+   where anything else is met (the caller then takes ``%``). A float's text is the one ``repr`` gives: the shortest digits that read back to the same double
    (Ryu, third_party/ryu, where CPython's dtoa takes several times as long), laid out as CPython's float_repr lays
    them out. */
 
@@ -15,7 +15,7 @@
 
 #include "ryu/d2s.c" /* d2d, d2d_small_int, decimalLength17: the digits of a double */
 
-#define MAX_CONVERSION 40 /* the longest text one conversion writes: a float's is at most 24 characters */
+#define MAX_CONVERSION 40 /* the longest text a number's conversion writes: a float's is at most 24 characters */
 
 static const char hex_digits[] = "0123456789abcdef";
 
@@ -125,6 +125,12 @@ static int write_hex128(PyObject *value, char *out) {
    templates' own: the caller gives up and Python's ``%`` writes the whole text. */
 static char *convert(const char *spec, Py_ssize_t spec_length, PyObject *value, PyObject **last_id, char *last_hex,
                      char *out) {
+    if (spec_length == 1 && spec[0] == 's') { /* ASCII text as it is (its length is in the buffer's bound) */
+        if (!PyUnicode_CheckExact(value) || !PyUnicode_IS_ASCII(value)) return NULL;
+        Py_ssize_t length = PyUnicode_GET_LENGTH(value);
+        memcpy(out, PyUnicode_DATA(value), (size_t)length);
+        return out + length;
+    }
     if (spec_length == 1 && spec[0] == 'r') {
         if (!PyFloat_CheckExact(value)) return NULL;
         double f = PyFloat_AS_DOUBLE(value);
@@ -175,7 +181,17 @@ static PyObject *percent_format(PyObject *module, PyObject *const *args, Py_ssiz
     PyObject *values = args[1];
     const Py_ssize_t count = PyTuple_GET_SIZE(values);
     /* written in place into a str of the longest length the values can take, cut to the length written */
-    PyObject *result = PyUnicode_New(length + count * MAX_CONVERSION, 127);
+    Py_ssize_t bound = length + count * MAX_CONVERSION;
+    for (Py_ssize_t i = 0; i < count; i++) { /* a text value may be longer than a number's conversion */
+        PyObject *value = PyTuple_GET_ITEM(values, i);
+        if (PyUnicode_CheckExact(value)) {
+#if PY_VERSION_HEX < 0x030C0000
+            if (PyUnicode_READY(value) < 0) return NULL;
+#endif
+            bound += PyUnicode_GET_LENGTH(value);
+        }
+    }
+    PyObject *result = PyUnicode_New(bound, 127);
     if (result == NULL) return NULL;
     char *buffer = (char *)PyUnicode_DATA(result);
     char *out = buffer;

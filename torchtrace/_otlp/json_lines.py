@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import marshal
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -33,11 +32,12 @@ from torchtrace._otlp.protobuf import (
     _FLAG_IS_REMOTE,
     _INT64_MAX,
     _INT64_MIN,
+    _INT_TYPES,
     _MAX_VARIANTS,
     _ROOT,
     _bounded,
     _from_columns,
-    _is_dims,
+    _getter,
     _Limits,
     _over_limits,
     _Shape,
@@ -182,11 +182,19 @@ def _filled(template: str, values: tuple) -> str:
 
 
 class _Template:
-    """A span's JSON text as a ``%`` format: slots for ids, times and float attribute values, in that order."""
+    """A span's JSON text as a ``%`` format: slots for ids, times, then the attribute values that are slots (floats,
+    and shapes as their text: ``_shape_text``), in attribute order (``slots`` picks them from the values; ``dims_at``:
+    which of those are shapes)."""
 
-    __slots__ = ("text", "has_parent")
+    __slots__ = ("text", "has_parent", "slots", "dims_at")
 
-    def __init__(self, call: ModuleCall, trace_state: str | None, float_positions: frozenset[int]) -> None:
+    def __init__(
+        self,
+        call: ModuleCall,
+        trace_state: str | None,
+        float_positions: frozenset[int],
+        dims_positions: frozenset[int] = frozenset(),
+    ) -> None:
         pieces: list[str] = []  # static text (its "%" escaped) and the conversions that take the values
 
         def static(text: str) -> None:
@@ -203,10 +211,12 @@ class _Template:
         pieces.append(',"startTimeUnixNano":"%d","endTimeUnixNano":"%d"')
         attributes = []
         for position, (key, value) in enumerate(call.attributes.items()):
+            prefix = '{"key":' + _dumps(key) + "," if key else "{"  # an empty key is a default: left out
             if position in float_positions:
                 # a slot: repr is the shortest text that reads back to the same double, as json.dumps writes it
-                prefix = '{"key":' + _dumps(key) + "," if key else "{"  # an empty key is a default: left out
                 attributes.append((prefix + '"value":{"doubleValue":').replace("%", "%%") + "%r}}")
+            elif position in dims_positions:  # a slot: the shape's text, so that a new shape needs no new template
+                attributes.append((prefix + '"value":').replace("%", "%%") + "%s}")
             elif (pair := _key_value(key, value)) is not None:
                 attributes.append(_dumps(pair).replace("%", "%%"))
         if attributes:
@@ -214,6 +224,50 @@ class _Template:
         remote = call.parent_span_id and call.parent_is_remote
         static(',"status":{},"flags":' + str(_FLAG_HAS_IS_REMOTE | (_FLAG_IS_REMOTE if remote else 0)) + "}")
         self.text = "".join(pieces)
+        slot_positions = sorted(float_positions | dims_positions)
+        self.slots = _getter(slot_positions)
+        self.dims_at = tuple(at for at, position in enumerate(slot_positions) if position in dims_positions)
+
+
+_shape_texts: dict[tuple, str] = {}  # a shape -> its AnyValue as OTLP/JSON text
+_shape_objects: dict[int, tuple[tuple, str]] = {}  # id(shape) -> (the shape, kept alive, its text)
+
+
+def _shape_text(value: Any) -> str | None:
+    """A shape's AnyValue as OTLP/JSON text (``_any_value`` of a tuple of ints, dumped), cached; None where
+    ``value`` is no such shape (not a non-empty tuple of plain ints within int64: the span is then built as a dict,
+    where such a value is written as it is, or dropped). A forward's calls share their kinds' shape objects, forward
+    after forward: those are found by identity."""
+    found = _shape_objects.get(id(value))
+    if found is not None and found[0] is value:
+        return found[1]
+    if type(value) is not tuple or not value or not _INT_TYPES.issuperset(map(type, value)):
+        return None  # checked before the cache: (1, 2) and (1.0, 2) or (True, 2) are equal keys
+    text = _shape_texts.get(value)
+    if text is None:
+        if not all(_INT64_MIN <= item <= _INT64_MAX for item in value):
+            return None
+        if len(_shape_texts) >= 4096:  # ever-new shapes: stay bounded
+            _shape_texts.clear()
+        text = _shape_texts[value] = _dumps(_any_value(value))
+    if len(_shape_objects) >= 4096:
+        _shape_objects.clear()
+    _shape_objects[id(value)] = (value, text)
+    return text
+
+
+def _slot_values(template: _Template, values: tuple) -> tuple | None:
+    """The values of ``template``'s attribute slots, each shape as its text; None where a shape's place holds no
+    shape this time."""
+    slots = template.slots(values)
+    if not template.dims_at:
+        return slots
+    filled = list(slots)
+    for at in template.dims_at:
+        text = filled[at] = _shape_text(filled[at])
+        if text is None:
+            return None
+    return tuple(filled)
 
 
 _shapes: dict[tuple, _Shape] = {}  # as _otlp_encoding's cache, its variants holding JSON templates
@@ -255,12 +309,12 @@ def _templated_text(
     if found is None:  # a type marshal does not know (numpy scalars...): built one by one
         return _dumps(_span(make_call(), trace_state, limits))
     template, shape, values = found
-    floats = shape.floats(values)
-    if not _fits(floats):
+    slots = _slot_values(template, values) if _fits(shape.floats(values)) else None
+    if slots is None:
         return _dumps(_span(make_call(), trace_state, limits))
     if template.has_parent:
-        return _filled(template.text, ids + floats)
-    return _filled(template.text, (ids[0], ids[1], ids[3], ids[4]) + floats)
+        return _filled(template.text, ids + slots)
+    return _filled(template.text, (ids[0], ids[1], ids[3], ids[4]) + slots)
 
 
 def _fits(floats: tuple) -> bool:
@@ -278,26 +332,30 @@ def _json_template(
     make_call: Callable[[], ModuleCall],
 ) -> tuple[_Template, _Shape, tuple] | None:
     """(template, its ``_Shape``, the attribute values) of a span within the span limits, cached per name, parent
-    kind, trace state and attribute keys, then per non-float values; None where marshal cannot key the values."""
+    kind, trace state and attribute keys, then per non-float, non-shape values and the shapes' ranks (``_Shape``:
+    marshal tells True, 1 and 1.0 apart); None where marshal cannot key the values."""
     values = tuple(attributes.values())
     key = (name, has_parent, remote, trace_state, tuple(attributes))
-    shape = cached_shape(_shapes, key, values, dims=False)
+    shape = cached_shape(_shapes, key, values)
     try:
-        variant = marshal.dumps(shape.others(values), 2)  # equal keys, equal text: marshal tells True, 1, 1.0 apart
-    except ValueError:
+        variant = shape.variant(values)
+    except (ValueError, TypeError):  # a type marshal does not know; a shape's place without a length
         return None
     template = shape.variants.get(variant)
     if template is None:
         if len(shape.variants) >= _MAX_VARIANTS:
             shape.variants.clear()
-        template = shape.variants[variant] = _Template(make_call(), trace_state, shape.float_positions)
+        template = shape.variants[variant] = _Template(
+            make_call(), trace_state, shape.float_positions, shape.dims_positions
+        )
     return template, shape, values
 
 
 def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
     """The spans of a whole forward whose every call has attributes (statistics), from one ``%`` format shared by
-    the forwards of its kind (``protobuf.shared_stats_block``): its ids, times and floats picked from one flat
-    tuple by one itemgetter, formatted in one C call. None: the per-call templates then write it."""
+    the forwards of its kind (``protobuf.shared_stats_block``: the same keys, non-float values and shapes' ranks):
+    its ids, times, floats and shapes' texts picked from one flat tuple by one itemgetter, formatted in one C call.
+    None: the per-call templates then write it."""
     if not _from_columns(batch):
         return None
     trace_state = _trace_state_str(batch.trace_state) if batch.trace_state is not None else None
@@ -307,9 +365,12 @@ def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
         return None
     block, values = found
     text, gather = block.payload
+    shapes = tuple(map(_shape_text, block.dims(values)))
+    if None in shapes:  # a shape's place holds no shape this time
+        return None
     ids = batch.span_id
     parent_ids = map(ids.__getitem__, batch.parent[1:])
-    source = (batch.trace_id, *ids, batch.root_parent_id, *parent_ids, *batch.start_ns, *batch.end_ns, *values)
+    source = (batch.trace_id, *ids, batch.root_parent_id, *parent_ids, *batch.start_ns, *batch.end_ns, *values, *shapes)
     if _percent_format is not None:  # None where a float slot holds NaN, an infinity or no float, as _fits checks
         return _percent_format(text, gather(source))
     if not _fits(block.floats(values)):
@@ -319,8 +380,8 @@ def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
 
 def _make_stats_block(batch: CallBatch, trace_state: str | None, limits: _Limits, keys: tuple, values: tuple):
     """A forward's block: its calls' templates joined, and where each slot's value is in the flat tuple
-    ``_stats_block_text`` builds (trace id; span ids; parent ids, the root's first; starts; ends; attribute values).
-    Shapes are text here: a later forward shares the block only with equal shapes."""
+    ``_stats_block_text`` builds (trace id; span ids; parent ids, the root's first; starts; ends; attribute values;
+    the shapes' texts). A later forward with other shapes of the same ranks shares it."""
     n = len(batch.module)
     max_attributes = limits.attributes if limits.attributes is not None else 1 << 62
     texts: list[str] = []
@@ -340,16 +401,20 @@ def _make_stats_block(batch: CallBatch, trace_state: str | None, limits: _Limits
         if found is None:
             return _StatsBlock(keys)
         template, shape, vals = found
-        floats_before = len(float_at)
-        shapes = {i for i, value in enumerate(vals) if _is_dims(value)}  # text here, compared whole
-        if not value_slots(vals, shape.float_positions, shapes, at, (float_at, dims_at, other_at)):
+        floats_before, dims_before = len(float_at), len(dims_at)
+        if not value_slots(vals, shape.float_positions, shape.dims_positions, at, (float_at, dims_at, other_at)):
             return _StatsBlock(keys)
         order += [0, 1 + position, 1 + n + position] if template.has_parent else [0, 1 + position]
-        order += [1 + 2 * n + position, 1 + 3 * n + position, *(1 + 4 * n + i for i in float_at[floats_before:])]
+        order += [1 + 2 * n + position, 1 + 3 * n + position]
+        new_floats, new_shapes = iter(float_at[floats_before:]), iter(range(dims_before, len(dims_at)))
+        for i in sorted(shape.float_positions | shape.dims_positions):  # the template's slots, in attribute order
+            order.append(
+                1 + 4 * n + (next(new_floats) if i in shape.float_positions else len(values) + next(new_shapes))
+            )
         texts.append(template.text)
         at += len(vals)
     payload = (",".join(texts), itemgetter(*order))
-    return _StatsBlock(keys, payload, (float_at, dims_at, other_at), values, literal_dims=True)
+    return _StatsBlock(keys, payload, (float_at, dims_at, other_at), values)
 
 
 def _block_text(batch: CallBatch, limits: _Limits) -> str | None:

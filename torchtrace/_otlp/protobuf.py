@@ -722,17 +722,14 @@ class _StatsBlock:
     """A whole forward whose every call has attributes (statistics), encoded once (``payload``: a protobuf
     ``_Block``, or OTLP/JSON text with its slots' order), and what a later forward of the same module sequence must
     match to share it: the same attribute keys in the same order, the same values other than floats and shapes (of
-    the same types: True, 1 and 1.0 are equal in Python, not on the wire) and shapes of the same ranks (equal
-    shapes where they are text: ``literal_dims``). Compared for the whole forward at once, as flat tuples: no
-    Python step per call. ``payload`` None: such a forward does not fit a block (values of other types, over the
-    span limits)."""
+    the same types: True, 1 and 1.0 are equal in Python, not on the wire) and shapes of the same ranks. Compared
+    for the whole forward at once, as flat tuples: no Python step per call. ``payload`` None: such a forward does
+    not fit a block (values of other types, over the span limits)."""
 
-    __slots__ = ("keys", "payload", "others", "other_values", "other_types", "floats", "dims", "dims_values",
-                 "ranks", "literal_dims", "float_at", "dims_at", "other_at")  # fmt: skip
+    __slots__ = ("keys", "payload", "others", "other_values", "other_types", "floats", "dims", "ranks", "float_at",
+                 "dims_at", "other_at")  # fmt: skip
 
-    def __init__(
-        self, keys: tuple, payload: Any = None, slots: tuple = ((), (), ()), values: tuple = (), literal_dims=False
-    ) -> None:
+    def __init__(self, keys: tuple, payload: Any = None, slots: tuple = ((), (), ()), values: tuple = ()) -> None:
         self.keys = keys
         self.payload = payload
         float_at, dims_at, other_at = slots  # positions in the forward's flat attribute values
@@ -740,9 +737,7 @@ class _StatsBlock:
         self.float_at, self.dims_at, self.other_at = (np.array(at, dtype=np.int64) for at in slots)
         self.other_values = self.others(values)
         self.other_types = tuple(map(type, self.other_values))
-        self.dims_values = self.dims(values)
-        self.ranks = tuple(map(len, self.dims_values))
-        self.literal_dims = literal_dims
+        self.ranks = tuple(map(len, self.dims(values)))
 
     def match(self, keys: tuple, values: tuple) -> bool:
         if keys is not self.keys and keys != self.keys:  # interned: the same object, forward after forward
@@ -750,19 +745,14 @@ class _StatsBlock:
         if self.payload is None:
             return True
         if _same_values is not None and type(values) is tuple:  # the same comparisons, in one C loop each
-            if not _same_values(values, self.other_at, self.other_values, False):
-                return False
-            if not self.literal_dims:
-                return _same_values(values, self.dims_at, self.ranks, True)
-        else:
-            others = self.others(values)
-            if others != self.other_values or tuple(map(type, others)) != self.other_types:
-                return False
-        dims = self.dims(values)
-        if self.literal_dims:  # equal, and plain ints (1.0 == 1, and True == 1, would be written otherwise)
-            return dims == self.dims_values and _INT_TYPES.issuperset(map(type, chain.from_iterable(dims)))
+            return _same_values(values, self.other_at, self.other_values, False) and _same_values(
+                values, self.dims_at, self.ranks, True
+            )
+        others = self.others(values)
+        if others != self.other_values or tuple(map(type, others)) != self.other_types:
+            return False
         try:
-            return tuple(map(len, dims)) == self.ranks
+            return tuple(map(len, self.dims(values))) == self.ranks
         except TypeError:  # a shape's place holds something without a length
             return False
 
