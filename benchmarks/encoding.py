@@ -8,10 +8,11 @@
 dtype string, 10 float stats, 2 more ints), repetitions interleaved so machine noise hits both alike.
 
 Then the spans of real forwards as the exporters get them (the columns of 64 x (Linear(32) + ReLU) traced with every
-statistic, 129 calls a forward): OTLP protobuf (the OTLP exporters), OTLP/JSON (the file exporter) with its
-templates filled in C (``torchtrace._otlp._json_text``) and by Python's ``%`` (an install without a C compiler),
-interleaved in the same way. The worker spends this per span; on one GIL, beside a host-bound model, the model's
-thread waits for it.
+statistic, 129 calls a forward), the same input shape every forward and then a new one every forward (a new batch
+size: as a new sequence length every request): OTLP protobuf (the OTLP exporters), OTLP/JSON (the file exporter)
+with its templates filled in C (``torchtrace._otlp._json_text``) and by Python's ``%`` (an install without a C
+compiler), interleaved in the same way. The worker spends this per span; on one GIL, beside a host-bound model,
+the model's thread waits for it.
 Run: python benchmarks/encoding.py [--spans N] [--reps R] [--forwards F]
 """
 
@@ -92,23 +93,22 @@ def make_sdk_spans(calls: list[ModuleCall], resource: Resource) -> list:
     return list(exporter.get_finished_spans())
 
 
-def forward_segments(forwards: int) -> list:
+def forward_segments(forwards: int, new_shapes: bool = False) -> list:
     """What the exporters get for ``forwards`` forwards of the cheap model with every statistic: columns, one
-    segment a forward, no ModuleCall made."""
+    segment a forward, no ModuleCall made; with ``new_shapes``, forward i's batch is i + 1 rows."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(64) for m in (torch.nn.Linear(32, 32), torch.nn.ReLU())])
-    x = torch.randn(1, 32)
     delivered: list = []
     with torchtrace.instrument(model, exporter="none", sinks=[delivered.append]) as handle, torch.no_grad():
-        for _ in range(forwards):
-            model(x)
+        for i in range(forwards):
+            model(torch.randn(i + 1 if new_shapes else 1, 32))
         handle.flush()
     return [segment for calls in delivered for segment in calls.segments]
 
 
-def encode_forwards(resource: Resource, forwards: int, reps: int) -> dict[str, float]:
+def encode_forwards(resource: Resource, forwards: int, reps: int, new_shapes: bool = False) -> dict[str, float]:
     """Median us a span of each encoder over the same forwards, interleaved."""
-    calls = Calls(forward_segments(forwards))
+    calls = Calls(forward_segments(forwards, new_shapes))
     compiled_text = json_lines._percent_format
 
     def protobuf() -> None:
@@ -132,7 +132,8 @@ def encode_forwards(resource: Resource, forwards: int, reps: int) -> dict[str, f
             t0 = time.perf_counter()
             encode()
             timings[name].append((time.perf_counter() - t0) / len(calls) * 1e6)
-    print(f"{len(calls)} spans of {forwards} forwards (columns), every statistic, {reps} interleaved reps")
+    shapes = "a new input shape every forward" if new_shapes else "one input shape"
+    print(f"{len(calls)} spans of {forwards} forwards (columns), every statistic, {shapes}, {reps} interleaved reps")
     print(f"{'encoder':<18}{'median us/span':>16}{'min':>10}")
     for name, ts in timings.items():
         print(f"{name:<18}{statistics.median(ts):>16.2f}{min(ts):>10.2f}")
@@ -174,7 +175,9 @@ def main() -> None:
         print(f"{name:<12}{statistics.median(ts):>16.2f}{min(ts):>10.2f}{sizes[name]:>12}")
     result = {name: round(statistics.median(ts), 3) for name, ts in timings.items()}
     forwards = encode_forwards(resource, args.forwards, args.reps)
-    report = {"sdk_us_per_span": result["sdk"], "torchtrace_us_per_span": result["torchtrace"], "forwards": forwards}
+    new_shapes = encode_forwards(resource, args.forwards, args.reps, new_shapes=True)
+    report = {"sdk_us_per_span": result["sdk"], "torchtrace_us_per_span": result["torchtrace"], "forwards": forwards,
+              "forwards_new_shapes": new_shapes}  # fmt: skip
     print(json.dumps({"encoding": report}))
 
 

@@ -85,12 +85,14 @@ def test_overhead_quick_prints_a_json_report_last() -> None:
 
 def test_encoding_times_each_encoder_on_the_spans_of_real_forwards() -> None:
     report, stdout = run_benchmark("encoding.py", "--spans", "300", "--reps", "1", "--forwards", "2")
-    forwards = report["encoding"]["forwards"]
-    assert "258 spans of 2 forwards (columns)" in stdout  # 129 calls a forward
+    assert "258 spans of 2 forwards (columns), every statistic, one input shape" in stdout  # 129 calls a forward
+    assert "258 spans of 2 forwards (columns), every statistic, a new input shape every forward" in stdout
     expected = {"protobuf_us_per_span", "json_python_text_us_per_span"}
     if importlib.util.find_spec("torchtrace._otlp._json_text") is not None:
         expected.add("json_us_per_span")
-    assert set(forwards) == expected and all(value > 0 for value in forwards.values())
+    for case in ("forwards", "forwards_new_shapes"):
+        timed = report["encoding"][case]
+        assert set(timed) == expected and all(value > 0 for value in timed.values()), case
 
 
 def test_overhead_variants_option_keeps_the_named_variants_and_the_references() -> None:
