@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import is_, itemgetter
 from typing import Any
 
 from opentelemetry.sdk.resources import Resource
@@ -256,6 +256,10 @@ def _shape_text(value: Any) -> str | None:
     return text
 
 
+# id(stats block) -> (the block, the shape objects of the last forward written with it, their texts)
+_block_shapes: dict[int, tuple[_StatsBlock, tuple, tuple]] = {}
+
+
 def _slot_values(template: _Template, values: tuple) -> tuple | None:
     """The values of ``template``'s attribute slots, each shape as its text; None where a shape's place holds no
     shape this time."""
@@ -365,9 +369,17 @@ def _stats_block_text(batch: CallBatch, limits: _Limits) -> str | None:
         return None
     block, values = found
     text, gather = block.payload
-    shapes = tuple(map(_shape_text, block.dims(values)))
-    if None in shapes:  # a shape's place holds no shape this time
-        return None
+    dims = block.dims(values)
+    last = _block_shapes.get(id(block))
+    if last is not None and last[0] is block and len(last[1]) == len(dims) and all(map(is_, dims, last[1])):
+        shapes = last[2]  # the shape objects of the forward before (a kind's, shared forward after forward)
+    else:
+        shapes = tuple(map(_shape_text, dims))
+        if None in shapes:  # a shape's place holds no shape this time
+            return None
+        if len(_block_shapes) >= _MAX_VARIANTS:
+            _block_shapes.clear()
+        _block_shapes[id(block)] = (block, dims, shapes)  # both kept alive: the ids stay theirs
     ids = batch.span_id
     parent_ids = map(ids.__getitem__, batch.parent[1:])
     source = (batch.trace_id, *ids, batch.root_parent_id, *parent_ids, *batch.start_ns, *batch.end_ns, *values, *shapes)
