@@ -7,9 +7,10 @@ protobuf, lowerCamelCase keys, hex trace and span ids, int64 and fixed64 as stri
 infinities as the strings "NaN", "Infinity", "-Infinity", default values left out, the protobuf path's span limits.
 
 As in ``protobuf``, most of a span's text is fixed per module: a cached ``%``-format template per (name,
-parent kind, trace state, attribute keys, non-float values) leaves slots for the ids, times and float statistics.
-Spans that do not fit (an error, attributes over the limits, values marshal cannot key) are built as dicts and
-dumped one by one, the reference the templates are made from.
+parent kind, trace state, attribute keys, non-float values, shapes' ranks) leaves slots for the ids, times, float
+statistics and shapes (their cached text), filled by ``_json_text`` in C where it is built. Spans that do not fit
+(an error, attributes over the limits, values marshal cannot key) are built as dicts and dumped one by one, the
+reference the templates are made from.
 """
 
 from __future__ import annotations
