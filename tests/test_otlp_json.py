@@ -35,6 +35,15 @@ from torchtrace._otlp.protobuf import encode_export_request, timing_templates_of
 from torchtrace.attributes import OUTPUT_PREFIX
 
 
+def compiled_writer():
+    """``torchtrace._otlp._json_text.percent_format``, or None where the module is not built."""
+    try:
+        from torchtrace._otlp._json_text import percent_format
+    except ImportError:
+        return None
+    return percent_format
+
+
 @pytest.fixture(autouse=True, params=["compiled-text", "python-text"])
 def text_writer(request, monkeypatch):
     """Every test runs with the templates filled by ``torchtrace._otlp._json_text`` and by Python's ``%`` (an
@@ -153,6 +162,33 @@ def test_the_compiled_and_the_python_writer_write_the_same_text(monkeypatch):
     monkeypatch.setattr(json_lines, "_percent_format", None)
     assert texts() == compiled
     assert "2.5e+17" in compiled[0] and "5e-324" in compiled[1]
+
+
+def test_a_hugging_face_generate_and_requests_of_other_lengths_are_written_as_protobuf_maps_them(monkeypatch):
+    """A GPT-2 from a config: greedy generate (a prompt, then one token a step), then forwards of other sequence
+    lengths. The compiled and the Python writer write the same text from the columns the exporters get, and it reads
+    back as protobuf's JSON of the same spans."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    delivered: list = []
+    with torchtrace.instrument(model, exporter="none", sinks=[delivered.append]) as handle, torch.no_grad():
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        for length in (5, 9, 17):
+            model(torch.arange(length).unsqueeze(0))
+        handle.flush()
+    segments = [segment for calls in delivered for segment in calls.segments]
+    texts = []
+    for writer in (compiled_writer(), None):  # the compiled one where it is built, whichever the fixture set
+        monkeypatch.setattr(json_lines, "_percent_format", writer)
+        texts.append(encode_otlp_json(Calls(segments), RESOURCE, *SCOPE))
+    assert not any(segment.made for segment in segments)  # written from the columns
+    assert texts[0] == texts[1]
+    spans = [call for segment in segments for call in segment]
+    assert len(spans) > 100 and json.loads(texts[0]) == through_protobuf(spans)
 
 
 def test_cached_templates_never_carry_values_from_one_call_to_the_next():
