@@ -461,7 +461,13 @@ for _ in range(3):
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()
-handle.flush()
+# rank 0 flushes after rank 1's flush has sent its last bounds: a flush waits for the ranks heard from so far only,
+# and three short steps can end before rank 1's worker first reports
+if rank == 1:
+    handle.flush()
+dist.barrier()
+if rank == 0:
+    handle.flush()
 spans = [(call.name, call.start_ns, call.end_ns) for call in handle.records if call.kind == "step"]
 print("RESULT " + json.dumps({"rank": rank, "spans": spans, "dropped": handle.dropped_calls}), flush=True)
 handle.remove()
