@@ -33,12 +33,12 @@ from torchtrace._otlp.protobuf import (
     _FLAG_IS_REMOTE,
     _INT64_MAX,
     _INT64_MIN,
-    _INT_TYPES,
     _MAX_VARIANTS,
     _ROOT,
     _bounded,
     _from_columns,
     _getter,
+    _is_dims,
     _Limits,
     _over_limits,
     _Shape,
@@ -242,7 +242,7 @@ def _shape_text(value: Any) -> str | None:
     found = _shape_objects.get(id(value))
     if found is not None and found[0] is value:
         return found[1]
-    if type(value) is not tuple or not value or not _INT_TYPES.issuperset(map(type, value)):
+    if not _is_dims(value):
         return None  # checked before the cache: (1, 2) and (1.0, 2) or (True, 2) are equal keys
     text = _shape_texts.get(value)
     if text is None:
