@@ -78,7 +78,7 @@ def operations() -> dict[str, Callable[[], Any]]:
     x = torch.randn(SHAPE, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(x)
     block = _device._Block(device)
-    values, counts = block.rows[0]
+    values, counts = block.views(0)
     timer = _device.event_timer(device)
     ops: dict[str, Callable[[], Any]] = {}
 
@@ -135,7 +135,7 @@ def launch_matches_triton() -> dict[str, Any]:
     for direct in (True, False):
         block = _device._Block(device)
         block.reset()
-        values, counts = block.rows[0]
+        values, counts = block.views(0)
         saved = dict(_triton_stats._direct)
         if not direct:
             _triton_stats._direct.clear()
