@@ -33,7 +33,8 @@ thread alone, which reads each forward's device work at a later forward's end, a
 exports at the flush), `torchtrace_driver_stubbed` (the CUDA driver's event records,
 elapsed-time reads and statistics launches replaced by C stubs that return at once, benchmarks/simulated_cuda.py:
 everything but the driver; the rows then hold no statistics) and `torchtrace_driver_stubbed_worker_at_flush` (both:
-the Python and compiled code of the model's thread alone).
+the Python and compiled code of the model's thread alone), and `torchtrace_events_read_in_line` (no device-times
+thread: each forward's events read where it is resolved, on the model's thread, as before that thread).
 
 Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--split]
 The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
@@ -44,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import importlib
 import json
 import os
@@ -66,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from torchtrace._capture import device as _device
 from torchtrace._capture.cuda_driver import driver  # noqa: E402
 from torchtrace._pipeline import worker as _worker  # noqa: E402
+from torchtrace._pipeline.device_times import READER as DEVICE_TIMES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_empty_hooks  # noqa: E402
@@ -121,6 +124,7 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
             "torchtrace_worker_at_flush",
             "torchtrace_driver_stubbed",
             "torchtrace_driver_stubbed_worker_at_flush",
+            "torchtrace_events_read_in_line",
         ]
     for name in names:
         model = copy.deepcopy(base)
@@ -140,6 +144,9 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
         )
         if "_driver_stubbed" in name:
             variant.before, variant.after = stub_driver(trace_dir)
+        if name == "torchtrace_events_read_in_line":  # no device-times thread: read where the forward is resolved
+            variant.before = lambda: setattr(DEVICE_TIMES, "applies", lambda forward: False)
+            variant.after = lambda: vars(DEVICE_TIMES).pop("applies", None)
         if name == "torchtrace_torch_ops":
             fused = _device.fused_kernel
             variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)
@@ -325,7 +332,12 @@ def peak_memory(
     model = copy.deepcopy(base)
     x = torch.randn(batch, seq, 768, device=device, dtype=torch.bfloat16)
 
-    def peak_above(allocated: int) -> float:
+    def peak() -> float:
+        # each phase above what is allocated as it begins (the model, its input): garbage of the benchmark's earlier
+        # parts collected during one phase would otherwise count against it
+        gc.collect()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
         with (grad_mode or GRAD_MODE)():
             for _ in range(3):  # warm-up: allocator, kernels, the traced model's pools; batched kinds checked (two)
                 model(x)
@@ -335,10 +347,9 @@ def peak_memory(
             torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - allocated) / 2**20
 
-    allocated = torch.cuda.memory_allocated()  # the model and its input
-    untraced = peak_above(allocated)
+    untraced = peak()
     with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(batch=stats_batch)):
-        traced = peak_above(allocated)
+        traced = peak()
     added = traced - untraced
     return {
         "untraced_mib": round(untraced, 1),

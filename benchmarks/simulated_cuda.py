@@ -32,6 +32,16 @@ long records, launches, reads, tensors; /* tensors: those the launches reduce (a
 int64_t launched[KEPT][5]; /* the statistics kernel's parameters (x, values, counts, n, stride) of the first launches */
 int record(void *event, void *stream) { (void)event; (void)stream; records++; return 0; }
 int elapsed(float *ms, void *start, void *end) { (void)start; (void)end; *ms = 0.0f; reads++; return 0; }
+long queries;
+int query(void *event) { (void)event; queries++; return 0; } /* complete */
+int query_running(void *event) { (void)event; queries++; return 600; } /* CUDA_ERROR_NOT_READY */
+/* a clock for tests that check where each time lands: an event's time is its pool index (its handle / 16), in
+   microseconds */
+int elapsed_by_handle(float *ms, void *start, void *end) {
+    *ms = (float)(((char *)end - (char *)start) / 16) / 1000.0f;
+    reads++;
+    return 0;
+}
 int launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz, unsigned shared,
            void *stream, void **params, void **extra) {
     (void)f; (void)gx; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
@@ -154,6 +164,7 @@ def install(setattr: Callable[[Any, str, Any], None], directory: str | None = No
     driver = types.SimpleNamespace(
         record_address=stubs.address("record"),
         elapsed_address=stubs.address("elapsed"),
+        query_address=stubs.address("query"),
         query=lambda handle: 0,  # complete
         synchronize=lambda handle: 0,
         destroy=lambda handle: 0,

@@ -9,6 +9,7 @@ import math
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -190,8 +191,20 @@ def test_gpu_benchmark_split_variants_stub_the_driver_only_around_their_repetiti
     expected = base(x)
     variants = {variant.name: variant for variant in gpu.make_variants(base, str(tmp_path))}
     try:
-        split = ["torchtrace_worker_at_flush", "torchtrace_driver_stubbed", "torchtrace_driver_stubbed_worker_at_flush"]
-        assert list(variants)[-3:] == split
+        split = [
+            "torchtrace_worker_at_flush",
+            "torchtrace_driver_stubbed",
+            "torchtrace_driver_stubbed_worker_at_flush",
+            "torchtrace_events_read_in_line",
+        ]
+        assert list(variants)[-4:] == split
+        in_line = variants["torchtrace_events_read_in_line"]
+        forward = types.SimpleNamespace(start_events={0: timer._free[0]}, end_events={0: timer._free[1]})
+        assert gpu.DEVICE_TIMES.applies(forward)  # the simulated driver's events: read by the device-times thread
+        in_line.before()
+        assert not gpu.DEVICE_TIMES.applies(forward)  # read where resolved, during the variant's repetitions only
+        in_line.after()
+        assert gpu.DEVICE_TIMES.applies(forward)
         for name in ["torchtrace", *split]:  # the first forwards launch through the driver: kinds seen before
             variant = variants[name]
             with torch.inference_mode():
@@ -232,15 +245,19 @@ def test_gpu_benchmark_peak_memory_compares_the_traced_forward_with_the_untraced
     from torchtrace import _handle
 
     base = torch.nn.Sequential(torch.nn.Linear(768, 768)).to(torch.bfloat16).eval()
-    counters = {"allocated": 100 * 2**20, "peak": 0}
+    peaks = []
     traced_now = []
+
+    def allocated() -> int:  # 40 MiB of the benchmark's earlier garbage collected by the traced phase
+        return (60 if _handle._live_handles else 100) * 2**20
+
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: counters["allocated"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peaks[-1])
 
     def reset() -> None:  # the peak the next forward reaches: 3 MiB more while a handle traces
         traced = bool(_handle._live_handles)
-        counters["peak"] = counters["allocated"] + (13 if traced else 10) * 2**20
+        peaks.append(allocated() + (13 if traced else 10) * 2**20)
         traced_now.append(traced)
 
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)

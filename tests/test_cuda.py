@@ -139,8 +139,9 @@ def test_batched_cuda_statistics_equal_torchs_with_no_synchronizing_call(monkeyp
         spans = captured.spans()
     assert not [warning for warning in caught if SYNC_WARNING in str(warning.message)]
     # the third forward and the two counted ones (12 outputs each): eight, then four at the forward's end; from C once
-    # the batch kernel is compiled (the third forward's first batch compiles it), a full queue without Python
-    assert launched == ([8, 4] * 3 if launch == "jit" else [8, 4, 4, 4])
+    # the batch kernel is compiled (the third forward's first batch compiles it), a full queue and the forward's rest
+    # without Python
+    assert launched == ([8, 4] * 3 if launch == "jit" else [8])
     assert launch == "jit" or kernel._batch_direct[(0, torch.float32, True)] is not None
     with torch.no_grad():
         for forward, x in enumerate(inputs):
@@ -279,6 +280,37 @@ def test_reading_event_times_on_the_worker_lets_the_models_thread_run():
     assert max(gaps) < (end - start) / 2, f"the counter stopped for {max(gaps)} of the read's {end - start} ns"
 
 
+def test_back_to_back_forwards_have_their_events_read_by_the_device_times_thread(monkeypatch):
+    """On a GPU, each forward's events are read by the device-times thread while the next forward runs: the model's
+    thread reads none itself, and each span's device duration is that of its kernel."""
+    from torchtrace._pipeline import device_times, dispatcher
+
+    monkeypatch.setattr(dispatcher, "BACK_TO_BACK_NS", 10**12)  # the test's own waits are no pause
+    readers = []  # the thread of each elapsed-time read
+
+    def noted(read):
+        return lambda *args: readers.append(threading.current_thread().name) or read(*args)
+
+    for module in (device_times, dispatcher):
+        monkeypatch.setattr(module, "elapsed_since", noted(module.elapsed_since))
+    submitted = []
+    submit = device_times.READER.submit
+    monkeypatch.setattr(device_times.READER, "submit", lambda forward: submitted.append(forward) or submit(forward))
+    model = nn.Sequential(Sleep(), nn.Linear(8, 8)).cuda()
+    x = torch.randn(4, 8, device="cuda")
+    alone = _alone_ms(model[0], x, runs=3)
+    with capture_spans(model) as captured:
+        for _ in range(3):
+            torch.cuda._sleep(1_000_000)  # a busy stream: the span times the kernel, not its launch
+            model(x)
+            deadline = time.monotonic() + 10
+            while type(submitted[-1].event_offsets) is not tuple and time.monotonic() < deadline:
+                time.sleep(0.001)
+        durations = [(span.end_time - span.start_time) / 1e6 for span in captured.spans_named("0")]
+    assert len(submitted) == 3 and readers == ["torchtrace-device-times"] * 2 * 3
+    assert durations == [pytest.approx(alone, rel=0.05)] * 3
+
+
 def test_a_forward_on_a_side_stream_is_timed_on_that_stream(event_backend):
     model = nn.Sequential(Sleep(), nn.Linear(8, 8)).cuda()
     x = torch.randn(4, 8, device="cuda")
@@ -288,6 +320,7 @@ def test_a_forward_on_a_side_stream_is_timed_on_that_stream(event_backend):
         for stream in (side, other, side):  # the timer follows the current stream, also back to one seen before
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
+                torch.cuda._sleep(1_000_000)  # a busy stream, as for `alone`: the span times the kernel, not a launch
                 model(x)
             torch.cuda.current_stream().wait_stream(stream)
         durations = [(span.end_time - span.start_time) / 1e6 for span in captured.spans_named("0")]

@@ -1494,6 +1494,88 @@ def test_rows_reserved_from_c_and_from_python_on_several_threads_are_each_taken_
     assert len(rows._blocks) == -(-4 * 300 // device_module.BLOCK_ROWS)
 
 
+def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_thread(
+    simulated_cuda, back_to_back, monkeypatch
+):
+    """The reading of a forward's timing events (one cuEventElapsedTime an event, ~0.6 ms a forward of 109 calls on
+    an H200 host) runs on the device-times thread, which waits for the forward's root end event and reads them
+    without the GIL while the next forward runs: the model's thread, which resolves the forward at a later forward's
+    end, makes no read of its own, and every call starts and ends where its events say."""
+    from torchtrace._pipeline import device_times, dispatcher
+    from torchtrace._pipeline.worker import WORKER
+
+    (timer,) = device_module._timers.values()
+    driver = timer._free[0]._driver
+    monkeypatch.setattr(driver, "elapsed_address", simulated_cuda.address("elapsed_by_handle"))  # time: pool index
+    readers = []  # the thread of each elapsed-time read
+
+    def noted(read):
+        return lambda *args: readers.append(threading.current_thread().name) or read(*args)
+
+    for module in (device_times, dispatcher):
+        monkeypatch.setattr(module, "elapsed_since", noted(module.elapsed_since))
+    submitted = []  # (forward, its start events' handles, its end events' handles), in call order, as recorded
+    submit = device_times.READER.submit
+
+    def handles(events: dict) -> list[int]:
+        return [events[position].handle for position in sorted(events)]
+
+    monkeypatch.setattr(
+        device_times.READER,
+        "submit",
+        lambda forward: (
+            submitted.append((forward, handles(forward.start_events), handles(forward.end_events))) or submit(forward)
+        ),
+    )
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with torchtrace.instrument(model, exporter="none") as handle:
+        with WORKER._condition:  # the worker holds still: forwards are read on the model's thread
+            for _ in range(4):
+                model(torch.randn(3, 4))
+                deadline = time.monotonic() + 10
+                while type(submitted[-1][0].event_offsets) is not tuple and time.monotonic() < deadline:
+                    time.sleep(0.001)
+        handle.flush()
+        records = [record for record in handle.records if record.kind == "forward"]
+    assert len(submitted) == 4 and len(records) == 4 * 4
+    assert readers == ["torchtrace-device-times"] * 2 * 4  # start and end events, a forward
+
+    def offset_ns(event: int, origin: int) -> int:  # as the stub's float milliseconds and elapsed_since make it
+        return int(float(np.float32((event - origin) // 16) / np.float32(1000)) * 1e6)
+
+    for forward, (_, starts, ends) in enumerate(submitted):
+        calls = records[4 * forward : 4 * forward + 4]
+        root = calls[0].start_ns
+        assert [call.start_ns - root for call in calls] == [offset_ns(start, starts[0]) for start in starts]
+        assert [call.end_ns - root for call in calls] == [offset_ns(end, starts[0]) for end in ends]
+
+
+def test_waiting_for_a_driver_event_queries_it_without_the_gil_until_complete_or_the_timeout(simulated_cuda):
+    from torchtrace._native import wait_event
+
+    assert wait_event(simulated_cuda.address("query"), 16, 200, 10**6) == 0
+    assert simulated_cuda.count("queries") == 1  # complete at the first query
+    ticks = []
+    stop = threading.Event()
+
+    def count() -> None:  # needs the GIL for each tick
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    started = time.monotonic()
+    try:
+        result = wait_event(simulated_cuda.address("query_running"), 16, 1000, 100_000)  # 0.1 s of a running event
+    finally:
+        stop.set()
+        counter.join()
+    assert result == 600 and time.monotonic() - started >= 0.1  # CUDA_ERROR_NOT_READY at the timeout
+    assert 10 <= simulated_cuda.count("queries") - 1 <= 101  # a query every poll
+    assert len(ticks) >= 10  # the other thread ran all along: no GIL held while waiting
+
+
 def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):
     """``_native.mark_event`` (a DriverEventTimer's mark): an event from the pool, recorded through the driver's
     cuEventRecord on the current stream. Where that does not apply it records nothing, puts the event back and

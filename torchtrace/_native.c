@@ -29,8 +29,10 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
-#if defined(__linux__)
-#include <time.h> /* clock_gettime: time.perf_counter_ns's clock there */
+#if defined(_WIN32)
+#include <windows.h> /* Sleep: wait_event's pause */
+#else
+#include <time.h> /* clock_gettime: time.perf_counter_ns's clock (Linux); nanosleep: wait_event's pause */
 #endif
 
 #define LANES 16
@@ -2253,6 +2255,44 @@ done:
     return result;
 }
 
+/* wait_event(query, event, poll_us, timeout_us) -> the driver's result code: cuEventQuery (its address) of ``event``
+   every ``poll_us`` until it is no longer CUDA_ERROR_NOT_READY or ``timeout_us`` passed (NOT_READY then), the GIL
+   released throughout. A thread that waits for a forward's events this way holds the GIL for none of the wait;
+   cuEventSynchronize would spin a core for it (a context's default scheduling). */
+#define NOT_READY 600
+typedef int (*one_pointer)(void *);
+
+static void pause_us(long long us) {
+#if defined(_WIN32)
+    Sleep((DWORD)((us + 999) / 1000));
+#else
+    struct timespec pause = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+    nanosleep(&pause, NULL);
+#endif
+}
+
+static PyObject *wait_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (!takes(nargs, 4, "wait_event(query, event, poll_us, timeout_us)")) return NULL;
+    one_pointer query = (one_pointer)PyLong_AsVoidPtr(args[0]);
+    void *event = args[1] == Py_None ? NULL : PyLong_AsVoidPtr(args[1]);
+    long long poll = PyLong_AsLongLong(args[2]), timeout = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (query == NULL || poll <= 0 || timeout < 0) {
+        PyErr_SetString(PyExc_ValueError, "wait_event(query, event, poll_us, timeout_us): a function, poll_us > 0");
+        return NULL;
+    }
+    int result;
+    Py_BEGIN_ALLOW_THREADS
+    long long waited = 0;
+    while ((result = query(event)) == NOT_READY && waited < timeout) {
+        pause_us(poll);
+        waited += poll;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
 /* place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends):
    dispatcher._times's placement of a CUDA forward's calls on the device's timeline, one C loop rather than Python a
    call. ``start_events`` / ``end_events``: position -> event (the keys read, in order), ``*_offsets``: elapsed_since
@@ -2539,7 +2579,11 @@ static PyMethodDef methods[] = {
     {"elapsed_ms", (PyCFunction)(void (*)(void))elapsed_ms, METH_FASTCALL,
      "elapsed_ms(function, start, end) -> (result, milliseconds): cuEventElapsedTime, the GIL held"},
     {"elapsed_since", (PyCFunction)(void (*)(void))elapsed_since, METH_FASTCALL,
-     "elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime from one event to each, the GIL held"},
+     "elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime from one event to each, the GIL "
+     "released"},
+    {"wait_event", (PyCFunction)(void (*)(void))wait_event, METH_FASTCALL,
+     "wait_event(query, event, poll_us, timeout_us) -> int: cuEventQuery until the event is complete, the GIL "
+     "released"},
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
      "the GIL held"},

@@ -58,6 +58,7 @@ class _Driver:
         # the entry points' addresses, for the compiled module's calls (no ctypes conversion per call)
         self.record_address = ctypes.cast(self.record, ctypes.c_void_p).value
         self.elapsed_address = ctypes.cast(self.elapsed, ctypes.c_void_p).value
+        self.query_address = ctypes.cast(self.query, ctypes.c_void_p).value
         self.launch_address = ctypes.cast(holding.cuLaunchKernel, ctypes.c_void_p).value
         self.param_info = getattr(holding, "cuFuncGetParamInfo", None)  # CUDA 12.4 and later
         if self.param_info is not None:
