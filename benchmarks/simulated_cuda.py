@@ -27,14 +27,28 @@ import torch
 
 STUBS = r"""
 #include <stdint.h>
+#include <time.h>
 #define KEPT 4096
 long records, launches, reads, tensors; /* tensors: those the launches reduce (a batch launch's grid rows) */
 int64_t launched[KEPT][5]; /* the statistics kernel's parameters (x, values, counts, n, stride) of the first launches */
 int record(void *event, void *stream) { (void)event; (void)stream; records++; return 0; }
 int elapsed(float *ms, void *start, void *end) { (void)start; (void)end; *ms = 0.0f; reads++; return 0; }
+/* a read that takes as long as the driver's does on a GPU host (spin_ns, set by the caller) */
+long spin_ns;
+int elapsed_spin(float *ms, void *start, void *end) {
+    (void)start; (void)end;
+    struct timespec begun, now;
+    clock_gettime(CLOCK_MONOTONIC, &begun);
+    do clock_gettime(CLOCK_MONOTONIC, &now);
+    while ((now.tv_sec - begun.tv_sec) * 1000000000L + (now.tv_nsec - begun.tv_nsec) < spin_ns);
+    *ms = 0.0f;
+    reads++;
+    return 0;
+}
 long queries;
 int query(void *event) { (void)event; queries++; return 0; } /* complete */
-int query_running(void *event) { (void)event; queries++; return 600; } /* CUDA_ERROR_NOT_READY */
+long running; /* set: query_running says the device has not got there yet (CUDA_ERROR_NOT_READY) */
+int query_running(void *event) { (void)event; queries++; return running ? 600 : 0; }
 /* a clock for tests that check where each time lands: an event's time is its pool index (its handle / 16), in
    microseconds */
 int elapsed_by_handle(float *ms, void *start, void *end) {
@@ -107,6 +121,10 @@ class Stubs:
 
     def count(self, name: str) -> int:
         return ctypes.c_long.in_dll(self._library, name).value
+
+    def set(self, name: str, value: int) -> None:
+        """Sets one of the stubs' ``long`` variables (``spin_ns``)."""
+        ctypes.c_long.in_dll(self._library, name).value = value
 
     def counts(self) -> dict[str, int]:
         return {name: self.count(name) for name in ("records", "launches", "reads", "tensors")}

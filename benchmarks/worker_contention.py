@@ -12,6 +12,8 @@ Variants, timed round-robin in one process (the starting one rotating every roun
   untraced             a copy of the model made before instrumenting
   traced               torchtrace.instrument(model, exporter="none") (every statistic), the worker live
   traced_worker_held   the same model and handle, the worker held off while the N forwards run
+  traced_events_in_line  the same, each forward's timing events read where it is resolved (at a later forward's
+                       end, on the model's thread) instead of on the device-times thread
 After each repetition (outside the timed window) the worker is let to read everything left, so every repetition
 starts empty.
 
@@ -21,7 +23,11 @@ Model: LAYERS x (Linear(WIDTH, WIDTH) + ReLU) at BATCH rows, under torch.no_grad
 Reported per variant: us a forward (median over repetitions), x untraced, and for the traced ones the us a call
 added and ``x_held`` (us a forward against traced_worker_held's).
 
+``--elapsed-us US``: each elapsed-time read spins US microseconds in the stub, as the driver's read takes on a GPU
+host (~3 us on an H200's); the stub returns at once otherwise.
+
 Run: python benchmarks/worker_contention.py [--repeats R] [--forwards N] [--layers L] [--width W] [--batch B]
+     [--elapsed-us US]
 Needs a C compiler and Triton (simulated_cuda.py; exits 2 without them). The last line printed is one JSON object.
 """
 
@@ -43,7 +49,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulated_cuda  # noqa: E402
 
-VARIANTS = ("untraced", "traced", "traced_worker_held")
+VARIANTS = ("untraced", "traced", "traced_worker_held", "traced_events_in_line")
 
 
 def main() -> int:
@@ -53,6 +59,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=64)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--elapsed-us", type=float, default=0.0, help="each elapsed-time read takes this long (the driver's ~3 us)"
+    )
     args = parser.parse_args()
     missing = simulated_cuda.available()
     if missing:
@@ -60,6 +69,7 @@ def main() -> int:
         return 2
     os.environ.setdefault("TORCHTRACE_PRINT_SUMMARY", "false")
     import torchtrace
+    from torchtrace._pipeline.device_times import READER as DEVICE_TIMES
     from torchtrace._pipeline.worker import WORKER
 
     torch.set_num_threads(1)
@@ -67,7 +77,13 @@ def main() -> int:
     model = nn.Sequential(*[m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.ReLU())])
     untraced = copy.deepcopy(model)
     x = torch.randn(args.batch, args.width)
-    simulated_cuda.install(setattr)
+    stubs = simulated_cuda.install(setattr)
+    if args.elapsed_us:
+        from torchtrace._capture import device as device_module
+
+        (timer,) = device_module._timers.values()
+        timer._free[0]._driver.elapsed_address = stubs.address("elapsed_spin")  # every pooled event's driver
+        stubs.set("spin_ns", int(args.elapsed_us * 1000))
     handle = torchtrace.instrument(model, exporter="none")
     calls = len(list(model.modules()))
 
@@ -77,10 +93,19 @@ def main() -> int:
             time.sleep(0.002)
         handle.flush()
 
+    @contextlib.contextmanager
+    def events_in_line():  # no device-times thread: each forward's events read where it is resolved
+        DEVICE_TIMES.applies = lambda forward: False
+        try:
+            yield
+        finally:
+            del DEVICE_TIMES.applies
+
     runs = {
         "untraced": (untraced, contextlib.nullcontext),
         "traced": (model, contextlib.nullcontext),
         "traced_worker_held": (model, lambda: WORKER._condition),  # the worker takes this lock before any work
+        "traced_events_in_line": (model, events_in_line),
     }
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with torch.no_grad():

@@ -1512,8 +1512,8 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
     def noted(read):
         return lambda *args: readers.append(threading.current_thread().name) or read(*args)
 
-    for module in (device_times, dispatcher):
-        monkeypatch.setattr(module, "elapsed_since", noted(module.elapsed_since))
+    monkeypatch.setattr(device_times, "_read_events", noted(device_times._read_events))  # a forward's, at once
+    monkeypatch.setattr(dispatcher, "elapsed_since", noted(dispatcher.elapsed_since))  # where it is resolved
     submitted = []  # (forward, its start events' handles, its end events' handles), in call order, as recorded
     submit = device_times.READER.submit
 
@@ -1538,7 +1538,7 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
         handle.flush()
         records = [record for record in handle.records if record.kind == "forward"]
     assert len(submitted) == 4 and len(records) == 4 * 4
-    assert readers == ["torchtrace-device-times"] * 2 * 4  # start and end events, a forward
+    assert readers == ["torchtrace-device-times"] * 4  # every event of a forward in one read
 
     def offset_ns(event: int, origin: int) -> int:  # as the stub's float milliseconds and elapsed_since make it
         return int(float(np.float32((event - origin) // 16) / np.float32(1000)) * 1e6)
@@ -1550,30 +1550,28 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
         assert [call.end_ns - root for call in calls] == [offset_ns(end, starts[0]) for end in ends]
 
 
-def test_waiting_for_a_driver_event_queries_it_without_the_gil_until_complete_or_the_timeout(simulated_cuda):
-    from torchtrace._native import wait_event
+def test_a_forwards_events_are_read_without_the_gil_once_the_last_is_complete(simulated_cuda):
+    """read_events, what the device-times thread calls: cuEventQuery of the last event every 200 us until it is
+    complete, then an elapsed-time read from the first event to each, all without the GIL."""
+    from torchtrace._native import read_events
 
-    assert wait_event(simulated_cuda.address("query"), 16, 200, 10**6) == 0
-    assert simulated_cuda.count("queries") == 1  # complete at the first query
-    ticks = []
-    stop = threading.Event()
-
-    def count() -> None:  # needs the GIL for each tick
-        while not stop.is_set():
-            ticks.append(1)
-            time.sleep(0.001)
-
-    counter = threading.Thread(target=count)
-    counter.start()
-    started = time.monotonic()
-    try:
-        result = wait_event(simulated_cuda.address("query_running"), 16, 1000, 100_000)  # 0.1 s of a running event
-    finally:
-        stop.set()
-        counter.join()
-    assert result == 600 and time.monotonic() - started >= 0.1  # CUDA_ERROR_NOT_READY at the timeout
-    assert 10 <= simulated_cuda.count("queries") - 1 <= 101  # a query every poll
-    assert len(ticks) >= 10  # the other thread ran all along: no GIL held while waiting
+    (timer,) = device_module._timers.values()
+    events = list(timer._free)[:4]  # handles 16, 32, 48, 64: times 0, 1, 2, 3 us (elapsed_by_handle)
+    query, elapsed = simulated_cuda.address("query_running"), simulated_cuda.address("elapsed_by_handle")
+    assert read_events(query, elapsed, 16, 64, events[:2], events[2:]) == ([0, 1000], [2000, 3000])
+    assert simulated_cuda.count("queries") == 1 and simulated_cuda.count("reads") == 4
+    simulated_cuda.set("running", 1)  # the device has not got to the last event yet
+    read, ticks = [], []
+    reader = threading.Thread(target=lambda: read.append(read_events(query, elapsed, 16, 64, events[:2], events[2:])))
+    reader.start()
+    for _ in range(50):  # this thread runs Python meanwhile: the reader holds no GIL while it waits
+        ticks.append(1)
+        time.sleep(0.002)
+    assert reader.is_alive() and read == [] and simulated_cuda.count("reads") == 4  # nothing read before it is done
+    assert 50 <= simulated_cuda.count("queries") <= 600  # a query every poll (200 us, at least)
+    simulated_cuda.set("running", 0)
+    reader.join(10)
+    assert read == [([0, 1000], [2000, 3000])] and simulated_cuda.count("reads") == 8
 
 
 def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):

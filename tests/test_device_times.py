@@ -17,36 +17,35 @@ from torchtrace._pipeline.device_times import DeviceTimesReader
 
 
 class Gate:
-    """The driver's wait for an event, held shut for the events named until opened; counts the elapsed-time reads."""
+    """The compiled read of a forward's events: its wait held shut for the last events named until opened; each
+    read noted by its origin's handle; an event's time is its handle."""
 
     def __init__(self) -> None:
         self.shut: set[int] = set()
         self.opened = threading.Event()
         self.waiting = threading.Event()
-        self.reads: list[int] = []  # the origin handle of each elapsed_since call
-        self.result = 0
+        self.reads: list[int] = []
+        self.error: str | None = None
 
-    def wait_event(self, query: int, event: int, poll_us: int, timeout_us: int) -> int:
-        if event in self.shut:
+    def read_events(self, query: int, elapsed: int, origin: int, last: int, starts: list, ends: list):
+        if last in self.shut:
             self.waiting.set()
             self.opened.wait(10)
-        return self.result
-
-    def elapsed_since(self, origin, events):
-        self.reads.append(origin.handle)
-        return [event.handle - origin.handle for event in events]
+        if self.error:
+            raise RuntimeError(self.error)
+        self.reads.append(origin)
+        return [event.handle - origin for event in starts], [event.handle - origin for event in ends]
 
 
 @pytest.fixture
 def gate(monkeypatch):
     gate = Gate()
-    monkeypatch.setattr(device_times, "_wait_event", gate.wait_event)
-    monkeypatch.setattr(device_times, "elapsed_since", gate.elapsed_since)
+    monkeypatch.setattr(device_times, "_read_events", gate.read_events)
     return gate
 
 
 def event(handle: int):
-    return types.SimpleNamespace(handle=handle, _driver=types.SimpleNamespace(query_address=1))
+    return types.SimpleNamespace(handle=handle, _driver=types.SimpleNamespace(query_address=1, elapsed_address=2))
 
 
 def forward(first: int):
@@ -72,7 +71,7 @@ def test_the_reader_reads_a_submitted_forwards_offsets_for_whoever_resolves_it(g
     settle(reader, f)
     assert reader.take(f) == ([0, 1], [3, 4])  # from the first start event, in the events' order
     assert reader.take(f) == ([0, 1], [3, 4])  # a forward resolved again (a retry) finds them still
-    assert gate.reads == [100, 100]
+    assert gate.reads == [100]  # once
 
 
 def test_a_forward_its_resolving_thread_reaches_first_is_read_there_and_left_by_the_reader(gate):
@@ -87,7 +86,7 @@ def test_a_forward_its_resolving_thread_reaches_first_is_read_there_and_left_by_
     settle(reader, first)
     time.sleep(0.05)  # time enough for the reader to come to the second one
     assert reader.take(first) == ([0, 1], [3, 4])
-    assert gate.reads == [100, 100]  # never the second one's
+    assert gate.reads == [100]  # never the second one's
     assert reader.take(second) is None
 
 
@@ -110,7 +109,7 @@ def test_a_forward_being_read_is_waited_for(gate):
 def test_a_failed_read_leaves_the_forward_to_its_resolving_thread(gate, caplog):
     reader = DeviceTimesReader()
     f = forward(100)
-    gate.result = 700  # CUDA_ERROR_ILLEGAL_ADDRESS: the caller's own read says so, where it is resolved
+    gate.error = "torchtrace: cuEventQuery failed with CUDA error 700"  # the caller's own read says so too
     with caplog.at_level("DEBUG", logger="torchtrace._pipeline.device_times"):
         reader.submit(f)
         settle(reader, f)

@@ -30,9 +30,9 @@
 #include <math.h>
 #include <string.h>
 #if defined(_WIN32)
-#include <windows.h> /* Sleep: wait_event's pause */
+#include <windows.h> /* Sleep: read_events' pause */
 #else
-#include <time.h> /* clock_gettime: time.perf_counter_ns's clock (Linux); nanosleep: wait_event's pause */
+#include <time.h> /* clock_gettime: time.perf_counter_ns's clock (Linux); nanosleep: read_events' pause */
 #endif
 
 #define LANES 16
@@ -2197,11 +2197,51 @@ static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t
     return stats_of_taken(args[0], args[1]);
 }
 
+/* The raw handles of a list of events (raw handles or DriverEvents), in a new buffer (PyMem_Free it); NULL with an
+   exception set on a bad event. */
+static void **event_handles(PyObject *events) {
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
+    if (handles == NULL) return (void **)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : read_slot(event, str_handle);
+        handles[i] = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
+        Py_XDECREF(handle);
+        if (PyErr_Occurred()) {
+            PyMem_Free(handles);
+            return NULL;
+        }
+    }
+    return handles;
+}
+
+/* cuEventElapsedTime from ``origin`` to each of ``n`` events into ``milliseconds``, the GIL not needed: the first
+   error's code, or 0 */
+static int read_elapsed(elapsed_function function, void *origin, void **handles, float *milliseconds, Py_ssize_t n) {
+    int code = 0;
+    for (Py_ssize_t read = 0; read < n && code == 0; read++) {
+        milliseconds[read] = 0.0f;
+        code = function(&milliseconds[read], origin, handles[read]);
+    }
+    return code;
+}
+
+/* ``n`` milliseconds as a new list of int nanoseconds (as int(ms * 1_000_000)) */
+static PyObject *nanoseconds(const float *milliseconds, Py_ssize_t n) {
+    PyObject *result = PyList_New(n);
+    for (Py_ssize_t i = 0; result != NULL && i < n; i++) {
+        PyObject *ns = PyLong_FromLongLong((long long)((double)milliseconds[i] * 1e6));
+        if (ns == NULL) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, ns);
+    }
+    return result;
+}
+
 /* elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime (its address) from one event to each of a
    list (raw handles or DriverEvents, all complete), as int nanoseconds: a traced CUDA forward's calls placed on the
-   device's timeline in one call on the worker, not two Python calls each. The reads (~3 us each on an H200 host, two
-   per traced call) run with the GIL released: the model's thread, which waits for the GIL after every torch op
-   while the worker holds it, goes on meanwhile. Raises RuntimeError on a driver error. */
+   device's timeline in one call, not two Python calls each. The reads (~3 us each on an H200 host, two per traced
+   call) run with the GIL released. Raises RuntimeError on a driver error. */
 static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (!takes(nargs, 3, "elapsed_since(function, origin, events)")) return NULL;
@@ -2212,54 +2252,27 @@ static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "elapsed_since(function, origin, events): a function and a list of events");
         return NULL;
     }
-    PyObject *events = args[2];
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
-    float *milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
+    Py_ssize_t n = PyList_GET_SIZE(args[2]);
+    void **handles = event_handles(args[2]);
+    float *milliseconds = handles != NULL ? PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float)) : NULL;
     PyObject *result = NULL;
-    if (handles == NULL || milliseconds == NULL) {
-        PyErr_NoMemory();
+    if (milliseconds == NULL) {
+        if (handles != NULL) PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) { /* a raw handle, or a DriverEvent (its handle) */
-        PyObject *event = PyList_GET_ITEM(events, i);
-        PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : read_slot(event, str_handle);
-        handles[i] = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
-        Py_XDECREF(handle);
-        if (PyErr_Occurred()) goto done;
-    }
-    int code = 0;
-    Py_ssize_t read = 0;
+    int code;
     Py_BEGIN_ALLOW_THREADS
-    for (; read < n && code == 0; read++) {
-        milliseconds[read] = 0.0f;
-        code = function(&milliseconds[read], origin, handles[read]);
-    }
+    code = read_elapsed(function, origin, handles, milliseconds, n);
     Py_END_ALLOW_THREADS
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
-        goto done;
-    }
-    if ((result = PyList_New(n)) == NULL) goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *ns = PyLong_FromLongLong((long long)((double)milliseconds[i] * 1e6)); /* as int(ms * 1_000_000) */
-        if (ns == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyList_SET_ITEM(result, i, ns);
-    }
+    if (code) PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
+    else result = nanoseconds(milliseconds, n);
 done:
     PyMem_Free(handles);
     PyMem_Free(milliseconds);
     return result;
 }
 
-/* wait_event(query, event, poll_us, timeout_us) -> the driver's result code: cuEventQuery (its address) of ``event``
-   every ``poll_us`` until it is no longer CUDA_ERROR_NOT_READY or ``timeout_us`` passed (NOT_READY then), the GIL
-   released throughout. A thread that waits for a forward's events this way holds the GIL for none of the wait;
-   cuEventSynchronize would spin a core for it (a context's default scheduling). */
-#define NOT_READY 600
+#define NOT_READY 600 /* CUDA_ERROR_NOT_READY */
 typedef int (*one_pointer)(void *);
 
 static void pause_us(long long us) {
@@ -2271,26 +2284,61 @@ static void pause_us(long long us) {
 #endif
 }
 
-static PyObject *wait_event(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+/* read_events(query, elapsed, origin, last, starts, ends) -> (start offsets, end offsets): cuEventQuery (``query``,
+   its address) of ``last`` every READ_POLL_US until it is complete, then elapsed_since's reads from ``origin`` to
+   each of ``starts`` and of ``ends`` (lists of DriverEvents or raw handles), all in one release of the GIL: a thread
+   that reads a forward's events off the model's thread holds the GIL for none of the wait and takes it back once.
+   (cuEventSynchronize would spin a core while it waits: a context's default scheduling.) Raises RuntimeError on a
+   driver error. */
+#define READ_POLL_US 200
+
+static PyObject *read_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (!takes(nargs, 4, "wait_event(query, event, poll_us, timeout_us)")) return NULL;
+    const char *signature = "read_events(query, elapsed, origin, last, starts, ends)";
+    if (!takes(nargs, 6, signature)) return NULL;
     one_pointer query = (one_pointer)PyLong_AsVoidPtr(args[0]);
-    void *event = args[1] == Py_None ? NULL : PyLong_AsVoidPtr(args[1]);
-    long long poll = PyLong_AsLongLong(args[2]), timeout = PyLong_AsLongLong(args[3]);
+    elapsed_function elapsed = (elapsed_function)PyLong_AsVoidPtr(args[1]);
+    void *origin = PyLong_AsVoidPtr(args[2]), *last = PyLong_AsVoidPtr(args[3]);
     if (PyErr_Occurred()) return NULL;
-    if (query == NULL || poll <= 0 || timeout < 0) {
-        PyErr_SetString(PyExc_ValueError, "wait_event(query, event, poll_us, timeout_us): a function, poll_us > 0");
+    if (query == NULL || elapsed == NULL || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
+        PyErr_Format(PyExc_TypeError, "%s: two functions, two events and two lists of events", signature);
         return NULL;
     }
-    int result;
+    Py_ssize_t starts = PyList_GET_SIZE(args[4]), n = starts + PyList_GET_SIZE(args[5]);
+    void **start_handles = event_handles(args[4]), **end_handles = NULL;
+    float *milliseconds = NULL;
+    PyObject *result = NULL, *start_offsets = NULL, *end_offsets = NULL;
+    if (start_handles == NULL || (end_handles = event_handles(args[5])) == NULL) goto done;
+    if ((milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int waited, code = 0;
     Py_BEGIN_ALLOW_THREADS
-    long long waited = 0;
-    while ((result = query(event)) == NOT_READY && waited < timeout) {
-        pause_us(poll);
-        waited += poll;
+    while ((waited = query(last)) == NOT_READY) pause_us(READ_POLL_US);
+    if (waited == 0) {
+        code = read_elapsed(elapsed, origin, start_handles, milliseconds, starts);
+        if (code == 0) code = read_elapsed(elapsed, origin, end_handles, milliseconds + starts, n - starts);
     }
     Py_END_ALLOW_THREADS
-    return PyLong_FromLong(result);
+    if (waited) {
+        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventQuery failed with CUDA error %d", waited);
+        goto done;
+    }
+    if (code) {
+        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
+        goto done;
+    }
+    if ((start_offsets = nanoseconds(milliseconds, starts)) != NULL &&
+        (end_offsets = nanoseconds(milliseconds + starts, n - starts)) != NULL)
+        result = PyTuple_Pack(2, start_offsets, end_offsets);
+done:
+    Py_XDECREF(start_offsets);
+    Py_XDECREF(end_offsets);
+    PyMem_Free(start_handles);
+    PyMem_Free(end_handles);
+    PyMem_Free(milliseconds);
+    return result;
 }
 
 /* place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends):
@@ -2581,9 +2629,9 @@ static PyMethodDef methods[] = {
     {"elapsed_since", (PyCFunction)(void (*)(void))elapsed_since, METH_FASTCALL,
      "elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime from one event to each, the GIL "
      "released"},
-    {"wait_event", (PyCFunction)(void (*)(void))wait_event, METH_FASTCALL,
-     "wait_event(query, event, poll_us, timeout_us) -> int: cuEventQuery until the event is complete, the GIL "
-     "released"},
+    {"read_events", (PyCFunction)(void (*)(void))read_events, METH_FASTCALL,
+     "read_events(query, elapsed, origin, last, starts, ends) -> (start offsets, end offsets): a forward's events "
+     "read once the last is complete, in one release of the GIL"},
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
      "the GIL held"},

@@ -4,8 +4,8 @@ A traced CUDA forward records two timing events a call, and placing its calls on
 cuEventElapsedTime per event: ~3 us each on an H200 host, ~0.6 ms for a forward of 109 calls. Read where the
 dispatcher reads such a forward (on the model's thread, at a later forward's end), that is host time the model's
 next launches wait for. Here one thread waits for each submitted forward's root end event and reads its events'
-offsets from its first event, with the GIL let go for both (``_native.wait_event``, ``_native.elapsed_since``): it
-holds the GIL for a few microseconds a forward, and whoever resolves the forward later finds its offsets read
+offsets from its first event, in one C call that lets the GIL go for both (``_native.read_events``): it holds the GIL
+for a few microseconds a forward, and whoever resolves the forward later finds its offsets read
 (``take``). Whoever comes first reads them: a forward the resolving thread reaches before the reader is read there
 (the reader then leaves it); one the reader is reading is waited for (its reads hold no GIL). A read that fails (an
 event on another stream not complete yet, a driver error) leaves the forward to be read where it is resolved, as
@@ -24,20 +24,16 @@ from collections import deque
 from typing import Any
 
 from torchtrace._capture.cuda_driver import DriverEvent, tolerate_graph_captures
-from torchtrace._capture.device import elapsed_since
 
 try:
-    from torchtrace._native import wait_event as _wait_event
+    from torchtrace._native import read_events as _read_events
 except ImportError:  # not built: forwards are read where they are resolved
-    _wait_event = None
+    _read_events = None
 
 _logger = logging.getLogger(__name__)
 
 THREAD_NAME = "torchtrace-device-times"
 IDLE_S = 10.0
-POLL_US = 200  # between event queries while a forward runs on the device (a query costs ~1 us, no GIL)
-WAIT_US = 1_000_000  # the longest wait in one C call (the GIL taken back once a second while a forward runs)
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY
 _READING = object()  # RawForward.event_offsets while the reader reads them
 _CLAIMED = object()  # ... once the resolving thread took them, or the reader failed: read where resolved
 
@@ -58,7 +54,7 @@ class DeviceTimesReader:
     def applies(forward: Any) -> bool:
         """Whether ``forward``'s events can be read here: the driver's events, the compiled module built."""
         origin = forward.start_events.get(0)
-        return _wait_event is not None and type(origin) is DriverEvent and 0 in forward.end_events
+        return _read_events is not None and type(origin) is DriverEvent and 0 in forward.end_events
 
     def submit(self, forward: Any) -> None:
         """``forward`` (ended, its events all recorded) is read as soon as its device work is done."""
@@ -102,17 +98,13 @@ class DeviceTimesReader:
                 forward.event_offsets = offsets
                 self._condition.notify_all()
 
-    def _read(self, forward: Any) -> tuple[list[int], list[int]]:
+    @staticmethod
+    def _read(forward: Any) -> tuple[list[int], list[int]]:
+        # waits until the device gets to the root's end (its resolving thread waited for that before ``take``)
         origin, last = forward.start_events[0], forward.end_events[0]
-        # until the device gets there: a forward resolved before that waited for the device first (``take``)
-        while (result := _wait_event(last._driver.query_address, last.handle, POLL_US, WAIT_US)) == _NOT_READY:
-            pass
-        if result:
-            raise RuntimeError(f"cuEventQuery failed with CUDA error {result}")
-        return (
-            elapsed_since(origin, list(forward.start_events.values())),
-            elapsed_since(origin, list(forward.end_events.values())),
-        )
+        driver = origin._driver
+        starts, ends = list(forward.start_events.values()), list(forward.end_events.values())
+        return _read_events(driver.query_address, driver.elapsed_address, origin.handle, last.handle, starts, ends)
 
 
 READER = DeviceTimesReader()
