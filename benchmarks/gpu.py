@@ -34,7 +34,7 @@ exports at the flush), `torchtrace_driver_stubbed` (the CUDA driver's event reco
 elapsed-time reads and statistics launches replaced by C stubs that return at once, benchmarks/simulated_cuda.py:
 everything but the driver; the rows then hold no statistics) and `torchtrace_driver_stubbed_worker_at_flush` (both:
 the Python and compiled code of the model's thread alone), and `torchtrace_events_read_in_line` (no device-times
-thread: each forward's events read where it is resolved, on the model's thread, as before that thread).
+reader: each forward's events read where it is resolved, on the model's thread, as before the reader).
 
 Run: python benchmarks/gpu.py [--quick] [--repeats R] [--forwards N] [--grad-mode no_grad] [--split]
 The last line printed is one JSON object (on a machine without CUDA: {"gpu": {"skipped": "..."}}, exit 0).
@@ -67,8 +67,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from torchtrace._capture import device as _device
 from torchtrace._capture.cuda_driver import driver  # noqa: E402
+from torchtrace._pipeline import device_times  # noqa: E402
 from torchtrace._pipeline import worker as _worker  # noqa: E402
-from torchtrace._pipeline.device_times import READER as DEVICE_TIMES  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_empty_hooks  # noqa: E402
@@ -145,8 +145,9 @@ def make_variants(base: nn.Module, trace_dir: str) -> list[Variant]:
         if "_driver_stubbed" in name:
             variant.before, variant.after = stub_driver(trace_dir)
         if name == "torchtrace_events_read_in_line":  # no device-times thread: read where the forward is resolved
-            variant.before = lambda: setattr(DEVICE_TIMES, "applies", lambda forward: False)
-            variant.after = lambda: vars(DEVICE_TIMES).pop("applies", None)
+            applies = device_times.applies
+            variant.before = lambda: setattr(device_times, "applies", lambda forward: False)
+            variant.after = lambda applies=applies: setattr(device_times, "applies", applies)
         if name == "torchtrace_torch_ops":
             fused = _device.fused_kernel
             variant.before = lambda: setattr(_device, "fused_kernel", lambda x: None)

@@ -47,8 +47,11 @@ int elapsed_spin(float *ms, void *start, void *end) {
 }
 long queries;
 int query(void *event) { (void)event; queries++; return 0; } /* complete */
-long running; /* set: query_running says the device has not got there yet (CUDA_ERROR_NOT_READY) */
-int query_running(void *event) { (void)event; queries++; return running ? 600 : 0; }
+long running; /* an event the device has not got to yet: query_running says CUDA_ERROR_NOT_READY for it */
+int query_running(void *event) { queries++; return running && (long)event == running ? 600 : 0; }
+int elapsed_refused(float *ms, void *start, void *end) { (void)ms; (void)start; (void)end; return 700; }
+long exchanges;
+int exchange(int *mode) { *mode = 0; exchanges++; return 0; } /* cuThreadExchangeStreamCaptureMode */
 /* a clock for tests that check where each time lands: an event's time is its pool index (its handle / 16), in
    microseconds */
 int elapsed_by_handle(float *ms, void *start, void *end) {
@@ -183,6 +186,7 @@ def install(setattr: Callable[[Any, str, Any], None], directory: str | None = No
         record_address=stubs.address("record"),
         elapsed_address=stubs.address("elapsed"),
         query_address=stubs.address("query"),
+        capture_mode_address=stubs.address("exchange"),
         query=lambda handle: 0,  # complete
         synchronize=lambda handle: 0,
         destroy=lambda handle: 0,

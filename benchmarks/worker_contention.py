@@ -13,7 +13,7 @@ Variants, timed round-robin in one process (the starting one rotating every roun
   traced               torchtrace.instrument(model, exporter="none") (every statistic), the worker live
   traced_worker_held   the same model and handle, the worker held off while the N forwards run
   traced_events_in_line  the same, each forward's timing events read where it is resolved (at a later forward's
-                       end, on the model's thread) instead of on the device-times thread
+                       end, on the model's thread) instead of by the device-times reader's thread
 After each repetition (outside the timed window) the worker is let to read everything left, so every repetition
 starts empty.
 
@@ -46,6 +46,7 @@ import time
 import torch
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulated_cuda  # noqa: E402
 
@@ -69,7 +70,7 @@ def main() -> int:
         return 2
     os.environ.setdefault("TORCHTRACE_PRINT_SUMMARY", "false")
     import torchtrace
-    from torchtrace._pipeline.device_times import READER as DEVICE_TIMES
+    from torchtrace._pipeline import device_times
     from torchtrace._pipeline.worker import WORKER
 
     torch.set_num_threads(1)
@@ -94,12 +95,12 @@ def main() -> int:
         handle.flush()
 
     @contextlib.contextmanager
-    def events_in_line():  # no device-times thread: each forward's events read where it is resolved
-        DEVICE_TIMES.applies = lambda forward: False
+    def events_in_line():  # no device-times reader: each forward's events read where it is resolved
+        applies, device_times.applies = device_times.applies, lambda forward: False
         try:
             yield
         finally:
-            del DEVICE_TIMES.applies
+            device_times.applies = applies
 
     runs = {
         "untraced": (untraced, contextlib.nullcontext),

@@ -200,11 +200,11 @@ def test_gpu_benchmark_split_variants_stub_the_driver_only_around_their_repetiti
         assert list(variants)[-4:] == split
         in_line = variants["torchtrace_events_read_in_line"]
         forward = types.SimpleNamespace(start_events={0: timer._free[0]}, end_events={0: timer._free[1]})
-        assert gpu.DEVICE_TIMES.applies(forward)  # the simulated driver's events: read by the device-times thread
+        assert gpu.device_times.applies(forward)  # the simulated driver's events: read off the model's thread
         in_line.before()
-        assert not gpu.DEVICE_TIMES.applies(forward)  # read where resolved, during the variant's repetitions only
+        assert not gpu.device_times.applies(forward)  # read where resolved, during the variant's repetitions only
         in_line.after()
-        assert gpu.DEVICE_TIMES.applies(forward)
+        assert gpu.device_times.applies(forward)
         for name in ["torchtrace", *split]:  # the first forwards launch through the driver: kinds seen before
             variant = variants[name]
             with torch.inference_mode():
@@ -405,10 +405,12 @@ def skip_without_the_simulated_device() -> None:
 
 def test_worker_contention_times_the_traced_forward_with_the_worker_live_and_held_off() -> None:
     skip_without_the_simulated_device()
-    report, stdout = run_benchmark("worker_contention.py", "--repeats", "3", "--forwards", "2", "--layers", "4")
+    report, stdout = run_benchmark(
+        "worker_contention.py", "--repeats", "3", "--forwards", "2", "--layers", "4", "--elapsed-us", "3"
+    )
     assert report["model"] == "4 x (Linear(32) + ReLU), batch 4, no_grad, 9 calls" and report["repeats"] == 3
     variants = report["variants"]
-    assert list(variants) == ["untraced", "traced", "traced_worker_held"]
+    assert list(variants) == ["untraced", "traced", "traced_worker_held", "traced_events_in_line"]
     assert all(values["us_per_forward"] > 0 for values in variants.values()), variants
     assert variants["traced_worker_held"]["x_held"] == 1.0 and variants["traced"]["x_held"] > 0
     assert variants["traced"]["us_per_call_added"] == pytest.approx(

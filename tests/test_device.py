@@ -1498,30 +1498,30 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
     simulated_cuda, back_to_back, monkeypatch
 ):
     """The reading of a forward's timing events (one cuEventElapsedTime an event, ~0.6 ms a forward of 109 calls on
-    an H200 host) runs on the device-times thread, which waits for the forward's root end event and reads them
-    without the GIL while the next forward runs: the model's thread, which resolves the forward at a later forward's
-    end, makes no read of its own, and every call starts and ends where its events say."""
+    an H200 host) runs on the compiled module's reader thread, which waits for the forward's root end event and reads
+    them without the GIL while the next forward runs: the model's thread, which resolves the forward at a later
+    forward's end, makes no read of its own, and every call starts and ends where its events say."""
     from torchtrace._pipeline import device_times, dispatcher
     from torchtrace._pipeline.worker import WORKER
 
     (timer,) = device_module._timers.values()
     driver = timer._free[0]._driver
     monkeypatch.setattr(driver, "elapsed_address", simulated_cuda.address("elapsed_by_handle"))  # time: pool index
-    readers = []  # the thread of each elapsed-time read
-
-    def noted(read):
-        return lambda *args: readers.append(threading.current_thread().name) or read(*args)
-
-    monkeypatch.setattr(device_times, "_read_events", noted(device_times._read_events))  # a forward's, at once
-    monkeypatch.setattr(dispatcher, "elapsed_since", noted(dispatcher.elapsed_since))  # where it is resolved
+    read_in_line = []  # the thread of each elapsed-time read made where a forward is resolved
+    elapsed_since = dispatcher.elapsed_since
+    monkeypatch.setattr(
+        dispatcher,
+        "elapsed_since",
+        lambda *args: read_in_line.append(threading.current_thread().name) or elapsed_since(*args),
+    )
     submitted = []  # (forward, its start events' handles, its end events' handles), in call order, as recorded
-    submit = device_times.READER.submit
+    submit = device_times.submit
 
     def handles(events: dict) -> list[int]:
         return [events[position].handle for position in sorted(events)]
 
     monkeypatch.setattr(
-        device_times.READER,
+        device_times,
         "submit",
         lambda forward: (
             submitted.append((forward, handles(forward.start_events), handles(forward.end_events))) or submit(forward)
@@ -1531,14 +1531,16 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
     with torchtrace.instrument(model, exporter="none") as handle:
         with WORKER._condition:  # the worker holds still: forwards are read on the model's thread
             for _ in range(4):
+                reads = simulated_cuda.count("reads")
                 model(torch.randn(3, 4))
-                deadline = time.monotonic() + 10
-                while type(submitted[-1][0].event_offsets) is not tuple and time.monotonic() < deadline:
+                deadline = time.monotonic() + 10  # the reader reads its eight events while this thread goes on
+                while simulated_cuda.count("reads") < reads + 8 and time.monotonic() < deadline:
                     time.sleep(0.001)
         handle.flush()
         records = [record for record in handle.records if record.kind == "forward"]
     assert len(submitted) == 4 and len(records) == 4 * 4
-    assert readers == ["torchtrace-device-times"] * 4  # every event of a forward in one read
+    assert read_in_line == []  # not one read on the model's thread (nor at the flush)
+    assert simulated_cuda.count("reads") == 4 * 8
 
     def offset_ns(event: int, origin: int) -> int:  # as the stub's float milliseconds and elapsed_since make it
         return int(float(np.float32((event - origin) // 16) / np.float32(1000)) * 1e6)
@@ -1548,30 +1550,6 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
         root = calls[0].start_ns
         assert [call.start_ns - root for call in calls] == [offset_ns(start, starts[0]) for start in starts]
         assert [call.end_ns - root for call in calls] == [offset_ns(end, starts[0]) for end in ends]
-
-
-def test_a_forwards_events_are_read_without_the_gil_once_the_last_is_complete(simulated_cuda):
-    """read_events, what the device-times thread calls: cuEventQuery of the last event every 200 us until it is
-    complete, then an elapsed-time read from the first event to each, all without the GIL."""
-    from torchtrace._native import read_events
-
-    (timer,) = device_module._timers.values()
-    events = list(timer._free)[:4]  # handles 16, 32, 48, 64: times 0, 1, 2, 3 us (elapsed_by_handle)
-    query, elapsed = simulated_cuda.address("query_running"), simulated_cuda.address("elapsed_by_handle")
-    assert read_events(query, elapsed, 16, 64, events[:2], events[2:]) == ([0, 1000], [2000, 3000])
-    assert simulated_cuda.count("queries") == 1 and simulated_cuda.count("reads") == 4
-    simulated_cuda.set("running", 1)  # the device has not got to the last event yet
-    read, ticks = [], []
-    reader = threading.Thread(target=lambda: read.append(read_events(query, elapsed, 16, 64, events[:2], events[2:])))
-    reader.start()
-    for _ in range(50):  # this thread runs Python meanwhile: the reader holds no GIL while it waits
-        ticks.append(1)
-        time.sleep(0.002)
-    assert reader.is_alive() and read == [] and simulated_cuda.count("reads") == 4  # nothing read before it is done
-    assert 50 <= simulated_cuda.count("queries") <= 600  # a query every poll (200 us, at least)
-    simulated_cuda.set("running", 0)
-    reader.join(10)
-    assert read == [([0, 1000], [2000, 3000])] and simulated_cuda.count("reads") == 8
 
 
 def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):

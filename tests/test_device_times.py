@@ -1,138 +1,119 @@
-"""The device-times thread: a forward's timing events read off the thread that resolves it, whoever comes first.
+"""A forward's timing events read by the compiled module's native thread, off the thread that resolves the forward.
 
-The reader is driven here with stand-ins for the two driver calls it makes (the wait for the root's end event, the
-elapsed-time reads); tests/test_device.py runs it with the driver stubbed in C, tests/test_cuda.py on a GPU.
+The driver's entry points are C stubs here (benchmarks/simulated_cuda.py): ``query_running`` says NOT_READY for the
+one event the device has not got to (``running``), ``elapsed_by_handle`` gives an event's time as its handle / 16 in
+microseconds. tests/test_device.py runs the reader inside traced forwards, tests/test_cuda.py on a GPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import threading
 import time
-import types
+from pathlib import Path
 
 import pytest
 
-from torchtrace._pipeline import device_times
-from torchtrace._pipeline.device_times import DeviceTimesReader
-
-
-class Gate:
-    """The compiled read of a forward's events: its wait held shut for the last events named until opened; each
-    read noted by its origin's handle; an event's time is its handle."""
-
-    def __init__(self) -> None:
-        self.shut: set[int] = set()
-        self.opened = threading.Event()
-        self.waiting = threading.Event()
-        self.reads: list[int] = []
-        self.error: str | None = None
-
-    def read_events(self, query: int, elapsed: int, origin: int, last: int, starts: list, ends: list):
-        if last in self.shut:
-            self.waiting.set()
-            self.opened.wait(10)
-        if self.error:
-            raise RuntimeError(self.error)
-        self.reads.append(origin)
-        return [event.handle - origin for event in starts], [event.handle - origin for event in ends]
+ROOT = Path(__file__).resolve().parent.parent
+native = pytest.importorskip("torchtrace._native")
+if not hasattr(native, "read_later"):
+    pytest.skip("no native reader thread on this platform: events are read where forwards are resolved", True)
 
 
 @pytest.fixture
-def gate(monkeypatch):
-    gate = Gate()
-    monkeypatch.setattr(device_times, "_read_events", gate.read_events)
-    return gate
+def stubs(tmp_path):
+    spec = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
+    simulation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulation)
+    if simulation._compiler() is None:
+        pytest.skip("no C compiler to build the driver stubs")
+    return simulation.Stubs(str(tmp_path))
 
 
-def event(handle: int):
-    return types.SimpleNamespace(handle=handle, _driver=types.SimpleNamespace(query_address=1, elapsed_address=2))
+def read_later(stubs, first: int, elapsed: str = "elapsed_by_handle"):
+    """A forward of two calls whose events are ``first`` + 16 k: starts at 0 and 1 (time units), the child's end at
+    3, the root's (the last event) at 4."""
+    starts, ends = [first, first + 16], [first + 48, first + 64]
+    return native.read_later(stubs.address("query_running"), stubs.address(elapsed), stubs.address("exchange"),
+                             first, first + 64, starts, ends)  # fmt: skip
 
 
-def forward(first: int):
-    """A forward of two calls whose events' handles start at ``first``: starts first, first + 1; ends first + 3
-    (the child), first + 4 (the root, recorded last)."""
-    return types.SimpleNamespace(
-        start_events={0: event(first), 1: event(first + 1)},
-        end_events={1: event(first + 3), 0: event(first + 4)},
-        event_offsets=None,
-    )
-
-
-def settle(reader: DeviceTimesReader, *forwards, timeout: float = 10) -> None:
+def wait_for(condition, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
-    while any(f.event_offsets in (None, device_times._READING) for f in forwards) and time.monotonic() < deadline:
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.001)
 
 
-def test_the_reader_reads_a_submitted_forwards_offsets_for_whoever_resolves_it(gate):
-    reader = DeviceTimesReader()
-    f = forward(100)
-    reader.submit(f)
-    settle(reader, f)
-    assert reader.take(f) == ([0, 1], [3, 4])  # from the first start event, in the events' order
-    assert reader.take(f) == ([0, 1], [3, 4])  # a forward resolved again (a retry) finds them still
-    assert gate.reads == [100]  # once
+def test_a_forwards_events_are_read_once_its_last_event_is_complete_while_its_thread_goes_on(stubs):
+    stubs.set("running", 1600 + 64)  # the device has not got to the root's end yet
+    started = time.monotonic()
+    read = read_later(stubs, 1600)
+    assert time.monotonic() - started < 0.05  # handed over: the caller does not wait for the device
+    wait_for(lambda: stubs.count("queries") >= 20)
+    assert stubs.count("reads") == 0  # nothing read before the device got there: queried every 200 us meanwhile
+    stubs.set("running", 0)
+    wait_for(lambda: stubs.count("reads") == 4)
+    assert read.take() == ([0, 1000], [3000, 4000])  # ns from the first start event, in the lists' order
+    assert read.take() == ([0, 1000], [3000, 4000])  # a forward resolved again (a retry) finds them still
+    assert stubs.count("reads") == 4 and stubs.count("exchanges") <= 1  # thread-local capture mode, set once
 
 
-def test_a_forward_its_resolving_thread_reaches_first_is_read_there_and_left_by_the_reader(gate):
-    reader = DeviceTimesReader()
-    first, second = forward(100), forward(200)
-    gate.shut.add(104)  # the first forward still runs on the device
-    reader.submit(first)
-    reader.submit(second)
-    assert gate.waiting.wait(10)
-    assert reader.take(second) is None  # the caller reads it: the reader waits on the first one
-    gate.opened.set()
-    settle(reader, first)
-    time.sleep(0.05)  # time enough for the reader to come to the second one
-    assert reader.take(first) == ([0, 1], [3, 4])
-    assert gate.reads == [100]  # never the second one's
-    assert reader.take(second) is None
+def test_a_forward_taken_before_the_reader_got_to_it_is_left_to_its_caller(stubs):
+    stubs.set("running", 1600 + 64)  # the first forward still runs on the device
+    first = read_later(stubs, 1600)
+    second = read_later(stubs, 3200)
+    wait_for(lambda: stubs.count("queries") >= 2)
+    assert second.take() is None  # the caller reads it (and may give its events back for reuse)
+    stubs.set("running", 0)
+    wait_for(lambda: stubs.count("reads") == 4)
+    assert first.take() == ([0, 1000], [3000, 4000])
+    time.sleep(0.05)  # time for the reader to come to the second one, and leave it
+    assert stubs.count("reads") == 4 and second.take() is None
 
 
-def test_a_forward_being_read_is_waited_for(gate):
-    reader = DeviceTimesReader()
-    f = forward(100)
-    gate.shut.add(104)
-    reader.submit(f)
-    assert gate.waiting.wait(10)
+def test_a_forward_being_read_is_waited_for(stubs):
+    stubs.set("running", 1600 + 64)
+    read = read_later(stubs, 1600)
+    wait_for(lambda: stubs.count("queries") >= 2)  # the reader has it
     taken = []
-    resolving = threading.Thread(target=lambda: taken.append(reader.take(f)))
+    resolving = threading.Thread(target=lambda: taken.append(read.take()))
     resolving.start()
     resolving.join(0.05)
-    assert resolving.is_alive() and taken == []  # waits while the reader has it
-    gate.opened.set()
+    assert resolving.is_alive() and taken == []  # waits (without the GIL: this thread runs on) while it is read
+    stubs.set("running", 0)
     resolving.join(10)
-    assert taken == [([0, 1], [3, 4])]
+    assert taken == [([0, 1000], [3000, 4000])]
 
 
-def test_a_failed_read_leaves_the_forward_to_its_resolving_thread(gate, caplog):
-    reader = DeviceTimesReader()
-    f = forward(100)
-    gate.error = "torchtrace: cuEventQuery failed with CUDA error 700"  # the caller's own read says so too
-    with caplog.at_level("DEBUG", logger="torchtrace._pipeline.device_times"):
-        reader.submit(f)
-        settle(reader, f)
-    assert reader.take(f) is None and gate.reads == []
-    assert "CUDA error 700" in caplog.text
+def test_a_read_the_driver_refuses_is_left_to_the_caller(stubs):
+    read = read_later(stubs, 1600, elapsed="elapsed_refused")
+    wait_for(lambda: stubs.count("queries") >= 1)
+    time.sleep(0.01)
+    assert read.take() is None  # its own read says why (the in-line read raises the driver's error)
 
 
-def test_the_thread_ends_when_idle_and_a_later_forward_starts_another(gate, monkeypatch):
-    monkeypatch.setattr(device_times, "IDLE_S", 0.05)
-    reader = DeviceTimesReader()
+def test_an_unread_forward_can_be_dropped_at_any_point(stubs):
+    stubs.set("running", 1600 + 64)
+    reads = [read_later(stubs, 1600), read_later(stubs, 3200), read_later(stubs, 4800)]
+    wait_for(lambda: stubs.count("queries") >= 2)
+    del reads[:]  # one being read, two queued: each freed by whoever holds it last, the queued ones never read
+    stubs.set("running", 0)
+    wait_for(lambda: stubs.count("reads") == 4)
+    later = read_later(stubs, 6400)
+    wait_for(lambda: stubs.count("reads") == 8)
+    assert stubs.count("reads") == 8 and later.take() == ([0, 1000], [3000, 4000])  # the reader serves on
 
-    def threads() -> int:
-        return sum(thread.name == device_times.THREAD_NAME and thread.is_alive() for thread in threading.enumerate())
 
-    before = threads()
-    f = forward(100)
-    reader.submit(f)
-    settle(reader, f)
-    deadline = time.monotonic() + 10
-    while threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threads() == before and reader._thread is None
-    g = forward(200)
-    reader.submit(g)
-    settle(reader, g)
-    assert reader.take(g) == ([0, 1], [3, 4])
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_reads_its_inherited_forwards_itself(stubs):
+    stubs.set("running", 1600 + 64)
+    read = read_later(stubs, 1600)
+    wait_for(lambda: stubs.count("queries") >= 2)
+    pid = os.fork()
+    if pid == 0:  # the child has no reader thread: the forward is its caller's to read, at once
+        os._exit(0 if read.take() is None and read_later(stubs, 3200) is not None else 1)
+    _, status = os.waitpid(pid, 0)
+    stubs.set("running", 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert read.take() == ([0, 1000], [3000, 4000])  # the parent's reader goes on

@@ -29,10 +29,11 @@
 #include <limits.h>
 #include <math.h>
 #include <string.h>
-#if defined(_WIN32)
-#include <windows.h> /* Sleep: read_events' pause */
-#else
-#include <time.h> /* clock_gettime: time.perf_counter_ns's clock (Linux); nanosleep: read_events' pause */
+#if !defined(_WIN32)
+#include <time.h> /* clock_gettime: time.perf_counter_ns's clock (Linux); nanosleep: the event reader's pause */
+#include <pthread.h>
+#include <stdlib.h>
+#define EVENT_READS 1 /* read_later: a native thread reads a forward's events */
 #endif
 
 #define LANES 16
@@ -2272,74 +2273,233 @@ done:
     return result;
 }
 
+/* -- a forward's events read off the model's thread (torchtrace/_pipeline/device_times.py) ----------------------------
+
+   read_later(query, elapsed, exchange, origin, last, starts, ends) -> EventRead: a forward's timing events handed to
+   one native thread of the process (started on demand, ended after READER_IDLE_S without work) that never takes the
+   GIL: it waits for ``last`` (cuEventQuery, ``query``'s address, every READ_POLL_US: cuEventSynchronize would spin a
+   core for it) and reads cuEventElapsedTime (``elapsed``) from ``origin`` to each of ``starts`` and ``ends`` (lists
+   of DriverEvents or raw handles, read into a job here, with the GIL). Its first act is to put itself in
+   thread-local stream-capture mode (``exchange``: cuThreadExchangeStreamCaptureMode), so that its queries cannot
+   invalidate a graph another thread captures. ``EventRead.take()`` -> (start offsets, end offsets), int ns, once read;
+   None where the caller is to read them itself: not read yet (the thread then leaves them: the caller may give the
+   events back for reuse), or the driver refused (the caller's own read says why). A read in progress is waited for,
+   the GIL released. No thread holding ``reads_lock`` ever waits for the GIL: the native thread never takes it, and
+   Python's callers release the lock before taking the GIL back. POSIX threads only (elsewhere: no read_later, and
+   forwards are read where they are resolved). */
+#if defined(EVENT_READS)
+#define READ_POLL_US 200
+#define READER_IDLE_S 10
 #define NOT_READY 600 /* CUDA_ERROR_NOT_READY */
 typedef int (*one_pointer)(void *);
 
 static void pause_us(long long us) {
-#if defined(_WIN32)
-    Sleep((DWORD)((us + 999) / 1000));
-#else
     struct timespec pause = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
     nanosleep(&pause, NULL);
-#endif
 }
 
-/* read_events(query, elapsed, origin, last, starts, ends) -> (start offsets, end offsets): cuEventQuery (``query``,
-   its address) of ``last`` every READ_POLL_US until it is complete, then elapsed_since's reads from ``origin`` to
-   each of ``starts`` and of ``ends`` (lists of DriverEvents or raw handles), all in one release of the GIL: a thread
-   that reads a forward's events off the model's thread holds the GIL for none of the wait and takes it back once.
-   (cuEventSynchronize would spin a core while it waits: a context's default scheduling.) Raises RuntimeError on a
-   driver error. */
-#define READ_POLL_US 200
+enum { JOB_QUEUED, JOB_READING, JOB_DONE, JOB_FAILED, JOB_LEFT };
 
-static PyObject *read_events(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+typedef struct read_job {
+    struct read_job *next;
+    one_pointer query;
+    elapsed_function elapsed;
+    void *origin, *last;
+    Py_ssize_t starts, n; /* handles[0:starts] the calls' start events, handles[starts:n] their end events */
+    void **handles;
+    float *milliseconds;
+    int state, in_queue, abandoned; /* abandoned: its EventRead is gone, whoever holds it last frees it */
+} read_job;
+
+static pthread_mutex_t reads_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t reads_queued = PTHREAD_COND_INITIALIZER, reads_done = PTHREAD_COND_INITIALIZER;
+static read_job *queue_head, *queue_tail, *reading;
+static int reader_running;
+static one_pointer reader_exchange; /* cuThreadExchangeStreamCaptureMode, for the thread's first act */
+
+static void free_job(read_job *job) {
+    free(job->handles);
+    free(job->milliseconds);
+    free(job);
+}
+
+static void *reader_main(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&reads_lock);
+    if (reader_exchange != NULL) {
+        int mode = 1; /* CU_STREAM_CAPTURE_MODE_THREAD_LOCAL */
+        reader_exchange(&mode);
+    }
+    for (;;) {
+        while (queue_head == NULL) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += READER_IDLE_S;
+            if (pthread_cond_timedwait(&reads_queued, &reads_lock, &until) != 0 && queue_head == NULL) {
+                reader_running = 0;
+                pthread_mutex_unlock(&reads_lock);
+                return NULL;
+            }
+        }
+        read_job *job = queue_head;
+        queue_head = job->next;
+        if (queue_head == NULL) queue_tail = NULL;
+        job->in_queue = 0;
+        if (job->state != JOB_QUEUED) { /* left to its caller */
+            if (job->abandoned) free_job(job);
+            continue;
+        }
+        job->state = JOB_READING;
+        reading = job;
+        pthread_mutex_unlock(&reads_lock);
+        int code;
+        while ((code = job->query(job->last)) == NOT_READY) pause_us(READ_POLL_US);
+        if (code == 0) code = read_elapsed(job->elapsed, job->origin, job->handles, job->milliseconds, job->n);
+        pthread_mutex_lock(&reads_lock);
+        reading = NULL;
+        job->state = code ? JOB_FAILED : JOB_DONE;
+        pthread_cond_broadcast(&reads_done);
+        if (job->abandoned) free_job(job);
+    }
+}
+
+/* a forked child has no reader thread: what the parent queued or read is the caller's to read (its events are the
+   parent's anyway) */
+static void reads_after_fork(void) {
+    pthread_mutex_init(&reads_lock, NULL);
+    pthread_cond_init(&reads_queued, NULL);
+    pthread_cond_init(&reads_done, NULL);
+    for (read_job *job = queue_head; job != NULL; job = job->next) job->state = JOB_FAILED, job->in_queue = 0;
+    if (reading != NULL) reading->state = JOB_FAILED;
+    queue_head = queue_tail = reading = NULL;
+    reader_running = 0;
+}
+
+typedef struct {
+    PyObject_HEAD read_job *job;
+} EventRead;
+
+static void EventRead_dealloc(EventRead *self) {
+    read_job *job = self->job;
+    if (job != NULL) {
+        pthread_mutex_lock(&reads_lock);
+        if (job->state == JOB_QUEUED) job->state = JOB_LEFT; /* nobody wants it read any more */
+        if (job->in_queue || job->state == JOB_READING) { /* the thread frees it when done with it */
+            job->abandoned = 1;
+            job = NULL;
+        }
+        pthread_mutex_unlock(&reads_lock);
+        if (job != NULL) free_job(job);
+    }
+    PyTypeObject *type = Py_TYPE(self);
+    type->tp_free((PyObject *)self);
+}
+
+static PyObject *EventRead_take(EventRead *self, PyObject *unused) {
+    (void)unused;
+    read_job *job = self->job;
+    pthread_mutex_lock(&reads_lock);
+    if (job->state == JOB_QUEUED) job->state = JOB_LEFT;
+    int state = job->state;
+    pthread_mutex_unlock(&reads_lock);
+    if (state == JOB_READING) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&reads_lock);
+        while (job->state == JOB_READING) pthread_cond_wait(&reads_done, &reads_lock);
+        state = job->state;
+        pthread_mutex_unlock(&reads_lock);
+        Py_END_ALLOW_THREADS
+    }
+    if (state != JOB_DONE) Py_RETURN_NONE;
+    PyObject *starts = nanoseconds(job->milliseconds, job->starts), *ends = NULL, *result = NULL;
+    if (starts != NULL && (ends = nanoseconds(job->milliseconds + job->starts, job->n - job->starts)) != NULL)
+        result = PyTuple_Pack(2, starts, ends);
+    Py_XDECREF(starts);
+    Py_XDECREF(ends);
+    return result;
+}
+
+static PyMethodDef EventRead_methods[] = {
+    {"take", (PyCFunction)EventRead_take, METH_NOARGS,
+     "take() -> (start offsets, end offsets) once read, else None (from now on the caller's to read)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject EventReadType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "torchtrace._native.EventRead",
+    .tp_basicsize = sizeof(EventRead),
+    .tp_dealloc = (destructor)EventRead_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A forward's timing events, read by the native reader thread (read_later)",
+    .tp_methods = EventRead_methods,
+};
+
+/* handles (DriverEvents or raw) of a list into ``out``; -1 with an exception set */
+static int copy_handles(PyObject *events, void **out) {
+    void **handles = event_handles(events);
+    if (handles == NULL) return -1;
+    memcpy(out, handles, (size_t)PyList_GET_SIZE(events) * sizeof(void *));
+    PyMem_Free(handles);
+    return 0;
+}
+
+static PyObject *read_later(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    const char *signature = "read_events(query, elapsed, origin, last, starts, ends)";
-    if (!takes(nargs, 6, signature)) return NULL;
-    one_pointer query = (one_pointer)PyLong_AsVoidPtr(args[0]);
-    elapsed_function elapsed = (elapsed_function)PyLong_AsVoidPtr(args[1]);
-    void *origin = PyLong_AsVoidPtr(args[2]), *last = PyLong_AsVoidPtr(args[3]);
+    const char *signature = "read_later(query, elapsed, exchange, origin, last, starts, ends)";
+    if (!takes(nargs, 7, signature)) return NULL;
+    void *at[5];
+    for (int i = 0; i < 5; i++) at[i] = args[i] == Py_None ? NULL : PyLong_AsVoidPtr(args[i]);
     if (PyErr_Occurred()) return NULL;
-    if (query == NULL || elapsed == NULL || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
+    if (at[0] == NULL || at[1] == NULL || !PyList_Check(args[5]) || !PyList_Check(args[6])) {
         PyErr_Format(PyExc_TypeError, "%s: two functions, two events and two lists of events", signature);
         return NULL;
     }
-    Py_ssize_t starts = PyList_GET_SIZE(args[4]), n = starts + PyList_GET_SIZE(args[5]);
-    void **start_handles = event_handles(args[4]), **end_handles = NULL;
-    float *milliseconds = NULL;
-    PyObject *result = NULL, *start_offsets = NULL, *end_offsets = NULL;
-    if (start_handles == NULL || (end_handles = event_handles(args[5])) == NULL) goto done;
-    if ((milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float))) == NULL) {
-        PyErr_NoMemory();
-        goto done;
+    Py_ssize_t starts = PyList_GET_SIZE(args[5]), n = starts + PyList_GET_SIZE(args[6]);
+    read_job *job = calloc(1, sizeof(read_job));
+    if (job == NULL || (job->handles = malloc((size_t)(n ? n : 1) * sizeof(void *))) == NULL ||
+        (job->milliseconds = malloc((size_t)(n ? n : 1) * sizeof(float))) == NULL) {
+        if (job != NULL) free_job(job);
+        return PyErr_NoMemory();
     }
-    int waited, code = 0;
-    Py_BEGIN_ALLOW_THREADS
-    while ((waited = query(last)) == NOT_READY) pause_us(READ_POLL_US);
-    if (waited == 0) {
-        code = read_elapsed(elapsed, origin, start_handles, milliseconds, starts);
-        if (code == 0) code = read_elapsed(elapsed, origin, end_handles, milliseconds + starts, n - starts);
+    job->query = (one_pointer)at[0];
+    job->elapsed = (elapsed_function)at[1];
+    job->origin = at[3];
+    job->last = at[4];
+    job->starts = starts;
+    job->n = n;
+    if (copy_handles(args[5], job->handles) < 0 || copy_handles(args[6], job->handles + starts) < 0) {
+        free_job(job);
+        return NULL;
     }
-    Py_END_ALLOW_THREADS
-    if (waited) {
-        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventQuery failed with CUDA error %d", waited);
-        goto done;
+    EventRead *read = PyObject_New(EventRead, &EventReadType);
+    if (read == NULL) {
+        free_job(job);
+        return NULL;
     }
-    if (code) {
-        PyErr_Format(PyExc_RuntimeError, "torchtrace: cuEventElapsedTime failed with CUDA error %d", code);
-        goto done;
+    read->job = job;
+    int started = 0;
+    pthread_mutex_lock(&reads_lock);
+    reader_exchange = (one_pointer)at[2];
+    if (!reader_running) {
+        pthread_t thread;
+        pthread_attr_t attributes;
+        pthread_attr_init(&attributes);
+        pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+        reader_running = started = pthread_create(&thread, &attributes, reader_main, NULL) == 0;
+        pthread_attr_destroy(&attributes);
     }
-    if ((start_offsets = nanoseconds(milliseconds, starts)) != NULL &&
-        (end_offsets = nanoseconds(milliseconds + starts, n - starts)) != NULL)
-        result = PyTuple_Pack(2, start_offsets, end_offsets);
-done:
-    Py_XDECREF(start_offsets);
-    Py_XDECREF(end_offsets);
-    PyMem_Free(start_handles);
-    PyMem_Free(end_handles);
-    PyMem_Free(milliseconds);
-    return result;
+    if (reader_running) {
+        job->in_queue = 1;
+        if (queue_tail != NULL) queue_tail->next = job;
+        else queue_head = job;
+        queue_tail = job;
+        if (!started) pthread_cond_signal(&reads_queued);
+    } else {
+        job->state = JOB_LEFT; /* no thread could be started: the caller reads them */
+    }
+    pthread_mutex_unlock(&reads_lock);
+    return (PyObject *)read;
 }
+#endif
 
 /* place_times(starts, ends, origin_ns, start_events, start_offsets, end_events, end_offsets) -> (starts, ends):
    dispatcher._times's placement of a CUDA forward's calls on the device's timeline, one C loop rather than Python a
@@ -2629,9 +2789,11 @@ static PyMethodDef methods[] = {
     {"elapsed_since", (PyCFunction)(void (*)(void))elapsed_since, METH_FASTCALL,
      "elapsed_since(function, origin, events) -> [ns, ...]: cuEventElapsedTime from one event to each, the GIL "
      "released"},
-    {"read_events", (PyCFunction)(void (*)(void))read_events, METH_FASTCALL,
-     "read_events(query, elapsed, origin, last, starts, ends) -> (start offsets, end offsets): a forward's events "
-     "read once the last is complete, in one release of the GIL"},
+#if defined(EVENT_READS)
+    {"read_later", (PyCFunction)(void (*)(void))read_later, METH_FASTCALL,
+     "read_later(query, elapsed, exchange, origin, last, starts, ends) -> EventRead: a forward's events read by a "
+     "native thread once the last is complete"},
+#endif
     {"launch_kernel", (PyCFunction)(void (*)(void))launch_kernel, METH_FASTCALL,
      "launch_kernel(launch, function, programs, threads, shared, stream, sizes, *params) -> int: cuLaunchKernel, "
      "the GIL held"},
@@ -2705,6 +2867,11 @@ PyMODINIT_FUNC PyInit__native(void) {
     perf_counter_ns = time_module != NULL ? PyObject_GetAttrString(time_module, "perf_counter_ns") : NULL;
     Py_XDECREF(time_module);
     if (perf_counter_ns == NULL) return NULL;
+#if defined(EVENT_READS)
+    if (PyType_Ready(&EventReadType) < 0) return NULL;
+    static int fork_handler;
+    if (!fork_handler && pthread_atfork(NULL, NULL, reads_after_fork) == 0) fork_handler = 1;
+#endif
     PyObject *created = PyModule_Create(&module);
     if (created == NULL) return NULL;
     Py_ssize_t n_read = (Py_ssize_t)(sizeof(attributes_read) / sizeof(attributes_read[0]));

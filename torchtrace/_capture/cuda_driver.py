@@ -59,6 +59,7 @@ class _Driver:
         self.record_address = ctypes.cast(self.record, ctypes.c_void_p).value
         self.elapsed_address = ctypes.cast(self.elapsed, ctypes.c_void_p).value
         self.query_address = ctypes.cast(self.query, ctypes.c_void_p).value
+        self.capture_mode_address = ctypes.cast(self.exchange_capture_mode, ctypes.c_void_p).value
         self.launch_address = ctypes.cast(holding.cuLaunchKernel, ctypes.c_void_p).value
         self.param_info = getattr(holding, "cuFuncGetParamInfo", None)  # CUDA 12.4 and later
         if self.param_info is not None:

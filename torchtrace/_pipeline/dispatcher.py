@@ -39,7 +39,7 @@ from torchtrace._capture.steps import BACKWARD_START, StepRecord
 from torchtrace._capture.summaries import CALL_KEYS, fill_table_rows, gradient_items, set_attributes
 from torchtrace._core import signals as _signals
 from torchtrace._core.calls import DATA_WAIT, CallBatch, Calls, ModuleCall, NonFiniteError, Sink, interned
-from torchtrace._pipeline.device_times import READER as DEVICE_TIMES
+from torchtrace._pipeline import device_times
 from torchtrace._pipeline.step_bounds import StepBounds
 from torchtrace._pipeline.worker import WORKER
 from torchtrace.attributes import (
@@ -153,7 +153,7 @@ def _times(forward: RawForward) -> tuple[list[int], list[int | None]]:
     if origin is None:
         return starts, ends
     start_events, end_events = forward.start_events, forward.end_events
-    read = DEVICE_TIMES.take(forward)  # read off the model's thread, where the reader came first
+    read = device_times.take(forward)  # read off the model's thread, where the reader got there first
     if read is not None:
         start_offsets, end_offsets = read
     else:
@@ -703,8 +703,8 @@ class Dispatcher:
                 if mode is not None:
                     exchange_capture_mode(mode)
                 self._lock.release()
-        if DEVICE_TIMES.applies(forward):  # its events read off this thread while the next forwards run
-            DEVICE_TIMES.submit(forward)
+        if device_times.applies(forward):  # its events read off this thread while the next forwards run
+            device_times.submit(forward)
         self.buffer.put(forward, len(forward))
         return True
 
