@@ -95,3 +95,17 @@ def _recorded_in(sources: list, init):
         sources.append(self)
 
     return recording_init
+
+
+@pytest.fixture
+def reads_in_line(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The thread of each timing-event read made where a forward with device work is resolved (rather than by the
+    compiled module's reader thread while the next forward runs)."""
+    from torchtrace._pipeline import dispatcher
+
+    threads: list[str] = []
+    read = dispatcher.elapsed_since
+    monkeypatch.setattr(
+        dispatcher, "elapsed_since", lambda *args: threads.append(threading.current_thread().name) or read(*args)
+    )
+    return threads

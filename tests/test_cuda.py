@@ -280,19 +280,12 @@ def test_reading_event_times_on_the_worker_lets_the_models_thread_run():
     assert max(gaps) < (end - start) / 2, f"the counter stopped for {max(gaps)} of the read's {end - start} ns"
 
 
-def test_back_to_back_forwards_have_their_events_read_off_the_models_thread(monkeypatch):
+def test_back_to_back_forwards_have_their_events_read_off_the_models_thread(monkeypatch, reads_in_line):
     """On a GPU, each forward's events are read by the compiled module's reader thread while the next forward runs:
     the model's thread reads none itself, and each span's device duration is that of its kernel."""
     from torchtrace._pipeline import device_times, dispatcher
 
     monkeypatch.setattr(dispatcher, "BACK_TO_BACK_NS", 10**12)  # the test's own waits are no pause
-    read_in_line = []  # the thread of each elapsed-time read made where a forward is resolved
-    elapsed_since = dispatcher.elapsed_since
-    monkeypatch.setattr(
-        dispatcher,
-        "elapsed_since",
-        lambda *args: read_in_line.append(threading.current_thread().name) or elapsed_since(*args),
-    )
     submitted = []
     submit = device_times.submit
     monkeypatch.setattr(device_times, "submit", lambda forward: submitted.append(forward) or submit(forward))
@@ -306,7 +299,7 @@ def test_back_to_back_forwards_have_their_events_read_off_the_models_thread(monk
             torch.cuda.synchronize()  # the reader reads it meanwhile
             time.sleep(0.01)
         durations = [(span.end_time - span.start_time) / 1e6 for span in captured.spans_named("0")]
-    assert len(submitted) == 3 and read_in_line == []  # not one read on the model's thread (nor at the flush)
+    assert len(submitted) == 3 and reads_in_line == []  # not one read on the model's thread (nor at the flush)
     assert durations == [pytest.approx(alone, rel=0.05)] * 3
 
 

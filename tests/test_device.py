@@ -1495,25 +1495,18 @@ def test_rows_reserved_from_c_and_from_python_on_several_threads_are_each_taken_
 
 
 def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_thread(
-    simulated_cuda, back_to_back, monkeypatch
+    simulated_cuda, back_to_back, monkeypatch, reads_in_line
 ):
     """The reading of a forward's timing events (one cuEventElapsedTime an event, ~0.6 ms a forward of 109 calls on
     an H200 host) runs on the compiled module's reader thread, which waits for the forward's root end event and reads
     them without the GIL while the next forward runs: the model's thread, which resolves the forward at a later
     forward's end, makes no read of its own, and every call starts and ends where its events say."""
-    from torchtrace._pipeline import device_times, dispatcher
+    from torchtrace._pipeline import device_times
     from torchtrace._pipeline.worker import WORKER
 
     (timer,) = device_module._timers.values()
     driver = timer._free[0]._driver
     monkeypatch.setattr(driver, "elapsed_address", simulated_cuda.address("elapsed_by_handle"))  # time: pool index
-    read_in_line = []  # the thread of each elapsed-time read made where a forward is resolved
-    elapsed_since = dispatcher.elapsed_since
-    monkeypatch.setattr(
-        dispatcher,
-        "elapsed_since",
-        lambda *args: read_in_line.append(threading.current_thread().name) or elapsed_since(*args),
-    )
     submitted = []  # (forward, its start events' handles, its end events' handles), in call order, as recorded
     submit = device_times.submit
 
@@ -1539,7 +1532,7 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
         handle.flush()
         records = [record for record in handle.records if record.kind == "forward"]
     assert len(submitted) == 4 and len(records) == 4 * 4
-    assert read_in_line == []  # not one read on the model's thread (nor at the flush)
+    assert reads_in_line == []  # not one read on the model's thread (nor at the flush)
     assert simulated_cuda.count("reads") == 4 * 8
 
     def offset_ns(event: int, origin: int) -> int:  # as the stub's float milliseconds and elapsed_since make it

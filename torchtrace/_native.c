@@ -19,7 +19,10 @@
    copy: a small tensor's bytes into its staging row (a fraction of what a ctypes.memmove call costs).
 
    traced_call: a traced module's forward inside a traced forward, recorded without a Python frame (the hooks' hot
-   path; the Python body in _hooks keeps every uncommon case). */
+   path; the Python body in _hooks keeps every uncommon case).
+
+   read_later: a CUDA forward's timing events read by a native thread that never takes the GIL, while the model's
+   thread runs the next forward (POSIX threads; without it they are read where the forward is resolved). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
