@@ -182,15 +182,14 @@ def triton_kernel(device_rows, monkeypatch):
         pytest.skip("Triton compiles for the GPU here: tests/test_cuda.py runs the kernel")
     pytest.importorskip("triton")
     kernel = importlib.import_module("torchtrace._capture.triton_stats")
-    launches = []
-
-    def fused_kernel(x):
-        if x.dtype not in device_module.READ_AS_IS or not kernel.applies(x):
-            return None
-        launches.append(x.numel())
-        return kernel
-
-    monkeypatch.setattr(device_module, "fused_kernel", fused_kernel)
+    launches = []  # the elements of each tensor the kernel is launched on
+    reduce_row = kernel.reduce_row
+    monkeypatch.setattr(kernel, "reduce_row", lambda x, *args: launches.append(x.numel()) or reduce_row(x, *args))
+    monkeypatch.setattr(
+        device_module,
+        "fused_kernel",
+        lambda x: kernel if x.dtype in device_module.READ_AS_IS and kernel.applies(x) else None,
+    )
     monkeypatch.setattr(device_module, "_triton", kernel)  # as once a CUDA tensor was summarised
     return launches
 
@@ -255,6 +254,23 @@ def test_the_triton_kernel_reads_a_permuted_tensor_as_its_block_of_memory(triton
     tensor = make(torch.randn(3, 4, 5) * 2 - 1)
     assert not tensor.is_contiguous()
     assert_stats_match(output_attributes(tensor), tensor, rel=1e-5)
+    assert triton_kernel == [tensor.numel()]
+
+
+@pytest.mark.parametrize(
+    "make", [lambda x: x.transpose(0, 1), lambda x: x.permute(2, 0, 1)], ids=["transposed", "permuted"]
+)
+def test_a_sampled_permuted_tensor_is_read_as_every_nth_element_of_its_memory_in_one_launch(triton_kernel, make):
+    """Attention's transposed output, with Stats(sample=): the sample is every n-th element of its block of memory
+    (as for a contiguous tensor), one kernel launch, not a strided view reduced by torch ops (~10 launches)."""
+    torch.manual_seed(0)
+    tensor = make(torch.randn(30, 40, 50) * 2 + 3)
+    assert not tensor.is_contiguous()
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
+    memory = tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+    sample = memory[:: -(-tensor.numel() // 1000)]
+    assert got["sampled"] == sample.numel()
+    assert_stats_match({**got, "shape": tuple(sample.shape)}, sample, rel=1e-4)
     assert triton_kernel == [tensor.numel()]
 
 
@@ -1543,6 +1559,29 @@ def test_back_to_back_cuda_forwards_have_their_event_times_read_off_the_models_t
         root = calls[0].start_ns
         assert [call.start_ns - root for call in calls] == [offset_ns(start, starts[0]) for start in starts]
         assert [call.end_ns - root for call in calls] == [offset_ns(end, starts[0]) for end in ends]
+
+
+def test_a_sampled_transposed_output_is_one_c_launch_over_its_memory_each_forward(simulated_cuda):
+    """Stats(sample=) on attention's transposed output, forward after forward: one statistics launch from C over
+    every n-th element of its memory, as for its contiguous input (no torch ops over a strided view)."""
+
+    class Transposed(nn.Module):
+        def forward(self, x):
+            return x.transpose(0, 1)
+
+    model = nn.Sequential(nn.Linear(50, 50), Transposed())
+    x = torch.randn(40, 30, 50)  # 60,000 elements: every 60th read
+    with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(sample=1000)) as handle:
+        with torch.no_grad():
+            for _ in range(3):
+                launches = simulated_cuda.count("launches")
+                out = model(x)
+                handle.flush()
+                assert simulated_cuda.count("launches") == launches + 2  # the Linear's output, then its transpose
+                address, _, _, n, stride = simulated_cuda.launched()[-1]
+                assert (address, n, stride) == (out.data_ptr(), 1000, 60)
+        sampled = [record.attributes[f"{OUTPUT_PREFIX}.sampled"] for record in handle.records if record.path == "1"]
+        assert sampled == [1000] * 3
 
 
 def test_a_driver_event_is_marked_in_c_or_handed_back_to_the_general_path(simulated_cuda):

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchtrace._capture import device as _device
 from torchtrace._capture.batched import StatBatch, check_later, learning, queue_tensor
 from torchtrace._capture.device import (
     READ_AS_IS,
@@ -644,10 +645,14 @@ def sampling_stride(n: int, sample: int | None, stats: dict[str, Any]) -> int:
 
 def _read_in_place(tensor: torch.Tensor, n: int, sample: int | None) -> bool:
     """Whether a tensor is a view whose copy would cost more than its statistics need: expanded (a dimension of
-    stride 0 repeats values: ``mask.expand(...)``, the gradient of a ``sum()``), or strided and sampled."""
+    stride 0 repeats values: ``mask.expand(...)``, the gradient of a ``sum()``), or strided and sampled, unless the
+    fused kernel reads it as one block of memory (a permutation of contiguous data, such as attention's transposed
+    output): every n-th element in memory order is then as even a sample, read by one launch."""
     if tensor.is_contiguous() or tensor.is_nested or tensor.is_quantized or tensor.layout is not torch.strided:
         return False
-    return 0 in tensor.stride() or (sample is not None and n > sample)
+    if 0 in tensor.stride():
+        return True
+    return sample is not None and n > sample and _device.fused_kernel(tensor) is None
 
 
 def reduce_view(
