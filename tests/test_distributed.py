@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -301,6 +302,44 @@ def test_a_root_whose_rank_never_reports_is_sent_after_a_while_with_one_warning(
     final = rank_0.exchange(final=True)  # flush() / remove(): waits for the ranks heard from, then sends what it holds
     assert final == [other]
     assert 1.0 < time.monotonic() - started < 10  # rank 1 was waited for (FINAL_WAIT_S); rank 2, never heard, not
+
+
+def test_a_flush_right_after_the_first_steps_waits_for_a_rank_not_heard_from_yet(exchange_every_pass):
+    """Rank 1's first report can come after rank 0's first steps were resolved (its worker had not passed yet):
+    the flush waits for it as for any rank, and the root spans its step too."""
+    rank_0, rank_1 = _ranks(torch.distributed.TCPStore("127.0.0.1", 0, is_master=True), world_size=2)
+    root = _root(100, 1_000)
+    rank_0.step_resolved(0, root, 100, 1_000)
+
+    def report_later() -> None:
+        time.sleep(0.2)
+        rank_1.step_resolved(0, None, 40, 1_200)
+        rank_1.exchange()
+
+    reporter = threading.Thread(target=report_later)
+    reporter.start()
+    started = time.monotonic()
+    assert rank_0.exchange(final=True) == [root]
+    reporter.join()
+    assert (root.start_ns, root.end_ns) == (40, 1_200)
+    assert time.monotonic() - started < 1.5  # sent once rank 1's bounds came, not at the end of the wait
+
+
+def test_a_rank_that_never_instruments_costs_one_wait_at_a_flush_not_one_at_every_flush(
+    exchange_every_pass, monkeypatch
+):
+    from torchtrace._pipeline import step_bounds
+
+    monkeypatch.setattr(step_bounds, "FINAL_WAIT_S", 0.3)
+    rank_0, _ = _ranks(torch.distributed.TCPStore("127.0.0.1", 0, is_master=True), world_size=2)
+    waits = []
+    for step in range(3):
+        root = _root(100 * step, 100 * step + 50)
+        rank_0.step_resolved(step, root, 100 * step, 100 * step + 50)
+        started = time.monotonic()
+        assert rank_0.exchange(final=True) == [root]  # rank 0's own bounds
+        waits.append(time.monotonic() - started)
+    assert waits[0] >= 0.3 and max(waits[1:]) < 0.1  # rank 1 waited for once, then known silent
 
 
 def test_a_store_without_queues_leaves_the_root_to_rank_0s_step(exchange_every_pass, tmp_path, caplog):

@@ -8,7 +8,10 @@ spans (as exported: after their spans are placed, on the device clock too) to ra
 it resolved, every ``EXCHANGE_EVERY_S`` at most (``PER_RANK_S`` a rank in a large job): no collective, nothing on
 the model's thread. Rank 0 holds each root until every rank's bounds of its step arrived, then sends it spanning
 all of them; a rank that never reports (gone, or one that never called ``instrument()``) holds it
-``RELEASE_AFTER_S`` at most, with one warning.
+``RELEASE_AFTER_S`` at most, with one warning. At ``flush()`` and ``remove()`` rank 0 waits ``FINAL_WAIT_S`` at most
+for the bounds of the steps it holds, from every rank (a rank's first report can come after rank 0's first steps
+were resolved), except those that were waited for before and never reported: a job with ranks that do not
+instrument pays that wait once, not at every flush.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class StepBounds:
         self._early: dict[int, list[tuple[int, int, int]]] = {}
         self._released_to = -1  # the newest step whose root was sent
         self._reporters: set[int] = set()  # the ranks heard from so far
+        self._silent: set[int] = set()  # ranks never heard from after a wait for them: not waited for at a flush
         self._last_exchange = 0.0  # monotonic
         self._every_s = max(EXCHANGE_EVERY_S, rank.world_size * PER_RANK_S)
 
@@ -89,8 +93,8 @@ class StepBounds:
 
     def exchange(self, final: bool = False) -> list[ModuleCall]:
         """Once a worker pass: send this rank's bounds (ranks other than 0); read the others' and return the roots
-        now complete (rank 0). ``final`` (``flush()``, ``remove()``): every held root, once the ranks heard from
-        so far sent their bounds of it (``FINAL_WAIT_S`` at most)."""
+        now complete (rank 0). ``final`` (``flush()``, ``remove()``): every held root, once every rank not found
+        silent before sent its bounds of it (``FINAL_WAIT_S`` at most)."""
         now = time.monotonic()
         due = final or now - self._last_exchange >= self._every_s
         try:
@@ -104,9 +108,10 @@ class StepBounds:
             self._last_exchange = now
             self._receive()
             deadline = time.monotonic() + FINAL_WAIT_S
-            # a rank that never reported (one that did not instrument) is not waited for
-            while final and any(self._reporters - seen for _, _, seen in self._held.values()):
+            awaited = (set(range(1, self.others + 1)) - self._silent) | self._reporters
+            while final and any(awaited - seen for _, _, seen in self._held.values()):
                 if time.monotonic() >= deadline:
+                    self._found_silent()
                     break
                 time.sleep(_POLL_S)
                 self._receive()
@@ -144,6 +149,8 @@ class StepBounds:
         for step, (root, since, seen) in list(self._held.items()):
             late = now - since > RELEASE_AFTER_S
             if everything or late or len(seen) >= self.others:
+                if late and len(seen) < self.others:
+                    self._found_silent()
                 if late and not self._warned_missing and len(seen) < self.others:
                     self._warned_missing = True
                     _logger.warning("torchtrace: step %d: %d of %d other ranks sent no step bounds in %.0f s (does "
@@ -155,6 +162,11 @@ class StepBounds:
         for step in [step for step in self._early if step <= self._released_to]:  # rank 0 resolves steps in order:
             del self._early[step]  # a step up to the last released that is not held now never will be
         return ready
+
+    def _found_silent(self) -> None:
+        """Waited for in vain: the ranks never heard from (gone, or not instrumenting) are not waited for at a flush
+        again (one that reports later is)."""
+        self._silent |= set(range(1, self.others + 1)) - self._reporters
 
     def _give_up(self, error: BaseException) -> None:
         if not self._failed:
