@@ -133,6 +133,76 @@ def test_both_bodies_record_the_same_calls(stats, monkeypatch):
     assert ({"torchtrace.output.mean", "torchtrace.output.zero_fraction"} <= set(ff)) == stats
 
 
+class Returns(nn.Module):
+    """Returns what it is made with, a function of its input."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.make = make
+
+    def forward(self, x: torch.Tensor):
+        return self.make(x)
+
+
+TUPLE_OUTPUTS = {
+    "attention": lambda x: (x * 2, None),  # nn.MultiheadAttention(need_weights=False), Hugging Face blocks
+    "two tensors": lambda x: (x + 1, x - 1, None),
+    "named tuple": lambda x: torch.return_types.max((x, x.long())),  # a tuple subclass: the Python body
+    "nested": lambda x: ((x, x + 1), None),  # "0.0", "0.1": the Python body
+    "with a number": lambda x: (x, 3),  # the Python body
+    "no tensor": lambda x: (None, None),
+}
+
+
+@pytest.mark.parametrize("make", list(TUPLE_OUTPUTS.values()), ids=list(TUPLE_OUTPUTS))
+def test_a_tuple_output_is_summarised_as_by_the_python_body(make, monkeypatch):
+    """A plain tuple of tensors and Nones is summarised in C (no Python frame); any other tuple by the Python body;
+    both give the same attributes."""
+    if _traced_forward.native_traced_call() is None:
+        pytest.skip("torchtrace._native.traced_call is not used here")
+    from torchtrace._capture.recorder import HookRecorder
+
+    in_python = []
+    summarise = HookRecorder._summarise_value
+    monkeypatch.setattr(
+        HookRecorder, "_summarise_value", lambda self, value: in_python.append(1) or summarise(self, value)
+    )
+
+    def attributes() -> list[dict]:
+        model = nn.Sequential(Returns(make), Returns(lambda output: torch.ones(1)))  # the root returns a tensor
+        with torchtrace.instrument(model, exporter="none") as handle:
+            for _ in range(2):  # the first forward's calls go through Python (where each is to run is decided)
+                in_python.clear()
+                model(torch.arange(6.0).reshape(2, 3) - 2)
+            return [call.attributes for call in handle.records if call.path == "0"]
+
+    compiled = attributes()
+    in_c = not in_python
+    monkeypatch.setattr(_traced_forward, "_traced_call", None)
+    assert compiled == attributes()  # the Python body's
+    plain = make(torch.ones(1))
+    assert in_c == (type(plain) is tuple and all(type(item) is torch.Tensor or item is None for item in plain)
+                    and any(item is not None for item in plain))  # fmt: skip
+    if in_c:
+        assert "torchtrace.output.0.mean" in compiled[0]
+
+
+def test_a_tuple_of_more_tensors_than_max_tensors_says_so_as_the_python_body_does(monkeypatch):
+    if _traced_forward.native_traced_call() is None:
+        pytest.skip("torchtrace._native.traced_call is not used here")
+
+    def attributes() -> dict:
+        model = nn.Sequential(Returns(lambda x: (x, x + 1, x + 2)))
+        with torchtrace.instrument(model, exporter="none", stats=torchtrace.Stats(max_tensors=2)) as handle:
+            model(torch.ones(2))
+            return next(call.attributes for call in handle.records if call.path == "0")
+
+    compiled = attributes()
+    monkeypatch.setattr(_traced_forward, "_traced_call", None)
+    assert compiled == attributes()
+    assert "torchtrace.output.1.mean" in compiled and "torchtrace.output.2.mean" not in compiled
+
+
 def test_the_body_in_use(body):
     model = nn.Linear(2, 2)
     outer = nn.Sequential(model)

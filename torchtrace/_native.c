@@ -403,7 +403,7 @@ static PyObject *untracked(PyObject *module, PyObject *const *args, Py_ssize_t n
     X(_rows) X(wanted) X(_all_finite) X(_device_rows) X(is_inference) X(_version) X(dtype) X(shape) X(get_device)    \
     X(is_contiguous) X(stride) X(is_cpu) X(layout) X(is_neg) X(values) X(count) X(filled) X(address) X(row_bytes)   \
     X(_row) X(batch) X(queue) X(launch) X(entries) X(limits) X(bytes) X(checked) X(nan_count) X(inf_count)            \
-    X(plan) X(inference_mode)
+    X(plan) X(inference_mode) X(set_extra)
 #define DECLARE_STRING(name) static PyObject *str_##name;
 INTERNED(DECLARE_STRING)
 
@@ -1131,7 +1131,7 @@ static PyObject *run_uncompiled(PyObject *module, PyObject *const *args, size_t 
     X(INDEX, index) X(LOCAL, local) X(SLOW, slow) X(TENSOR, tensor) X(OUTPUT_STATS, output_stats)                    \
     X(OUTPUT_WORK, output_work) X(RUN_WORK, run_work) X(CALL_FAILED, call_failed) X(POP_TO, pop_to)                   \
     X(NOTE_ERROR, note_error) X(COMPILER, compiler) X(CLOCK, clock) X(OUTPUTS_SLOT, outputs_slot)                     \
-    X(MARK_START, mark_start) X(FIRST_PARAMETER, first_parameter)
+    X(MARK_START, mark_start) X(FIRST_PARAMETER, first_parameter) X(MAX_TENSORS, max_tensors)
 #define CONTEXT_INDEX_OF(upper, lower) CONTEXT_##upper,
 enum { CONTEXT_SLOTS(CONTEXT_INDEX_OF) CONTEXT_SIZE };
 #define CONTEXT_NAME_OF(upper, lower) #lower,
@@ -1161,7 +1161,8 @@ static const char *column_names[] = {FORWARD_COLUMNS(CONTEXT_NAME_OF)};
     X(in_transform, computer) X(_rows_for, computer) X(in_step, computer) X(_rows, computer) X(wanted, computer)     \
     X(_all_finite, computer) X(_device_rows, computer) X(values, staging) X(count, staging) X(filled, staging)      \
     X(address, staging) X(row_bytes, staging) X(batch, computer) X(queue, batch) X(launch, batch) X(entries, batch)  \
-    X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch) X(inference_mode, computer)
+    X(limits, batch) X(bytes, batch) X(checked, batch) X(plan, batch) X(inference_mode, computer)                   \
+    X(set_extra, forward)
 static PyObject *zero, *one;
 /* each read names its interned string: a read without one does not compile */
 #define ATTRIBUTE_READ_OF(name, where) {#where, #name, &str_##name},
@@ -1335,6 +1336,57 @@ static int note_output_error(PyObject *context, PyObject *forward, PyObject *pos
     return 0;
 }
 
+/* The names a flat tuple's tensors get in a call's output summaries ("0", "1", ...: as stats.find_tensors names
+   them), made once */
+#define TUPLE_NAMES 16
+static PyObject *tuple_names[TUPLE_NAMES];
+
+static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor);
+
+/* An output that is a plain tuple of tensors and Nones (an attention's (output, None), a block's (hidden, present)):
+   its tensors' statistics, each as a bare tensor output's, set as the call's output summaries ({"0": stats, ...}:
+   what the Python body's find_tensors and StatComputer make), without a Python frame. 1: done; 0: not such an
+   output (none of its tensors, a subclass such as a named tuple, another item, more than the context's max_tensors
+   or TUPLE_NAMES): the Python body's; -1 with an exception set. */
+static int tuple_output_stats(PyObject *context, PyObject *state, PyObject *forward, PyObject *position,
+                              PyObject *output) {
+    if (!PyTuple_CheckExact(output)) return 0;
+    PyObject *tensor = PyTuple_GET_ITEM(context, CONTEXT_TENSOR);
+    Py_ssize_t n = PyTuple_GET_SIZE(output), tensors = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(output, i);
+        if (Py_TYPE(item) == (PyTypeObject *)tensor) tensors++;
+        else if (item != Py_None) return 0;
+    }
+    long limit = PyLong_AsLong(PyTuple_GET_ITEM(context, CONTEXT_MAX_TENSORS));
+    if (limit == -1 && PyErr_Occurred()) return -1;
+    if (tensors == 0 || tensors > limit || n > TUPLE_NAMES) return 0;
+    PyObject *computer = read_slot(state, str_stats), *summaries = computer != NULL ? PyDict_New() : NULL;
+    int outcome = summaries != NULL ? 1 : -1;
+    for (Py_ssize_t i = 0; i < n && outcome == 1; i++) {
+        PyObject *item = PyTuple_GET_ITEM(output, i);
+        if (item == Py_None) continue;
+        PyObject *stats = stats_of_taken(computer, item); /* a kind taken before: in C */
+        if (stats == Py_None) Py_CLEAR(stats);
+        else if (stats == NULL) {
+            outcome = -1;
+            break;
+        }
+        if (stats == NULL && (stats = PyObject_CallOneArg(computer, item)) == NULL) outcome = -1;
+        else if (PyDict_SetItem(summaries, tuple_names[i], stats) < 0) outcome = -1;
+        Py_XDECREF(stats);
+    }
+    if (outcome == 1) {
+        PyObject *set = PyObject_CallMethodObjArgs(forward, str_set_extra, position,
+                                                   PyTuple_GET_ITEM(context, CONTEXT_OUTPUTS_SLOT), summaries, NULL);
+        if (set == NULL) outcome = -1;
+        Py_XDECREF(set);
+    }
+    Py_XDECREF(summaries);
+    Py_XDECREF(computer);
+    return outcome;
+}
+
 /* the call's own positional arguments (after context, module_ref and function), as a tuple */
 static PyObject *user_arguments(PyObject *const *args, Py_ssize_t nargs) {
     PyObject *tuple = PyTuple_New(nargs - 3);
@@ -1403,7 +1455,6 @@ static PyObject *hand_over(PyObject *context, PyObject *const *args, Py_ssize_t 
 }
 
 static int mark_end_of(PyObject *timer, PyObject *columns, PyObject *position);
-static PyObject *stats_of_taken(PyObject *computer, PyObject *tensor);
 static int mark_start_of(PyObject *context, PyObject *timer, PyObject *columns, PyObject *position,
                          PyObject *const *args, Py_ssize_t nargs);
 
@@ -1525,6 +1576,11 @@ static PyObject *traced_call(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
     } else if (PyTuple_CheckExact(output_work) && PyTuple_GET_SIZE(output_work) == 0) {
         goto done;
+    }
+    if (output_stats != Py_None) { /* a tuple of tensors and Nones: in C */
+        int summarised = tuple_output_stats(context, state, forward, position, output);
+        if (summarised < 0 && note_output_error(context, forward, position) < 0) goto failed;
+        if (summarised != 0) goto done;
     }
     if (user_args == NULL && (user_args = user_arguments(args, nargs)) == NULL) goto failed;
     if (output_stats != Py_None) { /* the output is no tensor: its tensors found and summarised in Python */
@@ -2866,6 +2922,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     if ((str_##name = PyUnicode_InternFromString(#name)) == NULL) return NULL;
     INTERNED(INTERN)
     if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL) return NULL;
+    for (int i = 0; i < TUPLE_NAMES; i++)
+        if ((tuple_names[i] = PyUnicode_FromFormat("%d", i)) == NULL) return NULL;
     PyObject *time_module = PyImport_ImportModule("time");
     perf_counter_ns = time_module != NULL ? PyObject_GetAttrString(time_module, "perf_counter_ns") : NULL;
     Py_XDECREF(time_module);

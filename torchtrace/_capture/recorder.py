@@ -385,6 +385,7 @@ class HookRecorder:
             output_work=output_work, run_work=_run_work, call_failed=call_failed, pop_to=_pop_to,
             note_error=_note_error, compiler=_compiler, clock=perf_counter_ns, outputs_slot=OUTPUTS,
             mark_start=mark_call_start, first_parameter=self._first_parameter,
+            max_tensors=self.options.stats.max_tensors,
         )  # fmt: skip
         return native, context
 

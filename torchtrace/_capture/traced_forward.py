@@ -188,6 +188,7 @@ class TracedCallContext(NamedTuple):
     outputs_slot: int  # where a call's output statistics go
     mark_start: Callable[..., Any]  # a CUDA call's start event where C cannot mark it (end events: marked in C)
     first_parameter: dict  # module index -> its first own Parameter (or None), as the recorder looked it up
+    max_tensors: int  # Stats.max_tensors: a tuple output with more tensors takes the Python body
 
 
 # The columns of a forward (``RawForward``) that ``_native.traced_call`` appends to and stores into, in the order
