@@ -132,8 +132,8 @@ class RawForward:
     in_step: bool = False  # part of a training step (delivered with it); else a trace of its own
     all_finite: bool = False  # True: no NaN or Inf in any statistic (nothing to look for), False: not known
     stat_table: StatTable | None = None  # the statistics of its small CPU tensors, a row each
-    # its timing events' offsets from its first one once read off the model's thread, or who reads them (the
-    # pipeline's device_times: the hot path never touches it)
+    # the read of its timing events' offsets off the model's thread (the compiled module's EventRead, handed over by
+    # the pipeline's device_times; None: read where the forward is resolved). The hot path never touches it.
     event_offsets: Any = None
     columns: tuple = field(init=False, repr=False)  # the compiled traced call's columns, in FORWARD_COLUMNS order
 
