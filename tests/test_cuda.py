@@ -23,6 +23,7 @@ from torch import nn
 import torchtrace
 from torchtrace._capture import cuda_driver as _cuda_driver
 from torchtrace._capture import device as _device
+from torchtrace._capture.stats import evenly_spaced
 from torchtrace.testing import capture_spans
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -92,6 +93,21 @@ def test_cuda_statistics_of_a_sample_equal_torchs_on_that_sample(stats_path):
     tensor = torch.randn(300, 301, device="cuda") * 2 + 3
     got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
     sample = tensor.reshape(-1)[:: -(-tensor.numel() // 1000)].cpu()
+    assert got["sampled"] == sample.numel()
+    assert_stats_match({**got, "device": "cpu", "shape": tuple(sample.shape)}, sample, rel=1e-4)
+
+
+def test_cuda_statistics_of_a_sampled_transposed_tensor_are_those_of_every_nth_element_of_its_memory(stats_path):
+    """Attention's transposed output (batch_first), sampled: the fused kernel reads every n-th element of its block
+    of memory, as for a contiguous tensor (torch ops over a strided view where Triton is not used)."""
+    torch.manual_seed(0)
+    tensor = (torch.randn(300, 7, 301, device="cuda") * 2 + 3).transpose(0, 1)
+    got = output_attributes(tensor, stats=torchtrace.Stats(sample=1000))
+    stride = -(-tensor.numel() // 1000)
+    if stats_path == "torch_ops":  # a strided view, evenly along each dimension
+        sample = evenly_spaced(tensor, stride).cpu().reshape(-1)
+    else:
+        sample = tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset()).cpu()[::stride]
     assert got["sampled"] == sample.numel()
     assert_stats_match({**got, "device": "cpu", "shape": tuple(sample.shape)}, sample, rel=1e-4)
 
