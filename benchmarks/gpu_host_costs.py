@@ -6,7 +6,10 @@ adds is a microsecond the device may wait. The operations: a timing event throug
 it, and the driver call alone), torch's own event, a small torch op (the unit of a model's own launches), the
 statistics kernel launched from C (``_native.launch_kernel``) and through Triton's launcher, and a multi-tensor
 reduction (``torch._foreach_norm`` over 16 tensors, per tensor). "busy" runs a Python thread that keeps asking for
-the GIL, as the worker does while it exports: an operation that lets the GIL go pays for it there.
+the GIL, as the worker does while it exports: an operation that lets the GIL go pays for it there. Also timed: the
+torch calls the compiled hot path makes each call on a CUDA build, which the simulated device
+(``simulated_cuda.py``) stands in for or runs on CPU tensors: the current device and its current stream, a tensor's
+address, device and version (a lambda around those that take an argument adds its own call).
 
 Run: python benchmarks/gpu_host_costs.py [--loops N]. The last line printed is one JSON object (on a machine
 without CUDA: {"gpu_host_costs": {"skipped": "..."}}, exit 0).
@@ -87,6 +90,14 @@ def operations() -> dict[str, Callable[[], Any]]:
         timer._free.append(event)
 
     ops["event_mark"] = mark
+    # what the compiled hot path asks torch on a CUDA build a call (simulated_cuda.py stands in C int methods for
+    # the first two): the current device, its current stream, and a tensor's address, device and version
+    index = device.index
+    ops["torch_current_device"] = torch._C._cuda_getDevice
+    ops["torch_current_raw_stream"] = lambda: torch._C._cuda_getCurrentRawStream(index)
+    ops["tensor_data_ptr"] = x.data_ptr
+    ops["tensor_get_device"] = x.get_device
+    ops["tensor_version"] = lambda: x._version
     cuda = _cuda_driver.driver()
     if cuda is not None:
         event = timer.mark()
