@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -117,3 +119,40 @@ def test_a_forked_child_reads_its_inherited_forwards_itself(stubs):
     stubs.set("running", 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert read.take() == ([0, 1000], [3000, 4000])  # the parent's reader goes on
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+def test_the_reader_thread_ends_after_ten_idle_seconds_and_the_next_forward_starts_another(stubs, tmp_path):
+    """In a process of its own (no other thread comes or goes): one native thread while forwards come, none after
+    READER_IDLE_S (10 s) without one, a new one for the next."""
+    script = f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+import simulated_cuda
+from torchtrace import _native
+stubs = simulated_cuda.Stubs({str(tmp_path)!r})
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def read(first, reads):
+    done = _native.read_later(stubs.address("query"), stubs.address("elapsed_by_handle"), stubs.address("exchange"),
+                              first, first + 64, [first, first + 16], [first + 48, first + 64])
+    deadline = time.monotonic() + 10
+    while stubs.count("reads") < reads and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return done.take()
+
+before = threads()
+first = read(1600, 4)
+during = threads()
+time.sleep(10.5)
+after = threads()
+second = read(3200, 8)
+print(before, during, after, threads(), first == second == ([0, 1000], [3000, 4000]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    before, during, after, again, read = result.stdout.split()
+    assert (int(during), int(after), int(again)) == (int(before) + 1, int(before), int(before) + 1)
+    assert read == "True"
