@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import types
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +26,12 @@ def require_modules(*names: str) -> None:
 def has_c_compiler() -> bool:
     """Whether a C compiler is on PATH (then installing torchtrace builds ``torchtrace._native``)."""
     return any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+
+
+def load_simulated_cuda() -> types.ModuleType:
+    """benchmarks/simulated_cuda.py, loaded from this checkout (benchmarks/ is no package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "simulated_cuda.py"
+    spec = importlib.util.spec_from_file_location("simulated_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

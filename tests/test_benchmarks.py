@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkout import checkout_env
+from extras import load_simulated_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_VARIANTS = {
@@ -396,11 +397,9 @@ def test_ranks_sends_fewer_spans_per_rank_with_rank_detail_auto() -> None:
 
 def skip_without_the_simulated_device() -> None:
     """Skips where benchmarks/simulated_cuda.py cannot run (no C compiler, Triton or compiled module), saying why."""
-    simulation = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
-    module = importlib.util.module_from_spec(simulation)
-    simulation.loader.exec_module(module)
-    if module.available() is not None:
-        pytest.skip(module.available())
+    reason = load_simulated_cuda().available()
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def test_worker_contention_times_the_traced_forward_with_the_worker_live_and_held_off() -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import test_training
 import torch
+from extras import load_simulated_cuda
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from opentelemetry.trace import StatusCode
@@ -1386,9 +1387,7 @@ def test_an_evaluation_between_training_steps_reads_its_own_device_rows(device_r
 def simulated_cuda(monkeypatch, tmp_path):
     """torchtrace's CUDA host path on CPU tensors: driver events recorded and the statistics kernel launched from C,
     into C stubs of the driver that count their calls and keep the launches' parameters."""
-    spec = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
-    simulation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(simulation)
+    simulation = load_simulated_cuda()
     reason = simulation.available()
     if reason is not None:
         pytest.skip(reason)

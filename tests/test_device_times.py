@@ -7,7 +7,6 @@ microseconds. tests/test_device.py runs the reader inside traced forwards, tests
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from extras import load_simulated_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
 native = pytest.importorskip("torchtrace._native")
@@ -25,9 +25,7 @@ if not hasattr(native, "read_later"):
 
 @pytest.fixture
 def stubs(tmp_path):
-    spec = importlib.util.spec_from_file_location("simulated_cuda", ROOT / "benchmarks" / "simulated_cuda.py")
-    simulation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(simulation)
+    simulation = load_simulated_cuda()
     if simulation._compiler() is None:
         pytest.skip("no C compiler to build the driver stubs")
     return simulation.Stubs(str(tmp_path))

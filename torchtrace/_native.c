@@ -2257,23 +2257,17 @@ static PyObject *stats_taken(PyObject *module, PyObject *const *args, Py_ssize_t
     return stats_of_taken(args[0], args[1]);
 }
 
-/* The raw handles of a list of events (raw handles or DriverEvents), in a new buffer (PyMem_Free it); NULL with an
-   exception set on a bad event. */
-static void **event_handles(PyObject *events) {
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
-    if (handles == NULL) return (void **)PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < n; i++) {
+/* The raw handles of a list of events (raw handles or DriverEvents) into ``handles`` (room for the list's length);
+   -1 with an exception set on a bad event. */
+static int event_handles(PyObject *events, void **handles) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
         PyObject *event = PyList_GET_ITEM(events, i);
         PyObject *handle = PyLong_Check(event) ? Py_NewRef(event) : read_slot(event, str_handle);
         handles[i] = handle != NULL ? PyLong_AsVoidPtr(handle) : NULL;
         Py_XDECREF(handle);
-        if (PyErr_Occurred()) {
-            PyMem_Free(handles);
-            return NULL;
-        }
+        if (PyErr_Occurred()) return -1;
     }
-    return handles;
+    return 0;
 }
 
 /* cuEventElapsedTime from ``origin`` to each of ``n`` events into ``milliseconds``, the GIL not needed: the first
@@ -2313,13 +2307,14 @@ static PyObject *elapsed_since(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(args[2]);
-    void **handles = event_handles(args[2]);
-    float *milliseconds = handles != NULL ? PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float)) : NULL;
+    void **handles = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(void *));
+    float *milliseconds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
     PyObject *result = NULL;
-    if (milliseconds == NULL) {
-        if (handles != NULL) PyErr_NoMemory();
+    if (handles == NULL || milliseconds == NULL) {
+        PyErr_NoMemory();
         goto done;
     }
+    if (event_handles(args[2], handles) < 0) goto done;
     int code;
     Py_BEGIN_ALLOW_THREADS
     code = read_elapsed(function, origin, handles, milliseconds, n);
@@ -2440,16 +2435,14 @@ typedef struct {
 
 static void EventRead_dealloc(EventRead *self) {
     read_job *job = self->job;
-    if (job != NULL) {
-        pthread_mutex_lock(&reads_lock);
-        if (job->state == JOB_QUEUED) job->state = JOB_LEFT; /* nobody wants it read any more */
-        if (job->in_queue || job->state == JOB_READING) { /* the thread frees it when done with it */
-            job->abandoned = 1;
-            job = NULL;
-        }
-        pthread_mutex_unlock(&reads_lock);
-        if (job != NULL) free_job(job);
+    pthread_mutex_lock(&reads_lock);
+    if (job->state == JOB_QUEUED) job->state = JOB_LEFT; /* nobody wants it read any more */
+    if (job->in_queue || job->state == JOB_READING) { /* the thread frees it when done with it */
+        job->abandoned = 1;
+        job = NULL;
     }
+    pthread_mutex_unlock(&reads_lock);
+    if (job != NULL) free_job(job);
     PyTypeObject *type = Py_TYPE(self);
     type->tp_free((PyObject *)self);
 }
@@ -2492,15 +2485,6 @@ static PyTypeObject EventReadType = {
     .tp_methods = EventRead_methods,
 };
 
-/* handles (DriverEvents or raw) of a list into ``out``; -1 with an exception set */
-static int copy_handles(PyObject *events, void **out) {
-    void **handles = event_handles(events);
-    if (handles == NULL) return -1;
-    memcpy(out, handles, (size_t)PyList_GET_SIZE(events) * sizeof(void *));
-    PyMem_Free(handles);
-    return 0;
-}
-
 static PyObject *read_later(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     const char *signature = "read_later(query, elapsed, exchange, origin, last, starts, ends)";
@@ -2525,7 +2509,7 @@ static PyObject *read_later(PyObject *module, PyObject *const *args, Py_ssize_t 
     job->last = at[4];
     job->starts = starts;
     job->n = n;
-    if (copy_handles(args[5], job->handles) < 0 || copy_handles(args[6], job->handles + starts) < 0) {
+    if (event_handles(args[5], job->handles) < 0 || event_handles(args[6], job->handles + starts) < 0) {
         free_job(job);
         return NULL;
     }

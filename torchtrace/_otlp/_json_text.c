@@ -3,9 +3,9 @@
 
    percent_format(text, values): ``text % values`` for the conversions json_lines' templates hold (``%%``, ``%032x``
    and ``%016x`` of ids, ``%d`` of times, ``%r`` of finite floats, ``%s`` of ASCII text: a shape's JSON), or None
-   where anything else is met (the caller then takes ``%``). A float's text is the one ``repr`` gives: the shortest digits that read back to the same double
-   (Ryu, third_party/ryu, where CPython's dtoa takes several times as long), laid out as CPython's float_repr lays
-   them out. */
+   where anything else is met (the caller then takes ``%``). A float's text is the one ``repr`` gives: the shortest
+   digits that read back to the same double (Ryu, third_party/ryu, where CPython's dtoa takes several times as
+   long), laid out as CPython's float_repr lays them out. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

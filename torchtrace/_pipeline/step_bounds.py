@@ -55,6 +55,7 @@ class StepBounds:
     def __init__(self, rank: RankInfo, store: Any, key: str) -> None:
         self.rank = rank.rank
         self.others = rank.world_size - 1
+        self._other_ranks = frozenset(range(1, rank.world_size))
         self._store = store
         self._key = key
         self._failed = False
@@ -108,7 +109,7 @@ class StepBounds:
             self._last_exchange = now
             self._receive()
             deadline = time.monotonic() + FINAL_WAIT_S
-            awaited = (set(range(1, self.others + 1)) - self._silent) | self._reporters
+            awaited = (self._other_ranks - self._silent) | self._reporters
             while final and any(awaited - seen for _, _, seen in self._held.values()):
                 if time.monotonic() >= deadline:
                     self._found_silent()
@@ -166,7 +167,7 @@ class StepBounds:
     def _found_silent(self) -> None:
         """Waited for in vain: the ranks never heard from (gone, or not instrumenting) are not waited for at a flush
         again (one that reports later is)."""
-        self._silent |= set(range(1, self.others + 1)) - self._reporters
+        self._silent |= self._other_ranks - self._reporters
 
     def _give_up(self, error: BaseException) -> None:
         if not self._failed:
